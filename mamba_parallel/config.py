@@ -1,0 +1,224 @@
+"""MambaConfig: the model description, with the field names people know from mamba_ssm, plus named presets.
+
+Glossary (code name -> paper symbol): ``d_model`` = D (residual width), ``d_inner`` = expand * D (mixer width),
+``d_state`` = N (SSM state size), ``headdim`` = P (Mamba-2 head size), ``nheads`` = H = d_inner / P,
+``ngroups`` = G (B/C groups), ``dt`` = Δ, ``A``/``B``/``C``/``D`` as in the papers, ``z`` = the gate.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+# Defaults of each mixer's ssm_cfg, as in mamba_ssm (Mamba / Mamba2 constructors).
+MAMBA1_DEFAULTS: dict[str, Any] = dict(
+    d_state=16, d_conv=4, expand=2, dt_rank="auto", dt_min=0.001, dt_max=0.1, dt_init="random",
+    dt_scale=1.0, dt_init_floor=1e-4, conv_bias=True, bias=False,
+)
+MAMBA2_DEFAULTS: dict[str, Any] = dict(
+    d_state=128, d_conv=4, expand=2, headdim=64, ngroups=1, chunk_size=256, A_init_range=(1, 16),
+    dt_min=0.001, dt_max=0.1, dt_init_floor=1e-4, dt_limit=(0.0, float("inf")), conv_bias=True, bias=False,
+    rmsnorm=True, norm_before_gate=False, D_has_hdim=False,
+)
+ATTN_DEFAULTS: dict[str, Any] = dict(
+    num_heads=None, num_heads_kv=None, head_dim=None, rotary_emb_dim=None, rotary_emb_base=10000.0,
+    qkv_proj_bias=True, out_proj_bias=True, causal=True,
+)
+LAYER_KINDS = ("Mamba1", "Mamba2")
+
+
+class ConfigError(ValueError):
+    """An inconsistent or unknown configuration; the message names the field."""
+
+
+@dataclass
+class MambaConfig:
+    """A Mamba-1 / Mamba-2 / hybrid language model.
+
+    ``ssm_cfg["layer"]`` picks the mixer ("Mamba1" or "Mamba2"); other ``ssm_cfg`` keys override the mixer
+    defaults above. ``attn_layer_idx`` lists the layers that are attention instead (hybrid stacks), configured by
+    ``attn_cfg``. ``d_intermediate > 0`` adds a gated MLP after every mixer.
+    """
+
+    d_model: int = 2560
+    d_intermediate: int = 0
+    n_layer: int = 64
+    vocab_size: int = 50277
+    ssm_cfg: dict = field(default_factory=dict)
+    attn_layer_idx: list = field(default_factory=list)
+    attn_cfg: dict = field(default_factory=dict)
+    rms_norm: bool = True
+    residual_in_fp32: bool = True
+    fused_add_norm: bool = True
+    pad_vocab_size_multiple: int = 8
+    tie_embeddings: bool = True
+    norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+    rescale_prenorm_residual: bool = True
+
+    def __post_init__(self) -> None:
+        self.ssm_cfg = dict(self.ssm_cfg or {})
+        self.attn_cfg = dict(self.attn_cfg or {})
+        self.attn_layer_idx = list(self.attn_layer_idx or [])
+        self.validate()
+
+    # ---- derived values -------------------------------------------------------------------------------------
+    @property
+    def layer(self) -> str:
+        return self.ssm_cfg.get("layer", "Mamba1")
+
+    @property
+    def mixer_cfg(self) -> dict:
+        """ssm_cfg merged over the defaults of the chosen mixer (without the "layer" key)."""
+        base = MAMBA2_DEFAULTS if self.layer == "Mamba2" else MAMBA1_DEFAULTS
+        out = dict(base)
+        out.update({k: v for k, v in self.ssm_cfg.items() if k != "layer"})
+        return out
+
+    @property
+    def d_inner(self) -> int:
+        return int(self.mixer_cfg["expand"] * self.d_model)
+
+    @property
+    def nheads(self) -> int:
+        return self.d_inner // self.mixer_cfg["headdim"] if self.layer == "Mamba2" else 0
+
+    @property
+    def dt_rank(self) -> int:
+        r = self.mixer_cfg.get("dt_rank", "auto")
+        return math.ceil(self.d_model / 16) if r == "auto" else int(r)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_size_multiple
+        return self.vocab_size if m <= 1 else (self.vocab_size + m - 1) // m * m
+
+    @property
+    def attn_params(self) -> dict:
+        """attn_cfg over the defaults, heads filled in (num_heads_kv defaults to num_heads)."""
+        out = dict(ATTN_DEFAULTS)
+        out.update(self.attn_cfg)
+        if out["num_heads"] is None:
+            out["num_heads"] = max(1, self.d_model // 64)
+        if out["num_heads_kv"] is None:
+            out["num_heads_kv"] = out["num_heads"]
+        if out["head_dim"] is None:
+            out["head_dim"] = self.d_model // out["num_heads"]
+        return out
+
+    # ---- checks ---------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"MambaConfig.{name}: {why}")
+
+        for name in ("d_model", "n_layer", "vocab_size"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v > 0, name, f"must be a positive integer, got {v!r}")
+        need(isinstance(self.d_intermediate, int) and self.d_intermediate >= 0, "d_intermediate",
+             f"must be an integer >= 0, got {self.d_intermediate!r}")
+        need(self.layer in LAYER_KINDS, "ssm_cfg.layer", f"must be one of {LAYER_KINDS}, got {self.layer!r}")
+        allowed = set(MAMBA2_DEFAULTS if self.layer == "Mamba2" else MAMBA1_DEFAULTS) | {"layer"}
+        unknown = sorted(set(self.ssm_cfg) - allowed)
+        need(not unknown, "ssm_cfg", f"unknown key(s) {unknown} for layer {self.layer}; known: {sorted(allowed)}")
+        unknown = sorted(set(self.attn_cfg) - set(ATTN_DEFAULTS))
+        need(not unknown, "attn_cfg", f"unknown key(s) {unknown}; known: {sorted(ATTN_DEFAULTS)}")
+        c = self.mixer_cfg
+        for k in ("d_state", "d_conv", "expand"):
+            need(c[k] > 0, f"ssm_cfg.{k}", f"must be > 0, got {c[k]!r}")
+        need(float(self.d_inner) == c["expand"] * self.d_model, "ssm_cfg.expand",
+             f"expand * d_model = {c['expand'] * self.d_model} must be an integer")
+        if self.layer == "Mamba2":
+            need(self.d_inner % c["headdim"] == 0, "ssm_cfg.headdim",
+                 f"d_inner = {self.d_inner} (expand {c['expand']} x d_model {self.d_model}) is not divisible by "
+                 f"headdim = {c['headdim']}")
+            need(self.nheads % c["ngroups"] == 0, "ssm_cfg.ngroups",
+                 f"nheads = {self.nheads} is not divisible by ngroups = {c['ngroups']}")
+            need(c["chunk_size"] > 0, "ssm_cfg.chunk_size", f"must be > 0, got {c['chunk_size']}")
+            lo, hi = c["dt_limit"]
+            need(0 <= lo < hi, "ssm_cfg.dt_limit", f"must satisfy 0 <= low < high, got {c['dt_limit']}")
+        need(0 < c["dt_min"] <= c["dt_max"], "ssm_cfg.dt_min", f"need 0 < dt_min <= dt_max, got "
+             f"{c['dt_min']}, {c['dt_max']}")
+        bad = [i for i in self.attn_layer_idx if not (isinstance(i, int) and 0 <= i < self.n_layer)]
+        need(not bad, "attn_layer_idx", f"indices {bad} are outside [0, n_layer={self.n_layer})")
+        if self.attn_layer_idx:
+            a = self.attn_params
+            need(a["num_heads"] % a["num_heads_kv"] == 0, "attn_cfg.num_heads_kv",
+                 f"num_heads = {a['num_heads']} is not divisible by num_heads_kv = {a['num_heads_kv']}")
+            rot = a["rotary_emb_dim"]
+            need(rot is None or (rot % 2 == 0 and 0 <= rot <= a["head_dim"]), "attn_cfg.rotary_emb_dim",
+                 f"must be even and <= head_dim = {a['head_dim']}, got {rot}")
+        need(self.pad_vocab_size_multiple >= 1, "pad_vocab_size_multiple", "must be >= 1")
+
+    # ---- (de)serialisation ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MambaConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"MambaConfig: unknown field(s) {unknown}; known: {sorted(known)}")
+        d = copy.deepcopy(d)
+        for k in ("dt_limit", "A_init_range"):
+            if k in d.get("ssm_cfg", {}):
+                d["ssm_cfg"][k] = tuple(float(x) for x in d["ssm_cfg"][k])
+        return cls(**d)
+
+    def to_json(self) -> str:
+        d = self.to_dict()
+        if "dt_limit" in d["ssm_cfg"]:  # JSON has no inf: keep mamba_ssm's encoding
+            d["ssm_cfg"]["dt_limit"] = [x if math.isfinite(x) else 1e30 for x in d["ssm_cfg"]["dt_limit"]]
+        return json.dumps(d, indent=2)
+
+
+# ---- presets ----------------------------------------------------------------------------------------------------
+def _m1(d_model: int, n_layer: int) -> dict:
+    return dict(d_model=d_model, n_layer=n_layer, vocab_size=50277, ssm_cfg={"layer": "Mamba1"},
+                pad_vocab_size_multiple=8)
+
+
+def _m2(d_model: int, n_layer: int) -> dict:
+    return dict(d_model=d_model, n_layer=n_layer, vocab_size=50277, ssm_cfg={"layer": "Mamba2"},
+                pad_vocab_size_multiple=16)
+
+
+PRESETS: dict[str, dict] = {
+    "mamba-130m": _m1(768, 24),
+    "mamba-370m": _m1(1024, 48),
+    "mamba-790m": _m1(1536, 48),
+    "mamba-1.4b": _m1(2048, 48),
+    "mamba-2.8b": _m1(2560, 64),
+    "mamba2-130m": _m2(768, 24),
+    "mamba2-370m": _m2(1024, 48),
+    "mamba2-780m": _m2(1536, 48),
+    "mamba2-1.3b": _m2(2048, 48),
+    "mamba2-2.7b": _m2(2560, 64),
+    # Tiny sizes for tests and the CPU demo.
+    "tiny-mamba": dict(d_model=64, n_layer=2, vocab_size=256, ssm_cfg={"layer": "Mamba1", "d_state": 8},
+                       pad_vocab_size_multiple=8),
+    "tiny-mamba2": dict(d_model=64, n_layer=2, vocab_size=256,
+                        ssm_cfg={"layer": "Mamba2", "d_state": 16, "headdim": 16, "chunk_size": 16},
+                        pad_vocab_size_multiple=8),
+    "tiny-hybrid": dict(d_model=64, n_layer=4, d_intermediate=128, vocab_size=256,
+                        ssm_cfg={"layer": "Mamba2", "d_state": 16, "headdim": 16, "chunk_size": 16},
+                        attn_layer_idx=[1], attn_cfg={"num_heads": 4, "num_heads_kv": 2, "rotary_emb_dim": 16},
+                        pad_vocab_size_multiple=8),
+    # The embedded default of `mamba-parallel train`: a small byte-level Mamba-2 that learns on 2 CPU cores.
+    "small-byte-mamba2": dict(d_model=128, n_layer=4, vocab_size=256,
+                              ssm_cfg={"layer": "Mamba2", "d_state": 32, "headdim": 32, "chunk_size": 64},
+                              pad_vocab_size_multiple=8),
+}
+
+
+def get_preset(name: str, **overrides: Any) -> MambaConfig:
+    """A named preset, e.g. ``get_preset("mamba2-130m")``; keyword overrides replace fields."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    d = copy.deepcopy(PRESETS[name])
+    d.update(overrides)
+    return MambaConfig.from_dict(d)
