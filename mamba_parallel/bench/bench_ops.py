@@ -1,0 +1,201 @@
+"""Benchmark: Triton causal conv1d, RMSNorm family and chunked linear cross-entropy vs the naive PyTorch path.
+
+    python -m mamba_parallel.bench.bench_ops [--json PATH] [--dtype bf16] [--impls triton,naive,compiled]
+        [--only conv,norm,ce] [--conv-sweep 'BLf,BDf,NWf,BLb,BDb,NWb' ...]
+
+Forward and forward+backward times at mamba2-2.7b training shapes (b8 L2048 = 16384 tokens): conv over
+d = 2*2560 + 2*128 channels (x | B | C), width 4, channels-last input; norms on (16384, 2560) and (16384, 5120);
+cross-entropy with d 2560 and vocab 50288. Times are medians of CUDA-event timed runs (triton.testing.do_bench)
+after warm-up. "naive" is the reference op (naive.py), "compiled" the same under torch.compile (conv and norms),
+"plain" for the loss is F.linear + F.cross_entropy on full logits (what an unfused model does). Achieved bandwidth
+counts the fewest bytes a pass must move, against the H200's measured 4.3 TB/s copy rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+COPY_TBPS = 4.3
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _median_ms(fn, rep_ms: float = 200.0) -> float:
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+
+
+def _fwd_and_fb(fn, inputs, grads_out) -> tuple[float, float]:
+    """(fwd ms under no_grad, fwd+bwd ms) of fn(*inputs) -> tensor or tuple; inputs that require grad get grads."""
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    with torch.no_grad():
+        fwd = _median_ms(lambda: fn(*inputs))
+
+    def fb():
+        out = fn(*inputs)
+        out = out if isinstance(out, tuple) else (out,)
+        torch.autograd.grad([o for o in out], leaves, grads_out[:len(out)])
+
+    return fwd, _median_ms(fb)
+
+
+class Recorder:
+    """Collects result rows, prints each, rewrites the JSON file after each row (a killed run keeps its rows)."""
+
+    def __init__(self, path: str | None):
+        self.path, self.rows = path, []
+        self.meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+    def add(self, **row):
+        self.rows.append(row)
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump({**self.meta, "rows": self.rows}, f, indent=1)
+
+
+def _variants(triton_fn, naive_fn, impls):
+    make = {"triton": lambda: triton_fn, "naive": lambda: naive_fn, "compiled": lambda: torch.compile(naive_fn)}
+    return [(name, make[name]()) for name in impls]
+
+
+def _record(rec, op, shape, impl, fn, inputs, grads_out, nbytes_fwd, nbytes_fb):
+    try:
+        fwd, fb = _fwd_and_fb(fn, inputs, grads_out)
+        rec.add(op=op, shape=shape, impl=impl, fwd_ms=fwd, fwd_bwd_ms=fb,
+                fwd_TBps=nbytes_fwd / fwd / 1e9, fwd_bwd_TBps=nbytes_fb / fb / 1e9,
+                fwd_bw_frac=nbytes_fwd / fwd / 1e9 / COPY_TBPS, fwd_bwd_bw_frac=nbytes_fb / fb / 1e9 / COPY_TBPS)
+    except Exception as e:  # one failing variant (e.g. out of memory) must not lose the others
+        rec.add(op=op, shape=shape, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
+    torch.cuda.empty_cache()
+
+
+def bench_conv(rec, dtype, impls, sweep):
+    from mamba_parallel.ops.conv1d import naive
+    from mamba_parallel.ops.conv1d import triton_impl as tri
+
+    b, L, d, w = 8, 2048, 2 * 2560 + 2 * 128, 4
+    es = torch.finfo(dtype).bits // 8
+    x = torch.randn(b, L, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()  # channels-last
+    weight = (torch.randn(d, w, device="cuda", dtype=dtype) * 0.3).requires_grad_()
+    bias = torch.randn(d, device="cuda", dtype=dtype).requires_grad_()
+    dy = torch.randn(b, L, d, device="cuda", dtype=dtype).transpose(1, 2)
+    bdl = b * d * L * es
+    shape = f"b{b} d{d} L{L} w{w} silu ch-last"
+    for impl, mod_fn in _variants(tri.causal_conv1d, naive.causal_conv1d, impls):
+        _record(rec, "causal_conv1d", shape, impl, lambda x, wt, bs, f=mod_fn: f(x, wt, bs, "silu"),
+                [x, weight, bias], [dy], 2 * bdl, 5 * bdl)
+    for cfg in sweep:  # other tiles of the Triton kernels (MAMBA_PARALLEL_CONV_TILES)
+        os.environ["MAMBA_PARALLEL_CONV_TILES"] = cfg
+        _record(rec, "causal_conv1d", shape, f"triton[{cfg}]",
+                lambda x, wt, bs: tri.causal_conv1d(x, wt, bs, "silu"), [x, weight, bias], [dy], 2 * bdl, 5 * bdl)
+        os.environ.pop("MAMBA_PARALLEL_CONV_TILES")
+    if "triton" not in impls:
+        return
+    # decode step: mamba2-2.7b, batch 64
+    xs = torch.randn(64, d, device="cuda", dtype=dtype)
+    state = torch.randn(64, d, w - 1, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        for impl, f in (("triton", tri.causal_conv1d_update), ("naive", naive.causal_conv1d_update)):
+            ms = _median_ms(lambda f=f: f(xs, state, weight, bias, "silu"))
+            nbytes = (2 * state.numel() + 2 * xs.numel()) * es
+            rec.add(op="causal_conv1d_update", shape=f"b64 d{d} w{w}", impl=impl, fwd_ms=ms,
+                    fwd_TBps=nbytes / ms / 1e9)
+
+
+def bench_norm(rec, dtype, impls):
+    from mamba_parallel.ops.norm import naive
+    from mamba_parallel.ops.norm import triton_impl as tri
+
+    m = 16384
+    es = torch.finfo(dtype).bits // 8
+    for d in (2560, 5120):
+        x = torch.randn(m, d, device="cuda", dtype=dtype).requires_grad_()
+        res = torch.randn(m, d, device="cuda", dtype=torch.float32).requires_grad_()
+        wt = (1 + 0.1 * torch.randn(d, device="cuda", dtype=dtype)).requires_grad_()
+        dy = torch.randn(m, d, device="cuda", dtype=dtype)
+        dres = torch.randn(m, d, device="cuda", dtype=torch.float32)
+        md = m * d
+        # add_rms_norm: x, res in; y, res_out out. Backward: dy, dres_out, res_out in; dx, dres out.
+        for impl, f in _variants(tri.add_rms_norm, naive.add_rms_norm, impls):
+            _record(rec, "add_rms_norm", f"{m}x{d} res fp32", impl, lambda x, r, w, f=f: f(x, r, w, 1e-5, True),
+                    [x, res, wt], [dy, dres], md * (2 * es + 8), md * (2 * es + 8) + md * (2 * es + 12))
+        z = torch.randn(m, d, device="cuda", dtype=dtype).requires_grad_()
+        # gated: x, z in; y out. Backward: x, z, dy in; dx, dz out.
+        for impl, f in _variants(tri.gated_rms_norm, naive.gated_rms_norm, impls):
+            _record(rec, "gated_rms_norm", f"{m}x{d} group {d}", impl, lambda x, z, w, f=f: f(x, z, w, 1e-5),
+                    [x, z, wt], [dy], 3 * md * es, 3 * md * es + 5 * md * es)
+        for impl, f in _variants(tri.rms_norm, naive.rms_norm, impls):
+            _record(rec, "rms_norm", f"{m}x{d}", impl, lambda x, w, f=f: f(x, w, 1e-5), [x, wt], [dy],
+                    2 * md * es, 2 * md * es + 3 * md * es)
+
+
+def bench_ce(rec, dtype):
+    from mamba_parallel.ops.cross_entropy import naive
+    from mamba_parallel.ops.cross_entropy import triton_impl as tri
+
+    n, d, v = 16384, 2560, 50288
+    h = torch.randn(n, d, device="cuda", dtype=dtype).requires_grad_()
+    wt = (torch.randn(v, d, device="cuda", dtype=dtype) / d ** 0.5).requires_grad_()
+    labels = torch.randint(0, v, (n,), device="cuda")
+    labels[::50] = -100
+    one = torch.ones((), device="cuda")
+    flops = 2 * n * d * v
+
+    def plain(h, w, lab):
+        return F.cross_entropy(F.linear(h, w).float(), lab, ignore_index=-100)
+
+    for impl, f in (("triton", tri.linear_cross_entropy), ("naive", naive.linear_cross_entropy), ("plain", plain)):
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fwd, fb = _fwd_and_fb(lambda h, w, f=f: f(h, w, labels), [h, wt], [one])
+            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+            rec.add(op="linear_cross_entropy", shape=f"N{n} d{d} V{v}", impl=impl, fwd_ms=fwd, fwd_bwd_ms=fb,
+                    fwd_bwd_TFLOPs=3 * flops / fb / 1e9, extra_peak_GiB=peak)
+        except Exception as e:
+            rec.add(op="linear_cross_entropy", shape=f"N{n} d{d} V{v}", impl=impl,
+                    error=f"{type(e).__name__}: {str(e)[:300]}")
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation / weight dtype")
+    ap.add_argument("--impls", default="triton,naive",
+                    help="comma-separated implementations of conv and norms to time: triton, naive, compiled "
+                         "(torch.compile of naive); the loss always times triton, naive and plain")
+    ap.add_argument("--conv-sweep", nargs="*", default=[], metavar="CFG",
+                    help="extra conv tiles 'BLf,BDf,NWf,BLb,BDb,NWb' (forward then backward) to time")
+    ap.add_argument("--only", default="conv,norm,ce", help="comma-separated subset of conv, norm, ce")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_ops: needs a CUDA GPU")
+    dtype = DTYPES[args.dtype]
+    only = set(args.only.split(","))
+    unknown = only - {"conv", "norm", "ce"}
+    if unknown:
+        raise SystemExit(f"bench_ops: --only got unknown parts {sorted(unknown)}")
+    impls = [i for i in args.impls.split(",") if i]
+    bad = set(impls) - {"triton", "naive", "compiled"}
+    if bad:
+        raise SystemExit(f"bench_ops: --impls got unknown implementations {sorted(bad)}")
+    rec = Recorder(args.json)
+    if "conv" in only:
+        bench_conv(rec, dtype, impls, args.conv_sweep)
+    if "norm" in only:
+        bench_norm(rec, dtype, impls)
+    if "ce" in only:
+        bench_ce(rec, dtype)
+
+
+if __name__ == "__main__":
+    main()

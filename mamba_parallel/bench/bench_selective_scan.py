@@ -1,0 +1,187 @@
+"""Benchmark: Triton selective scan (Mamba-1) forward and forward+backward, and the decode-step kernels.
+
+    python -m mamba_parallel.bench.bench_selective_scan [--json PATH] [--sweep CFG ...] [--dtype bf16]
+
+Times are medians of >= 10 timed runs (``triton.testing.do_bench``, CUDA events) after warm-up. Achieved bandwidth
+counts the fewest bytes each pass must move (every (b, d, L) input read once, every output written once) against
+the 4.3 TB/s copy rate measured on the H200. Peer figures: mamba_ssm 2.3.2 CUDA kernels on one H200 (ANCHORS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+# (b, d, L, n) -> (peer fwd ms, peer fwd+bwd ms)
+SCAN_SHAPES = {(8, 4096, 4096, 16): (2.44, 12.25), (4, 5120, 8192, 16): (3.43, 15.74)}
+COPY_TBPS = 4.3
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _median_ms(fn, rep_ms: float = 300.0) -> float:
+    """Median of the timed calls (CUDA events) that fit in ``rep_ms`` (at least 10), after warm-up."""
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    est = triton.testing.do_bench(fn, warmup=5, rep=5, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=max(rep_ms, 12 * est), return_mode="median")
+
+
+def _graph_us(fn, steps: int = 100) -> float:
+    """Per-call time in microseconds of ``steps`` calls captured in one CUDA graph (as generate() runs them)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile / warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(steps):
+            fn()
+    return _median_ms(graph.replay) * 1e3 / steps
+
+
+def scan_inputs(b, d, L, n, dtype, device="cuda", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s, scale=1.0, dt=dtype: (torch.randn(*s, generator=g, device=device) * scale).to(dt)  # noqa: E731
+    return dict(u=r(b, d, L), delta=r(b, d, L, scale=0.5), A=-(torch.rand(d, n, generator=g, device=device) + 0.5),
+                B=r(b, n, L), C=r(b, n, L), D=r(d, dt=torch.float32), z=r(b, d, L),
+                delta_bias=r(d, scale=0.3, dt=torch.float32), delta_softplus=True)
+
+
+def bench_scan(b, d, L, n, dtype) -> dict:
+    from mamba_parallel.ops.selective_scan.triton_impl import selective_scan
+
+    kw = scan_inputs(b, d, L, n, dtype)
+    with torch.no_grad():
+        fwd_ms = _median_ms(lambda: selective_scan(**kw))
+    leaves = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+    kwg = {k: (v.detach().requires_grad_() if k in leaves else v) for k, v in kw.items()}
+    dy = torch.randn(b, d, L, device="cuda", dtype=dtype)
+    params = [kwg[k] for k in leaves]
+
+    def fwd_bwd():
+        y = selective_scan(**kwg)
+        torch.autograd.grad(y, params, dy)
+
+    fb_ms = _median_ms(fwd_bwd)
+    es = torch.finfo(dtype).bits // 8
+    bdl = b * d * L * es
+    fwd_bytes = 4 * bdl + 2 * b * n * L * es  # u, delta, z, B, C in; y out
+    fb_bytes = fwd_bytes + 7 * bdl + 4 * b * n * L * es  # + u, delta, z, dy in; du, ddelta, dz out; B, C, dB, dC
+    peer = SCAN_SHAPES.get((b, d, L, n), (float("nan"), float("nan")))
+    return dict(shape=f"b{b} d{d} L{L} n{n}", dtype=str(dtype).split(".")[-1], fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
+                peer_fwd_ms=peer[0], peer_fwd_bwd_ms=peer[1], fwd_speedup=peer[0] / fwd_ms,
+                fwd_bwd_speedup=peer[1] / fb_ms, fwd_TBps=fwd_bytes / fwd_ms / 1e9,
+                fwd_bwd_TBps=fb_bytes / fb_ms / 1e9, fwd_bw_frac=fwd_bytes / fwd_ms / 1e9 / COPY_TBPS,
+                fwd_bwd_bw_frac=fb_bytes / fb_ms / 1e9 / COPY_TBPS,
+                config=os.environ.get("MAMBA_PARALLEL_SCAN_CFG", "default"))
+
+
+def check_config_matches_default(b, d, L, n, dtype, cfg: str) -> float:
+    """Largest relative error between a swept tile config and the default one (y and the u / B gradients)."""
+    from mamba_parallel.ops.selective_scan.triton_impl import selective_scan
+
+    kw = scan_inputs(b, d, L, n, dtype, seed=3)
+    leaves = ("u", "B")
+    outs = []
+    for env in (None, cfg):
+        if env is None:
+            os.environ.pop("MAMBA_PARALLEL_SCAN_CFG", None)
+        else:
+            os.environ["MAMBA_PARALLEL_SCAN_CFG"] = env
+        kwg = {k: (v.detach().requires_grad_() if k in leaves else v) for k, v in kw.items()}
+        y = selective_scan(**kwg)
+        outs.append([y.float()] + [t.float() for t in torch.autograd.grad(y.float().square().sum(),
+                                                                          [kwg[k] for k in leaves])])
+    return max(((a - c).norm() / c.norm()).item() for a, c in zip(*outs))
+
+
+def bench_decode(dtype) -> list[dict]:
+    """Per-layer decode step inside a CUDA graph, mamba-2.8b (d 5120, n 16) and mamba2-2.7b (h 80, p 64, n 128)
+    sizes; bandwidth counts the fp32 state read and written once."""
+    from mamba_parallel.ops.state_update.triton_impl import selective_state_update, ssd_state_update
+
+    rows = []
+    for batch in (1, 64):
+        d, n = 5120, 16
+        st = torch.randn(batch, d, n, device="cuda")
+        x, dt, z = (torch.randn(batch, d, device="cuda", dtype=dtype) for _ in range(3))
+        A, Bv, Cv = -torch.rand(d, n, device="cuda"), *(torch.randn(batch, n, device="cuda", dtype=dtype)
+                                                       for _ in range(2))
+        D, bias = torch.randn(d, device="cuda"), torch.randn(d, device="cuda")
+        us = _graph_us(lambda: selective_state_update(st, x, dt, A, Bv, Cv, D, z, bias, True))
+        nbytes = 2 * st.numel() * 4
+        rows.append(dict(op="selective_state_update", shape=f"b{batch} d{d} n{n}", us=us, TBps=nbytes / us / 1e6))
+        h, p, n = 80, 64, 128
+        st = torch.randn(batch, h, p, n, device="cuda")
+        x, z = (torch.randn(batch, h, p, device="cuda", dtype=dtype) for _ in range(2))
+        dt = torch.randn(batch, h, device="cuda", dtype=dtype)
+        A, D, bias = -torch.rand(h, device="cuda"), torch.randn(h, device="cuda"), torch.randn(h, device="cuda")
+        Bv, Cv = (torch.randn(batch, 1, n, device="cuda", dtype=dtype) for _ in range(2))
+        us = _graph_us(lambda: ssd_state_update(st, x, dt, A, Bv, Cv, D, z, bias, True))
+        nbytes = 2 * st.numel() * 4
+        rows.append(dict(op="ssd_state_update", shape=f"b{batch} h{h} p{p} n{n}", us=us, TBps=nbytes / us / 1e6))
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype of the scans")
+    ap.add_argument("--sweep", nargs="*", default=[], metavar="CFG",
+                    help="extra tile configs 'T,BDf,Wf,BDb,Wb' to time besides the default "
+                         "(see ops/selective_scan/triton_common.py)")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode-step kernels")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_selective_scan: needs a CUDA GPU")
+    dtype = DTYPES[args.dtype]
+    results = {"device": torch.cuda.get_device_name(), "scan": [], "decode": [], "sweep_errors": {}}
+    for cfg in [None] + list(args.sweep):
+        if cfg is not None:
+            try:
+                err = check_config_matches_default(2, 512, 1024, 16, dtype, cfg)
+            except Exception as e:
+                err = f"{type(e).__name__}: {str(e)[:200]}"
+            results["sweep_errors"][cfg] = err
+            print("partial: config", cfg, "error vs default", err, flush=True)
+            os.environ["MAMBA_PARALLEL_SCAN_CFG"] = cfg
+        else:
+            os.environ.pop("MAMBA_PARALLEL_SCAN_CFG", None)
+        for (b, d, L, n) in SCAN_SHAPES:
+            try:
+                results["scan"].append(bench_scan(b, d, L, n, dtype))
+            except Exception as e:  # a swept config may not compile (registers / shared memory)
+                results["scan"].append(dict(shape=f"b{b} d{d} L{L} n{n}", config=cfg or "default",
+                                            error=f"{type(e).__name__}: {str(e)[:200]}"))
+            print("partial:", json.dumps(results["scan"][-1]), flush=True)
+            torch.cuda.empty_cache()
+    os.environ.pop("MAMBA_PARALLEL_SCAN_CFG", None)
+    if not args.no_decode:
+        results["decode"] = bench_decode(dtype)
+    print(f"device: {results['device']}")
+    print(f"{'config':>22} {'shape':>22} {'fwd ms':>8} {'peer':>6} {'x':>5} {'TB/s':>5} "
+          f"{'f+b ms':>8} {'peer':>6} {'x':>5} {'TB/s':>5}")
+    for r in results["scan"]:
+        if "error" in r:
+            print(f"{r['config']:>22} {r['shape']:>22}  ERROR {r['error']}")
+            continue
+        print(f"{r['config']:>22} {r['shape']:>22} {r['fwd_ms']:8.3f} {r['peer_fwd_ms']:6.2f} "
+              f"{r['fwd_speedup']:5.2f} {r['fwd_TBps']:5.2f} {r['fwd_bwd_ms']:8.3f} {r['peer_fwd_bwd_ms']:6.2f} "
+              f"{r['fwd_bwd_speedup']:5.2f} {r['fwd_bwd_TBps']:5.2f}")
+    for cfg, err in results["sweep_errors"].items():
+        print(f"config {cfg}: max rel err vs default {err}")
+    for r in results["decode"]:
+        print(f"{r['op']:>24} {r['shape']:>22} {r['us']:8.2f} us {r['TBps']:5.2f} TB/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""One training step of a preset: tokens/s and peak memory, median over timed steps after warm-up, as JSON.
+
+Synthetic tokens; fp32 master weights + bf16 autocast; fused AdamW on CUDA; the same model building and
+parallelize() path as `mamba-parallel train`. Works under torchrun (dp / tp / cp from the flags):
+
+    mamba-parallel bench train --preset mamba2-370m
+    torchrun --nproc_per_node 2 -m mamba_parallel.cli bench train --preset mamba2-370m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mamba-parallel bench train", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="mamba2-130m", help="model preset (default: mamba2-130m)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per data-parallel rank (default: 8)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default: 10)")
+    p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (default: 3)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="autocast dtype (default: bf16)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--dp-mode", choices=["fsdp", "ddp"], default="fsdp", help="data parallel mode (default: fsdp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel degree")
+    p.add_argument("--cp", type=int, default=1, help="context parallel degree")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--json", metavar="FILE", default=None, help="also write the result to FILE")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mamba_parallel.distributed.data_parallel import init_distributed
+    from mamba_parallel.train.config import resolve_config
+    from mamba_parallel.train.flops import peak_flops, train_flops_per_token
+    from mamba_parallel.train.optim import build_optimizer
+    from mamba_parallel.train.trainer import _autocast, _grad_norm, _model_class, build_parallel_model, \
+        choose_dims
+
+    a = build_parser().parse_args(argv)
+    cfg = resolve_config(preset=a.preset, seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype,
+                         device=a.device, dp_mode=a.dp_mode, tp=a.tp, cp=a.cp,
+                         activation_checkpointing=a.activation_checkpointing, compile=a.compile, out="unused")
+    env = init_distributed(cfg.device)
+    config = cfg.model_config()
+    dims = choose_dims(cfg, config, env, print)
+    if env.world_size > 1:
+        dims.build_mesh(env.device.type)
+    model, _ = build_parallel_model(config, cfg, env, dims, resuming=False)
+    optimizer = build_optimizer(model, 1e-4, 0.1, fused=env.device.type == "cuda")
+    with torch.device("meta"):
+        flops_per_token = train_flops_per_token(_model_class()(config), config, cfg.seq_len)
+
+    # Ranks of one tp / cp group share a batch (its cp slice); data-parallel groups differ.
+    dp_rank = env.rank // (dims.cp * dims.tp)
+    gen = torch.Generator().manual_seed(1000 + dp_rank)
+    tokens = torch.randint(0, config.vocab_size, (a.batch_size, a.seq_len + 1), generator=gen)
+    n = a.seq_len // dims.cp
+    c = (env.rank // dims.tp) % dims.cp
+    inputs = tokens[:, c * n:(c + 1) * n].to(env.device)
+    labels = tokens[:, 1 + c * n:1 + (c + 1) * n].to(env.device)
+
+    def sync():
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)
+
+    times = []
+    for i in range(a.warmup_steps + a.steps):
+        if i == a.warmup_steps and env.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(env.device)
+        sync()
+        t0 = time.perf_counter()
+        with _autocast(cfg, env.device):
+            loss = model(inputs, labels=labels)
+        loss.backward()
+        _grad_norm(model, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        if i >= a.warmup_steps:
+            times.append(time.perf_counter() - t0)
+
+    step_s = statistics.median(times)
+    peak = torch.tensor(torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0,
+                        device=env.device)
+    if dist.is_initialized():
+        t = torch.tensor(step_s, device=env.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        step_s = t.item()
+    global_tokens = a.batch_size * dims.dp * a.seq_len
+    tps = global_tokens / step_s
+    pf = peak_flops(env.device, a.dtype)
+    result = {
+        "bench": "train", "preset": a.preset, "device": torch.cuda.get_device_name(env.device)
+        if env.device.type == "cuda" else "cpu", "world_size": env.world_size, "dp": dims.dp, "tp": dims.tp,
+        "cp": dims.cp, "dp_mode": a.dp_mode, "dtype": a.dtype, "seq_len": a.seq_len, "batch_per_dp_rank": a.batch_size,
+        "activation_checkpointing": a.activation_checkpointing, "compile": a.compile,
+        "step_ms_median": round(step_s * 1e3, 2), "tokens_per_s": round(tps, 1),
+        "tokens_per_s_per_gpu": round(tps / env.world_size, 1), "peak_mem_gib": round(peak.item(), 2),
+        "mfu": round(tps * flops_per_token / (pf * env.world_size), 4) if pf else None,
+        "final_loss": round(loss.item(), 4), "timed_steps": a.steps,
+    }
+    if env.is_main:
+        text = json.dumps(result)
+        print(text)
+        if a.json:
+            with open(a.json, "w") as fh:
+                fh.write(text + "\n")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

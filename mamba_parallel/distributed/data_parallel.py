@@ -1,0 +1,89 @@
+"""Data parallelism with torch.distributed's own tools: the torchrun process group, FSDP2 ``fully_shard`` and DDP.
+
+Under ``torchrun`` (RANK / WORLD_SIZE / LOCAL_RANK in the environment) one process drives one GPU
+(``cuda:LOCAL_RANK``, NCCL) or one CPU process (gloo).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str | None = None, timeout_s: int = 1800) -> DistEnv:
+    """Join the torchrun process group when WORLD_SIZE > 1 (or reuse one already made); pick this rank's device.
+
+    ``device``: "cpu", "cuda" or None (cuda when available). NCCL on CUDA, gloo on CPU.
+    """
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is visible to torch")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
+                               f"use --nproc_per_node <= the GPU count")
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if dist.is_initialized():
+        return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+    if world_size > 1:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return DistEnv(rank, world_size, local_rank, dev)
+
+
+def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, blocks, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` each block, then the root (embedding, final norm, lm_head) over ``mesh``.
+
+    ``mesh`` is 1-D (shard) or 2-D (replicate, shard) = HSDP. ``param_dtype`` None keeps fp32 compute params
+    (bf16 then comes from autocast); bf16 here is FSDP's own mixed precision with fp32 gradient reduction.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = list(blocks)
+    for i, block in enumerate(blocks):
+        # The last block's params are needed again at once by the backward pass: keep them gathered.
+        fully_shard(block, mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def apply_ddp(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """torch DDP over a 1-D data-parallel mesh (its process group); gradients averaged in fp32."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if mesh.ndim != 1:
+        raise ValueError(f"DDP needs a 1-D data-parallel mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}")
+    dev = next(model.parameters()).device
+    ids = [dev.index] if dev.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, process_group=mesh.get_group(),
+                                   gradient_as_bucket_view=True)

@@ -1,0 +1,88 @@
+"""parallelize(): make a single-device MambaLMHeadModel parallel from outside, in a fixed order.
+
+1. tensor (+ sequence) parallel over the ``tp`` mesh dim     (mamba_parallel.distributed.tp_plan)
+2. context parallel over the ``cp`` mesh dim                 (mamba_parallel.distributed.context_parallel)
+3. per-block activation checkpointing                        (torch's checkpoint_wrapper, non-reentrant)
+4. per-block torch.compile
+5. data parallel: FSDP2 ``fully_shard`` per block + root over the flattened (dp_shard, cp) mesh, HSDP when
+   dp_replicate > 1; or DDP over the dp_replicate mesh.
+
+Works on a model built on the meta device (FSDP / TP / CP shard meta params; materialise afterwards with
+``to_empty`` + ``init_weights``); DDP needs materialised params.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from mamba_parallel.distributed.data_parallel import apply_ddp, apply_fsdp
+from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
+
+
+def _optional(module: str, attr: str, flag: str):
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        raise ParallelConfigError(f"{flag} needs {module}.{attr}, which this build does not have yet") from None
+    return getattr(mod, attr)
+
+
+def _blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    try:
+        return model.backbone.layers
+    except AttributeError:
+        raise TypeError(f"parallelize expects a MambaLMHeadModel (model.backbone.layers), got "
+                        f"{type(model).__name__}") from None
+
+
+def dp_mesh(dims: ParallelDims):
+    """The FSDP mesh: (dp_shard x cp) flattened, with dp_replicate as an outer dim when > 1 (HSDP)."""
+    shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+    if dims.cp > 1:
+        dims.submesh("dp_shard", "cp")  # creates the flattened dim on the world mesh
+    if dims.dp_replicate > 1:
+        return dims.mesh["dp_replicate", shard]
+    return dims.mesh[shard]
+
+
+def parallelize(model: torch.nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp",
+                activation_checkpointing: bool = False, compile: bool = False,
+                param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Apply TP/SP, CP, activation checkpointing, compile and FSDP2/DDP (in that order); return the model.
+
+    ``dp_mode="ddp"`` returns a DistributedDataParallel wrapper (``.module`` is the model); otherwise the model
+    itself (modified in place). ``param_dtype`` (FSDP only) is FSDP's compute dtype; None keeps fp32 params.
+    """
+    if dp_mode not in ("fsdp", "ddp"):
+        raise ParallelConfigError(f"--dp-mode must be fsdp or ddp, got {dp_mode!r}")
+    if dims.tp > 1:
+        apply_tp = _optional("mamba_parallel.distributed.tp_plan", "apply_tensor_parallel", "--tp > 1")
+        apply_tp(model, dims.submesh("tp"), sequence_parallel=True)
+    if dims.cp > 1:
+        apply_cp = _optional("mamba_parallel.distributed.context_parallel", "apply_context_parallel", "--cp > 1")
+        apply_cp(model, dims.submesh("cp"))
+
+    layers = _blocks(model)
+    if activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(layers):
+            layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    if compile:
+        for i, block in enumerate(layers):
+            layers[i] = torch.compile(block)
+
+    if dp_mode == "ddp":
+        if dims.tp > 1 or dims.cp > 1 or dims.dp_shard > 1:
+            raise ParallelConfigError(f"--dp-mode ddp replicates whole models: it needs tp = cp = 1 and "
+                                      f"dp_shard = 1 ({dims.describe()}); use --dp-mode fsdp")
+        if dims.dp_replicate > 1:
+            return apply_ddp(model, dims.mesh["dp_replicate"])
+        return model
+    if dims.fsdp_enabled or dims.dp_replicate > 1:
+        apply_fsdp(model, dp_mesh(dims), layers, param_dtype=param_dtype)
+    return model

@@ -1,0 +1,393 @@
+"""Tensor-parallel building blocks with the names and arguments of the seed (mamba_ssm / flash-attn style).
+
+Layout conventions:
+- ``sequence_parallel=True``: activations between parallel regions are sharded along dim 0 (flatten
+  ``(batch, seqlen)`` first, or keep batch first with batch divisible by the group size). A column-parallel layer
+  all-gathers its input on dim 0; a row-parallel layer reduce-scatters its output on dim 0.
+- ``sequence_parallel=False``: activations are replicated; the column layer all-reduces its input gradient, the
+  row layer all-reduces its output.
+- Parameters may be plain tensors (this rank's shard, as the seed builds them with a ``process_group``) or
+  DTensors on a tp mesh (what ``tp_plan.apply_tensor_parallel`` makes, so FSDP2 and DCP see global shapes);
+  computation always runs on the local shard.
+
+Overlap: ``parallel_linear_func``'s backward re-gathers the sequence-sharded input asynchronously while it computes
+the input gradient, then reduce-scatters (or all-reduces) that gradient asynchronously while it computes the
+weight gradient, so both collectives hide behind a matmul.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.utils.checkpoint
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mamba_parallel.distributed.collectives import (
+    all_gather_raw,
+    all_reduce,
+    all_reduce_raw,
+    copy_to_group,
+    group_rank,
+    group_size,
+    reduce_scatter,
+    reduce_scatter_raw,
+)
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch < 2.4
+    DTensor = ()
+
+
+def local_tensor(t: Tensor | None) -> Tensor | None:
+    """The local shard of a DTensor parameter (differentiable), or the tensor itself."""
+    if t is not None and isinstance(t, DTensor):
+        return t.to_local()
+    return t
+
+
+def get_dim_for_local_rank(dim: int, world_size: int, local_rank: int, multiple_of: int = 1) -> int:
+    """Size of this rank's slice when ``dim`` is split into units of ``multiple_of`` over ``world_size`` ranks.
+
+    Units are spread as evenly as possible; the first ``units % world_size`` ranks take one more.
+    """
+    if world_size < 1 or not 0 <= local_rank < world_size:
+        raise ValueError(f"get_dim_for_local_rank: need 0 <= local_rank={local_rank} < world_size={world_size}")
+    if multiple_of < 1 or dim % multiple_of:
+        raise ValueError(f"get_dim_for_local_rank: dim={dim} is not a multiple of multiple_of={multiple_of}")
+    units = dim // multiple_of
+    return (units // world_size + int(local_rank < units % world_size)) * multiple_of
+
+
+def local_offset(dim: int, world_size: int, local_rank: int, multiple_of: int = 1) -> int:
+    """Start of this rank's slice in the layout of ``get_dim_for_local_rank``."""
+    return sum(get_dim_for_local_rank(dim, world_size, r, multiple_of) for r in range(local_rank))
+
+
+# ---- linear layers ----------------------------------------------------------------------------------------------
+class ParallelLinearFunc(torch.autograd.Function):
+    """Column-parallel matmul: (all-gather x along ``dim`` if sp) then x @ W^T + b, with an overlapped backward.
+
+    Only the local shard of x is saved (re-gathered in backward), so SP keeps its activation-memory saving.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, process_group, sequence_parallel, dim=0):
+        dtype = autocast_dtype(x)
+        if dtype is not None:  # autocast does not reach into a custom Function's backward: cast once, here
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        x = x.contiguous()
+        ctx.process_group, ctx.sequence_parallel, ctx.dim = process_group, sequence_parallel, dim
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        if sequence_parallel:
+            x = _moved_back(all_gather_raw(_moved(x, dim), process_group)[0], dim)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        group, sp, dim = ctx.process_group, ctx.sequence_parallel, ctx.dim
+        grad_out = grad_out.contiguous()
+        total_x, gather_handle = x, None
+        if sp and ctx.needs_input_grad[1]:
+            total_x, gather_handle = all_gather_raw(_moved(x, dim), group, async_op=True)  # behind grad_input mm
+        grad_input, reduce_handle = None, None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_out @ weight
+        if gather_handle is not None:
+            gather_handle.wait()
+            total_x = _moved_back(total_x, dim)
+        if grad_input is not None:  # hides behind the grad_weight matmul
+            if sp:
+                grad_input, reduce_handle = reduce_scatter_raw(_moved(grad_input, dim), group, async_op=True)
+            else:
+                grad_input, reduce_handle = all_reduce_raw(grad_input, group, async_op=True)
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])
+            grad_weight = g2.t() @ total_x.reshape(-1, total_x.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        if reduce_handle is not None:
+            reduce_handle.wait()
+        if sp and grad_input is not None:
+            grad_input = _moved_back(grad_input, dim)
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The autocast compute dtype for ``x``'s device type when autocast is on there, else None."""
+    dev = x.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return None
+
+
+def _moved(x: Tensor, dim: int) -> Tensor:
+    """x with ``dim`` first, contiguous (collectives work on dim 0)."""
+    return x if dim == 0 else x.movedim(dim, 0).contiguous()
+
+
+def _moved_back(x: Tensor, dim: int) -> Tensor:
+    return x if dim == 0 else x.movedim(0, dim)
+
+
+def parallel_linear_func(x: Tensor, weight: Tensor, bias: Tensor | None = None, process_group=None,
+                         sequence_parallel: bool = True, dim: int = 0) -> Tensor:
+    """Column-parallel linear: x (n_local, ..., in) if sequence_parallel else (n, ..., in); weight
+    (out_local, in); bias (out_local,) -> (n, ..., out_local) where n = world * n_local. ``dim``: the sharded
+    activation dim (0 as in the seed; 1 for (batch, seqlen, d) activations sharded along the sequence).
+
+    The seed calls ``parallel_linear_func(x, weight, process_group)``: a process group passed in the bias slot is
+    taken as the process group.
+    """
+    if bias is not None and not isinstance(bias, Tensor):
+        if process_group is not None:
+            raise TypeError("parallel_linear_func: bias must be a Tensor or None")
+        bias, process_group = None, bias
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"parallel_linear_func: x {tuple(x.shape)} does not match weight {tuple(weight.shape)} "
+                         f"(last dims differ)")
+    if group_size(process_group) == 1:
+        return F.linear(x, weight, bias)
+    if sequence_parallel and (not -x.dim() <= dim < x.dim() or dim % x.dim() == x.dim() - 1):
+        raise ValueError(f"parallel_linear_func: dim={dim} must index a non-feature dim of x {tuple(x.shape)}")
+    return ParallelLinearFunc.apply(x, weight, bias, process_group, sequence_parallel,
+                                    dim % x.dim() if sequence_parallel else 0)
+
+
+def _linear_init_(weight: Tensor, bias: Tensor | None, fan_in: int) -> None:
+    # nn.Linear's default init, with the GLOBAL fan-in so a shard matches the unsharded layer's distribution.
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        nn.init.uniform_(bias, -bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's rows (out_features) split over ``process_group``.
+
+    forward: x (n_local, ..., in_features) [sequence_parallel] or (n, ..., in_features) -> (n, ..., out_local).
+    ``multiple_of``: each rank's share of out_features is a multiple of this (e.g. a head size).
+    """
+
+    def __init__(self, in_features: int, out_features: int, process_group=None, bias: bool = True,
+                 sequence_parallel: bool = True, multiple_of: int = 1, device=None, dtype=None):
+        super().__init__()
+        world, rank = group_size(process_group), group_rank(process_group)
+        self.process_group, self.sequence_parallel = process_group, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        local_out = get_dim_for_local_rank(out_features, world, rank, multiple_of)
+        self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
+        with torch.no_grad():
+            _linear_init_(self.weight, self.bias, in_features)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return parallel_linear_func(x, local_tensor(self.weight), local_tensor(self.bias), self.process_group,
+                                    self.sequence_parallel)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local "
+                f"{self.weight.shape[0]}), sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T, + b, with W's columns (in_features) split over ``process_group``.
+
+    forward: x (n, ..., in_local) -> (n_local, ..., out_features) [sequence_parallel: reduce-scatter on dim 0] or
+    (n, ..., out_features) [all-reduce]. The bias is added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, process_group=None, bias: bool = True,
+                 sequence_parallel: bool = True, multiple_of: int = 1, device=None, dtype=None):
+        super().__init__()
+        world, rank = group_size(process_group), group_rank(process_group)
+        self.process_group, self.sequence_parallel = process_group, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        local_in = get_dim_for_local_rank(in_features, world, rank, multiple_of)
+        self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        with torch.no_grad():
+            _linear_init_(self.weight, self.bias, in_features)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.linear(x, local_tensor(self.weight))
+        out = reduce_scatter(out, self.process_group, 0) if self.sequence_parallel else \
+            all_reduce(out, self.process_group)
+        if self.bias is not None:
+            bias = local_tensor(self.bias)
+            if self.sequence_parallel:  # each rank adds it to its own rows: its gradient is a sum over ranks
+                bias = copy_to_group(bias, self.process_group)
+            out = out + bias
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}"
+                f", sequence_parallel={self.sequence_parallel}")
+
+
+# ---- embeddings -------------------------------------------------------------------------------------------------
+class VocabParallelEmbedding(nn.Embedding):
+    """Embedding whose rows (the vocabulary) are split evenly over ``process_group``.
+
+    forward: ids (...) int64 with GLOBAL token ids -> (..., embedding_dim) PARTIAL sums: rows of ids owned by
+    other ranks are zero. Sum over ranks (all-reduce or reduce-scatter) to get the embedding.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, process_group=None, padding_idx: int | None = None,
+                 device=None, dtype=None):
+        world, rank = group_size(process_group), group_rank(process_group)
+        if num_embeddings % world:
+            raise ValueError(f"VocabParallelEmbedding: num_embeddings={num_embeddings} is not divisible by the "
+                             f"process group size {world}")
+        per = num_embeddings // world
+        self.vocab_start, self.vocab_end = rank * per, (rank + 1) * per
+        local_pad = None
+        if padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end:
+            local_pad = padding_idx - self.vocab_start
+        super().__init__(per, embedding_dim, padding_idx=local_pad, device=device, dtype=dtype)
+        self.process_group, self.num_embeddings_global = process_group, num_embeddings
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return vocab_parallel_embedding(input_ids, local_tensor(self.weight), self.vocab_start, self.padding_idx)
+
+
+def vocab_parallel_embedding(input_ids: Tensor, weight: Tensor, vocab_start: int,
+                             padding_idx: int | None = None) -> Tensor:
+    """ids (...) global -> (..., d): rows of ``weight`` (V_local, d) for ids in [vocab_start, vocab_start+V_local),
+    zero elsewhere."""
+    local_ids = input_ids - vocab_start
+    outside = (local_ids < 0) | (local_ids >= weight.shape[0])
+    out = F.embedding(local_ids.masked_fill(outside, 0), weight, padding_idx)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class ColumnParallelEmbedding(nn.Embedding):
+    """Embedding whose columns (embedding_dim) are split evenly: ids (...) -> (..., embedding_dim / world)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, process_group=None, padding_idx: int | None = None,
+                 device=None, dtype=None):
+        world = group_size(process_group)
+        if embedding_dim % world:
+            raise ValueError(f"ColumnParallelEmbedding: embedding_dim={embedding_dim} is not divisible by the "
+                             f"process group size {world}")
+        super().__init__(num_embeddings, embedding_dim // world, padding_idx=padding_idx, device=device,
+                         dtype=dtype)
+        self.process_group = process_group
+
+
+class ParallelEmbeddings(nn.Module):
+    """Word embeddings (vocab-parallel) plus optional learned positions (column-parallel), summed over ranks.
+
+    forward(input_ids (b, L), position_ids=None, combine_batch_seqlen_dim=False):
+    -> (b, L, d) replicated [sequence_parallel=False], or its dim-0 shard [sequence_parallel=True]:
+    (b / world, L, d), or ((b * L) / world, d) with combine_batch_seqlen_dim.
+    ``max_position_embeddings=0`` means no position embeddings.
+    """
+
+    def __init__(self, embed_dim: int, vocab_size: int, max_position_embeddings: int = 0, process_group=None,
+                 padding_idx: int | None = None, sequence_parallel: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.process_group, self.sequence_parallel, self.embed_dim = process_group, sequence_parallel, embed_dim
+        self.word_embeddings = VocabParallelEmbedding(vocab_size, embed_dim, process_group, padding_idx,
+                                                      device=device, dtype=dtype)
+        self.max_position_embeddings = max_position_embeddings
+        self.position_embeddings = None
+        if max_position_embeddings > 0:
+            self.position_embeddings = ColumnParallelEmbedding(max_position_embeddings, embed_dim, process_group,
+                                                               device=device, dtype=dtype)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
+                combine_batch_seqlen_dim: bool = False) -> Tensor:
+        b, seqlen = input_ids.shape
+        emb = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(seqlen, dtype=torch.long, device=input_ids.device)
+            pos = F.embedding(position_ids, local_tensor(self.position_embeddings.weight))
+            part = pos.shape[-1]
+            start = group_rank(self.process_group) * part
+            emb = torch.cat([emb[..., :start], emb[..., start:start + part] + pos, emb[..., start + part:]], -1)
+        if combine_batch_seqlen_dim:
+            emb = emb.reshape(b * seqlen, self.embed_dim)
+        if self.sequence_parallel:
+            return reduce_scatter(emb, self.process_group, 0)
+        return all_reduce(emb, self.process_group)
+
+
+# ---- vocab-parallel cross-entropy -------------------------------------------------------------------------------
+def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, process_group=None, ignore_index: int = -100,
+                                 reduction: str = "mean") -> Tensor:
+    """Cross-entropy over a vocabulary split across ranks, without gathering the logits.
+
+    logits: (N, V_local), this rank's vocabulary slice [rank*V_local, (rank+1)*V_local); labels: (N,) GLOBAL ids
+    (``ignore_index`` skipped) -> scalar (mean over kept labels, or sum) or (N,) for reduction="none", identical on
+    every rank. Three all-reduces of N floats each (max, sum of exp, target logit).
+    """
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"vocab_parallel_cross_entropy: need logits (N, V_local) and labels (N,), got "
+                         f"{tuple(logits.shape)} and {tuple(labels.shape)}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"vocab_parallel_cross_entropy: reduction must be mean|sum|none, got {reduction!r}")
+    logits = logits.double() if logits.dtype == torch.float64 else logits.float()  # fp32 math, fp64 kept
+    v_local = logits.shape[1]
+    start = group_rank(process_group) * v_local
+    with torch.no_grad():  # the shift cancels out of the loss: no gradient through it
+        row_max = logits.max(dim=-1).values
+        if group_size(process_group) > 1:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=process_group)
+    shifted = logits - row_max.unsqueeze(-1)
+    sum_exp = all_reduce(shifted.exp().sum(-1), process_group)
+    local_labels = labels - start
+    mine = (local_labels >= 0) & (local_labels < v_local)
+    target = shifted.gather(1, local_labels.clamp(0, v_local - 1).unsqueeze(1)).squeeze(1)
+    target = all_reduce(target.masked_fill(~mine, 0.0), process_group)
+    keep = labels != ignore_index
+    loss = (sum_exp.log() - target).masked_fill(~keep, 0.0)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / keep.sum().clamp_min(1)
+
+
+def vocab_parallel_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, process_group=None,
+                                        ignore_index: int = -100, reduction: str = "mean",
+                                        chunk_size: int | None = 4096) -> Tensor:
+    """Cross-entropy of ``hidden @ weight^T`` with the vocabulary split over ranks, chunk by chunk of tokens.
+
+    hidden: (N, d) replicated on every rank; weight: (V_local, d) this rank's vocabulary rows; labels: (N,) global
+    ids -> scalar (mean over kept labels / sum) or (N,). Each chunk's (chunk, V_local) fp32 logits are recomputed
+    in backward (activation checkpointing), so only one chunk of logits is alive at a time.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"vocab_parallel_linear_cross_entropy: need hidden (N, d) and weight (V_local, d), got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"vocab_parallel_linear_cross_entropy: labels {tuple(labels.shape)} must be (N,) = "
+                         f"({hidden.shape[0]},)")
+    n = hidden.shape[0]
+    step = n if not chunk_size or chunk_size >= n else chunk_size
+
+    def chunk_loss(h, w, lab):
+        return vocab_parallel_cross_entropy(F.linear(h, w), lab, process_group, ignore_index, "none")
+
+    parts = []
+    for s in range(0, n, step):
+        h, lab = hidden[s:s + step], labels[s:s + step]
+        if step < n and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            parts.append(torch.utils.checkpoint.checkpoint(chunk_loss, h, weight, lab, use_reentrant=False))
+        else:
+            parts.append(chunk_loss(h, weight, lab))
+    loss = torch.cat(parts)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (labels != ignore_index).sum().clamp_min(1)

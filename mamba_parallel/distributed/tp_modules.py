@@ -1,0 +1,254 @@
+"""The modules a tensor-parallel ``MambaLMHeadModel`` is made of (built by ``tp_plan.apply_tensor_parallel``).
+
+``ShardView`` keeps a parameter as DTensor segment(s) on the tp mesh and shows the model code its local tensor;
+the other modules replace single-device ones, taking over their parameters (same state-dict names).
+Activations are (batch, seqlen, features); sequence parallelism shards dim 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from mamba_parallel.distributed.collectives import (
+    all_reduce,
+    all_reduce_both,
+    all_reduce_raw,
+    copy_to_group,
+    gather_from_group,
+    reduce_scatter,
+)
+from mamba_parallel.distributed.tensor_parallel import (
+    local_tensor,
+    parallel_linear_func,
+    vocab_parallel_embedding,
+    vocab_parallel_linear_cross_entropy,
+)
+from mamba_parallel.layers.norm import RMSNormGated
+
+SEQ_DIM = 1  # activations are (batch, seqlen, features)
+
+
+# ---- parameters as DTensors behind a local view ----------------------------------------------------------------
+class ShardView(nn.Module):
+    """Parametrization: stores a parameter as DTensor segment(s) on the tp mesh, shows the model its local tensor.
+
+    ``segments``: (size along ``dim``, placement, grad_sum) per segment of the canonical (single-device) tensor.
+    ``grad_sum`` marks a replicated segment used by rank-local computations: its gradient is summed over tp.
+    """
+
+    def __init__(self, mesh: DeviceMesh, dim: int, segments: list[tuple[int, Placement, bool]]):
+        super().__init__()
+        self.mesh, self.dim = mesh, dim
+        self.sizes = [s for s, _, _ in segments]
+        self.placements = [p for _, p, _ in segments]
+        self.grad_sum = [g for _, _, g in segments]
+        self.group = mesh.get_group()
+
+    def forward(self, *parts: Tensor) -> Tensor:
+        local = []
+        for p, g in zip(parts, self.grad_sum):
+            t = local_tensor(p)
+            local.append(copy_to_group(t, self.group) if g else t)
+        return local[0] if len(local) == 1 else torch.cat(local, self.dim)
+
+    def right_inverse(self, full: Tensor):
+        if full.shape[self.dim] != sum(self.sizes):
+            raise ValueError(f"ShardView: tensor of shape {tuple(full.shape)} does not split into segments "
+                             f"{self.sizes} along dim {self.dim}")
+        pieces = full.detach().split(self.sizes, self.dim)
+        if full.is_meta:  # meta build: shards of the right local shape, materialised later by to_empty
+            return tuple(_meta_dtensor(piece.shape, piece.dtype, self.mesh, pl) for piece, pl in
+                         zip(pieces, self.placements))
+        return tuple(distribute_tensor(piece.contiguous(), self.mesh, [pl])
+                     for piece, pl in zip(pieces, self.placements))
+
+
+def _meta_dtensor(shape, dtype, mesh: DeviceMesh, placement: Placement) -> DTensor:
+    local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, [placement])
+    local = torch.empty(local_shape, dtype=dtype, device="meta")
+    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+# ---- replacement modules ----------------------------------------------------------------------------------------
+class TPRowLinear(nn.Module):
+    """Row-parallel linear taking over an nn.Linear's ``weight`` / ``bias`` (same state-dict names).
+
+    x (..., in_local) -> reduce(x @ W_local^T) + bias, reduce = "reduce_scatter" (SP, along the sequence),
+    "all_reduce", or "all_reduce_both" (the sum is then used rank-locally: Mamba-1 x_proj).
+    """
+
+    def __init__(self, linear: nn.Linear, group, reduce: str):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.group, self.reduce = group, reduce
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.linear(x, self.weight)
+        if self.reduce == "reduce_scatter":
+            out = reduce_scatter(out, self.group, SEQ_DIM)
+        elif self.reduce == "all_reduce":
+            out = all_reduce(out, self.group)
+        else:
+            out = all_reduce_both(out, self.group)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, reduce={self.reduce}"
+
+
+class TPColumnLinear(nn.Module):
+    """Column-parallel linear taking over an nn.Linear's ``weight`` / ``bias``, entering the parallel region:
+    x (b, L / tp, in) [SP] or (b, L, in) -> (b, L, out_local). The sequence all-gather happens inside
+    ``parallel_linear_func`` so only the local shard is saved for backward, and the backward overlaps the
+    input-gradient reduce-scatter (or all-reduce) with the weight-gradient matmul."""
+
+    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        return parallel_linear_func(x, self.weight, self.bias, self.group, self.sequence_parallel, dim=SEQ_DIM)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class TPGatedRMSNorm(nn.Module):
+    """Mamba-2's gated norm over ALL d_inner channels (ngroups = 1) when the channels are split over tp ranks:
+    the sum of squares is all-reduced. x, z (..., d_local) -> (..., d_local) in x.dtype."""
+
+    def __init__(self, norm: RMSNormGated, group, dim_global: int):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps, self.norm_before_gate = norm.eps, norm.norm_before_gate
+        self.group, self.dim_global = group, dim_global
+
+    def forward(self, x: Tensor, z: Tensor | None = None) -> Tensor:
+        return TPGatedRMSNormFunc.apply(x, z, self.weight, self.eps, self.norm_before_gate, self.group,
+                                        self.dim_global)
+
+
+class TPGatedRMSNormFunc(torch.autograd.Function):
+    """The cross-rank gated RMSNorm with a hand-written backward: saves x, z (input dtype) and the per-token rstd
+    only, like the fused single-device kernel (autograd through fp32 temporaries would keep several fp32 copies
+    of (b, L, d_local) per layer). Math in fp32 (fp64 for fp64 inputs).
+
+    With g = x * silu(z) (gate first) or g = x (norm first), r = rsqrt(sum_all(g^2) / D + eps), n = g * r * w:
+    dn/dg = r * w * dy - g * r^3 / D * sum_all(dy * w * g), the sum over every channel of every tp rank.
+    """
+
+    @staticmethod
+    def forward(ctx, x, z, weight, eps, norm_before_gate, group, dim_global):
+        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+        g = x.to(ct)
+        if z is not None and not norm_before_gate:
+            g = g * F.silu(z.to(ct))
+        sumsq = all_reduce_raw(g.square().sum(-1, keepdim=True), group)[0]
+        rstd = torch.rsqrt(sumsq / dim_global + eps)
+        y = g * rstd * weight.to(ct)
+        if z is not None and norm_before_gate:
+            y = y * F.silu(z.to(ct))
+        ctx.save_for_backward(x, z, weight, rstd)
+        ctx.norm_before_gate, ctx.group, ctx.dim_global = norm_before_gate, group, dim_global
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, z, weight, rstd = ctx.saved_tensors
+        ct = rstd.dtype
+        dy, xf, w = dy.to(ct), x.to(ct), weight.to(ct)
+        sig = None if z is None else torch.sigmoid(z.to(ct))
+        silu = None if z is None else z.to(ct) * sig
+        gate_first = z is not None and not ctx.norm_before_gate
+        g = xf * silu if gate_first else xf
+        dn = dy * silu if (z is not None and ctx.norm_before_gate) else dy  # gradient wrt g * r * w
+        dw = (dn * g * rstd).reshape(-1, g.shape[-1]).sum(0)
+        dot = all_reduce_raw((dn * w * g).sum(-1, keepdim=True), ctx.group)[0]
+        dg = rstd * w * dn - g * rstd.pow(3) / ctx.dim_global * dot
+        dz = None
+        if z is not None:
+            dsilu = sig * (1 + z.to(ct) * (1 - sig))
+            if gate_first:
+                dz = dg * xf * dsilu
+                dg = dg * silu
+            else:
+                dz = dy * (g * rstd * w) * dsilu
+            dz = dz.to(z.dtype)
+        return dg.to(x.dtype), dz, dw.to(weight.dtype), None, None, None, None
+
+
+class TPEmbedding(nn.Module):
+    """Vocab-parallel embedding taking over an nn.Embedding's ``weight``: ids (b, L) -> (b, L / tp, d) summed
+    over ranks [SP: reduce-scatter along the sequence] or (b, L, d) [all-reduce]."""
+
+    def __init__(self, emb: nn.Embedding, group, tp_rank: int, tp: int, sequence_parallel: bool):
+        super().__init__()
+        self.weight = emb.weight
+        self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
+        self.vocab_start = tp_rank * (emb.num_embeddings // tp)
+        self.group, self.tp, self.sequence_parallel = group, tp, sequence_parallel
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        out = vocab_parallel_embedding(input_ids, self.weight, self.vocab_start)
+        if not self.sequence_parallel:
+            return all_reduce(out, self.group)
+        if input_ids.shape[SEQ_DIM] % self.tp:
+            raise ValueError(f"sequence parallel needs seqlen divisible by tp={self.tp}, got input_ids of shape "
+                             f"{tuple(input_ids.shape)} (pad the batch, or apply tp with sequence_parallel=False)")
+        return reduce_scatter(out, self.group, SEQ_DIM)
+
+
+class TPLMHead(nn.Module):
+    """Vocab-parallel LM head: hidden (b, L, d) -> logits (b, L, V) gathered over the vocabulary.
+
+    ``weight``: this rank's (V / tp, d) rows (a DTensor parameter behind a ShardView).
+    """
+
+    tied = False
+
+    def __init__(self, lm_head: nn.Linear, group):
+        super().__init__()
+        self.group = group
+        if lm_head is not None:
+            self.weight = lm_head.weight
+
+    def local_weight(self) -> Tensor:
+        """This rank's (V / tp, d) vocabulary rows (what the vocab-parallel losses multiply with)."""
+        return self.weight
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return gather_from_group(F.linear(hidden, self.weight), self.group, -1)
+
+
+class TPTiedLMHead(TPLMHead):
+    """The LM head tied to the vocab-parallel embedding: ``weight`` is the embedding's local shard (no parameter
+    of its own, so no duplicate state-dict entry; state_dict.py writes the ``lm_head.weight`` alias)."""
+
+    tied = True
+
+    def __init__(self, embedding: nn.Module, group):
+        super().__init__(None, group)
+        self._embedding = [embedding]  # a list: not a submodule
+
+    @property
+    def weight(self) -> Tensor:
+        return self._embedding[0].weight
+
+
+def vocab_parallel_lm_loss(model, group, hidden_states: Tensor, labels: Tensor) -> Tensor:
+    """hidden (b, L, d) full on every rank, labels (b, L) -> mean CE over labels != -100; logits stay sharded."""
+    return vocab_parallel_linear_cross_entropy(hidden_states.flatten(0, 1), model.lm_head.weight,
+                                               labels.flatten(), group)

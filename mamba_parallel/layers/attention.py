@@ -1,0 +1,136 @@
+"""``MHA``: causal multi-head attention for hybrid stacks (GQA, rotary, torch SDPA, KV cache), mamba_ssm's names.
+
+in_proj -> [q (h·d) | k (h_kv·d) | v (h_kv·d)]; rotary on the first ``rotary_emb_dim`` dims of q and k;
+SDPA with grouped KV heads; out_proj. Local head counts come from the attributes ``num_heads`` /
+``num_heads_kv`` (tensor parallelism rewrites them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mamba_parallel.layers import init
+from mamba_parallel.layers.packing import position_ids_from_seq_idx, resolve_seq_idx
+from mamba_parallel.layers.rotary import apply_rotary, rotary_cos_sin
+
+
+class MHA(nn.Module):
+    def __init__(self, embed_dim: int, num_heads: int, num_heads_kv: int | None = None, head_dim: int | None = None,
+                 qkv_proj_bias: bool = True, out_proj_bias: bool = True, softmax_scale: float | None = None,
+                 causal: bool = True, rotary_emb_dim: int | None = 0, rotary_emb_base: float = 10000.0,
+                 layer_idx: int | None = None, device=None, dtype=None):
+        super().__init__()
+        fk = dict(device=device, dtype=dtype)
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_heads_kv = num_heads_kv or num_heads
+        if self.num_heads % self.num_heads_kv:
+            raise ValueError(f"MHA: num_heads = {num_heads} is not divisible by num_heads_kv = {self.num_heads_kv}")
+        self.head_dim = head_dim or embed_dim // num_heads
+        self.rotary_emb_dim = rotary_emb_dim or 0
+        if self.rotary_emb_dim % 2 or self.rotary_emb_dim > self.head_dim:
+            raise ValueError(f"MHA: rotary_emb_dim = {rotary_emb_dim} must be even and <= head_dim = {self.head_dim}")
+        self.rotary_emb_base = rotary_emb_base
+        self.softmax_scale = softmax_scale
+        self.causal = causal
+        self.layer_idx = layer_idx
+        qkv_dim = self.head_dim * (num_heads + 2 * self.num_heads_kv)
+        self.in_proj = nn.Linear(embed_dim, qkv_dim, bias=qkv_proj_bias, **fk)
+        self.out_proj = nn.Linear(self.head_dim * num_heads, embed_dim, bias=out_proj_bias, **fk)
+        if not init.is_meta(device):
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """PyTorch's default Linear weights, zero biases (mamba_ssm's _init_weights)."""
+        for lin in (self.in_proj, self.out_proj):
+            init.linear_default_(lin.weight)
+            if lin.bias is not None:
+                init.constant_(lin.bias, 0.0)
+
+    def forward(self, hidden_states: torch.Tensor, inference_params=None, seq_idx: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states (b, L, d_model) -> (b, L, d_model).
+
+        seq_idx (b, L): tokens attend only inside their own sequence, and rotary positions restart at each
+        sequence unless ``position_ids`` (b, L) are given. With ``inference_params`` the new keys / values are
+        written at ``seqlen_offset`` and the queries attend to the whole cached prefix.
+        """
+        b, L, _ = hidden_states.shape
+        seq_idx = resolve_seq_idx(seq_idx, cu_seqlens, L)
+        h, hkv, d = self.num_heads, self.num_heads_kv, self.head_dim
+        qkv = self.in_proj(hidden_states)
+        if qkv.shape[-1] != d * (h + 2 * hkv):
+            raise ValueError(f"MHA: in_proj gives {qkv.shape[-1]} features, expected head_dim * (num_heads + "
+                             f"2 * num_heads_kv) = {d * (h + 2 * hkv)}")
+        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.unflatten(-1, (h, d)), k.unflatten(-1, (hkv, d)), v.unflatten(-1, (hkv, d))
+
+        offset = 0 if inference_params is None else inference_params.seqlen_offset
+        if inference_params is not None and offset > 0 and L == 1:
+            return self.step(q, k, v, inference_params)
+        if self.rotary_emb_dim > 0:
+            if position_ids is None:
+                if seq_idx is not None:
+                    position_ids = position_ids_from_seq_idx(seq_idx)
+                else:
+                    position_ids = torch.arange(offset, offset + L, device=q.device).expand(b, L)
+            cos, sin = rotary_cos_sin(position_ids, self.rotary_emb_dim, self.rotary_emb_base)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        mask, is_causal = None, self.causal
+        if inference_params is not None:
+            if seq_idx is not None:
+                raise ValueError("MHA: seq_idx (packed sequences) cannot fill an inference cache")
+            kv_cache = self._kv_cache(inference_params, offset + L)
+            kv_cache[:b, offset:offset + L, 0] = k
+            kv_cache[:b, offset:offset + L, 1] = v
+            k, v = kv_cache[:b, :offset + L, 0].to(q.dtype), kv_cache[:b, :offset + L, 1].to(q.dtype)
+            if offset > 0:
+                is_causal = False  # query i sits at offset + i: it sees keys j <= offset + i
+                if self.causal:
+                    i = torch.arange(L, device=q.device)[:, None]
+                    mask = torch.arange(offset + L, device=q.device)[None] <= offset + i
+        elif seq_idx is not None:
+            same = seq_idx[:, :, None] == seq_idx[:, None, :]  # (b, L, L)
+            if self.causal:
+                same = same & torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+            mask, is_causal = same[:, None], False
+        return self._attend(q, k, v, mask, is_causal)
+
+    def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inference_params) -> torch.Tensor:
+        """One decode token with static shapes (CUDA-graph safe): q (b, 1, h, d), k/v (b, 1, h_kv, d) -> (b, 1,
+        d_model). The position is the cache's device tensor; attention runs over all max_seqlen cached slots with
+        the unwritten ones masked."""
+        b = q.shape[0]
+        kv_cache = self._kv_cache(inference_params, inference_params.seqlen_offset + 1)
+        pos = inference_params.position_tensor(q.device)  # 0-dim int64 == seqlen_offset
+        if self.rotary_emb_dim > 0:
+            cos, sin = rotary_cos_sin(pos.expand(b, 1), self.rotary_emb_dim, self.rotary_emb_base)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        kv_cache[:b].index_copy_(1, pos.view(1), torch.stack([k, v], dim=2).to(kv_cache.dtype))
+        keys, values = kv_cache[:b, :, 0].to(q.dtype), kv_cache[:b, :, 1].to(q.dtype)
+        mask = (torch.arange(kv_cache.shape[1], device=q.device) <= pos).view(1, 1, 1, -1)  # (.., max_seqlen)
+        return self._attend(q, keys, values, mask, False)
+
+    def _kv_cache(self, inference_params, needed: int) -> torch.Tensor:
+        kv_cache = inference_params.states(self.layer_idx)
+        if needed > kv_cache.shape[1]:
+            raise ValueError(f"MHA: KV cache holds {kv_cache.shape[1]} positions, need {needed} "
+                             f"(raise max_seqlen of allocate_inference_cache)")
+        return kv_cache
+
+    def _attend(self, q, k, v, mask, is_causal) -> torch.Tensor:
+        """q (b, L, h, d), k/v (b, S, h_kv, d) -> out_proj(attention) (b, L, d_model)."""
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, is_causal=is_causal, scale=self.softmax_scale,
+                                             enable_gqa=self.num_heads != self.num_heads_kv)
+        return self.out_proj(out.transpose(1, 2).flatten(-2))
+
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None) -> torch.Tensor:
+        """-> kv_cache (batch, max_seqlen, 2, num_heads_kv, head_dim) in ``dtype``."""
+        w = self.out_proj.weight
+        return torch.zeros(batch_size, max_seqlen, 2, self.num_heads_kv, self.head_dim, device=device or w.device,
+                           dtype=dtype or w.dtype)

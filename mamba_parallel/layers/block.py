@@ -1,0 +1,73 @@
+"""``Block``: one pre-norm residual layer (mamba_ssm's layout), and ``create_block`` which builds layer i of a
+config (Mamba / Mamba2 / MHA mixer, optional gated MLP).
+
+    residual = hidden + residual;  hidden = mixer(norm(residual))
+    [d_intermediate > 0]  residual = hidden + residual;  hidden = mlp(norm2(residual))
+
+The block returns (hidden, residual) un-added: the next block's norm (or the final norm) does the add, fused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from mamba_parallel.config import MambaConfig
+from mamba_parallel.layers.attention import MHA
+from mamba_parallel.layers.mamba1 import Mamba
+from mamba_parallel.layers.mamba2 import Mamba2
+from mamba_parallel.layers.mlp import GatedMLP
+from mamba_parallel.layers.norm import add_norm, make_norm
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, mixer: nn.Module, mlp: nn.Module | None = None, rms_norm: bool = True,
+                 norm_epsilon: float = 1e-5, residual_in_fp32: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.residual_in_fp32 = residual_in_fp32
+        self.norm = make_norm(dim, rms_norm, norm_epsilon, device=device, dtype=dtype)
+        self.mixer = mixer
+        if mlp is not None:
+            self.norm2 = make_norm(dim, rms_norm, norm_epsilon, device=device, dtype=dtype)
+            self.mlp = mlp
+        else:
+            self.norm2 = self.mlp = None
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None, inference_params=None,
+                **mixer_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states (b, L, d), residual (b, L, d) or None (first block) -> (hidden_states, residual).
+
+        ``mixer_kwargs``: seq_idx, cu_seqlens, position_ids (passed to the mixer).
+        """
+        hidden_states, residual = add_norm(hidden_states, residual, self.norm, self.residual_in_fp32)
+        hidden_states = self.mixer(hidden_states, inference_params=inference_params, **mixer_kwargs)
+        if self.mlp is not None:
+            hidden_states, residual = add_norm(hidden_states, residual, self.norm2, self.residual_in_fp32)
+            hidden_states = self.mlp(hidden_states)
+        return hidden_states, residual
+
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None):
+        return self.mixer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, device=device)
+
+
+def create_mixer(config: MambaConfig, layer_idx: int, device=None, dtype=None) -> nn.Module:
+    """Layer ``layer_idx``'s mixer: MHA when listed in ``config.attn_layer_idx``, else Mamba / Mamba2."""
+    fk = dict(device=device, dtype=dtype)
+    if layer_idx in config.attn_layer_idx:
+        a = dict(config.attn_params)
+        return MHA(config.d_model, a["num_heads"], num_heads_kv=a["num_heads_kv"], head_dim=a["head_dim"],
+                   qkv_proj_bias=a["qkv_proj_bias"], out_proj_bias=a["out_proj_bias"], causal=a["causal"],
+                   rotary_emb_dim=a["rotary_emb_dim"], rotary_emb_base=a["rotary_emb_base"], layer_idx=layer_idx,
+                   **fk)
+    cls = Mamba2 if config.layer == "Mamba2" else Mamba
+    return cls(config.d_model, layer_idx=layer_idx, **config.mixer_cfg, **fk)
+
+
+def create_block(config: MambaConfig, layer_idx: int, device=None, dtype=None) -> Block:
+    """Block ``layer_idx`` of the model described by ``config``."""
+    mixer = create_mixer(config, layer_idx, device=device, dtype=dtype)
+    mlp = None
+    if config.d_intermediate > 0:
+        mlp = GatedMLP(config.d_model, config.d_intermediate, config.d_model, device=device, dtype=dtype)
+    return Block(config.d_model, mixer, mlp, rms_norm=config.rms_norm, norm_epsilon=config.norm_epsilon,
+                 residual_in_fp32=config.residual_in_fp32, device=device, dtype=dtype)

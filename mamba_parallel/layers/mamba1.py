@@ -1,0 +1,158 @@
+"""``Mamba``: the Mamba-1 selective-SSM mixer (Gu & Dao 2023), single device, mamba_ssm's parameter names.
+
+Data flow for hidden (b, L, d_model):
+  in_proj -> [x | z] (b, L, 2 d_inner); x -> causal depthwise conv + silu -> x_proj -> [dt_low | B | C];
+  dt = dt_proj.weight @ dt_low; y = selective_scan(x, softplus(dt + dt_proj.bias), A = -exp(A_log), B, C, D, z)
+  -> out_proj -> (b, L, d_model). As in mamba_ssm, the Δ bias is added in fp32 inside the scan (under bf16
+  autocast a bf16 linear output would round Δ before the softplus), so dt_proj's weight and bias are read directly.
+Local sizes come from the attributes ``d_inner``, ``d_state``, ``dt_rank`` (tensor parallelism rewrites them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mamba_parallel import ops
+from mamba_parallel.layers import init
+from mamba_parallel.layers.packing import resolve_seq_idx
+
+
+class Mamba(nn.Module):
+    def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: float = 2, dt_rank="auto",
+                 dt_min: float = 0.001, dt_max: float = 0.1, dt_init: str = "random", dt_scale: float = 1.0,
+                 dt_init_floor: float = 1e-4, conv_bias: bool = True, bias: bool = False, layer_idx: int | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        if dt_init not in ("random", "constant"):
+            raise ValueError(f"Mamba: dt_init must be 'random' or 'constant', got {dt_init!r}")
+        fk = dict(device=device, dtype=dtype)
+        self.d_model, self.d_state, self.d_conv = d_model, d_state, d_conv
+        self.d_inner = int(expand * d_model)
+        self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)
+        self.dt_min, self.dt_max, self.dt_init, self.dt_scale = dt_min, dt_max, dt_init, dt_scale
+        self.dt_init_floor = dt_init_floor
+        self.layer_idx = layer_idx
+
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=bias, **fk)
+        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, d_conv, groups=self.d_inner, padding=d_conv - 1,
+                                bias=conv_bias, **fk)
+        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * d_state, bias=False, **fk)
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True, **fk)
+        self.A_log = nn.Parameter(torch.empty(self.d_inner, d_state, **fk))
+        self.D = nn.Parameter(torch.empty(self.d_inner, **fk))
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **fk)
+        if not init.is_meta(device):
+            self.reset_parameters()
+        init.mark_no_weight_decay(self)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The paper's init: A = -[1..N] per channel (S4D-real), D = 1, softplus(dt bias) log-uniform in
+        [dt_min, dt_max], dt_proj weight ±dt_rank^-0.5·dt_scale; projections and conv as PyTorch's default.
+        The model's ``init_weights`` then re-scales out_proj (see models/lm.py)."""
+        init.linear_default_(self.in_proj.weight, None)
+        if self.in_proj.bias is not None:
+            init.constant_(self.in_proj.bias, 0.0)
+        init.linear_default_(self.conv1d.weight, self.conv1d.bias)
+        init.linear_default_(self.x_proj.weight)
+        std = self.dt_rank ** -0.5 * self.dt_scale
+        if self.dt_init == "constant":
+            init.constant_(self.dt_proj.weight, std)
+        else:
+            init.uniform_(self.dt_proj.weight, -std, std)
+        init.dt_bias_(self.dt_proj.bias, self.dt_min, self.dt_max, self.dt_init_floor)
+        n = self.A_log.shape[1]
+        A = torch.arange(1, n + 1, dtype=torch.float32, device=self.A_log.device).expand(self.A_log.shape[0], n)
+        init.assign_(self.A_log, torch.log(A))
+        init.constant_(self.D, 1.0)
+        init.linear_default_(self.out_proj.weight)
+        if self.out_proj.bias is not None:
+            init.constant_(self.out_proj.bias, 0.0)
+        init.mark_no_weight_decay(self)
+
+    # ---- overridable sub-steps (context parallelism replaces them per instance) ---------------------------------
+    def run_conv(self, x: torch.Tensor, seq_idx: torch.Tensor | None = None, **state_kwargs):
+        """x (b, d_inner, L) -> silu(causal depthwise conv(x)) (b, d_inner, L).
+
+        ``state_kwargs`` (inference only): ``initial_state``, ``return_final_state`` of ops.causal_conv1d.
+        """
+        return ops.causal_conv1d(x, self.conv1d.weight[:, 0, :], self.conv1d.bias, activation="silu",
+                                 seq_idx=seq_idx, **state_kwargs)
+
+    def run_scan(self, u, delta, A, B, C, D=None, z=None, delta_bias=None, seq_idx=None, **state_kwargs):
+        """u/delta/z (b, d_inner, L), A (d_inner, n), B/C (b, n, L), D (d_inner,) -> y (b, d_inner, L).
+
+        delta is softplus'ed inside (after adding delta_bias). ``state_kwargs`` (inference only):
+        ``initial_state``, ``return_last_state`` of ops.selective_scan.
+        """
+        return ops.selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=True,
+                                  seq_idx=seq_idx, **state_kwargs)
+
+    # ---- forward ------------------------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, inference_params=None, seq_idx: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states (b, L, d_model) -> (b, L, d_model).
+
+        seq_idx (b, L) int32 resets conv and scan state where it changes (packed sequences); ``cu_seqlens``
+        (nseq + 1,) with b == 1 is turned into seq_idx when that is missing. With ``inference_params``
+        the conv / SSM states of this layer are read (when ``seqlen_offset > 0``) and written back.
+        """
+        b, L, _ = hidden_states.shape
+        seq_idx = resolve_seq_idx(seq_idx, cu_seqlens, L)
+        conv_state = ssm_state = None
+        if inference_params is not None:
+            conv_state, ssm_state = inference_params.states(self.layer_idx)
+            if inference_params.seqlen_offset > 0 and L == 1:
+                return self.step(hidden_states, conv_state, ssm_state)
+        d_inner, n, r = self.d_inner, self.d_state, self.dt_rank
+        xz = self.in_proj(hidden_states)
+        if xz.shape[-1] != 2 * d_inner:
+            raise ValueError(f"Mamba: in_proj gives {xz.shape[-1]} features, expected 2 * d_inner = {2 * d_inner}")
+        x, z = xz.transpose(1, 2).split([d_inner, d_inner], dim=1)  # (b, d_inner, L) each
+
+        conv_kwargs, scan_kwargs = {}, {}
+        if conv_state is not None:
+            resume = inference_params.seqlen_offset > 0  # chunked prefill continues from the cached states
+            conv_kwargs = dict(initial_state=conv_state[:b] if resume else None, return_final_state=True)
+            scan_kwargs = dict(initial_state=ssm_state[:b] if resume else None, return_last_state=True)
+        x = self.run_conv(x, seq_idx, **conv_kwargs)
+        if conv_state is not None:
+            x, final_conv = x
+            conv_state[:b].copy_(final_conv)
+
+        x_dbl = self.x_proj(x.transpose(1, 2))  # (b, L, r + 2n)
+        dt, B, C = x_dbl.split([r, n, n], dim=-1)
+        dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)  # (b, d_inner, L); bias added in the scan
+        A = -torch.exp(self.A_log.float())
+        y = self.run_scan(x, dt, A, B.transpose(1, 2), C.transpose(1, 2), D=self.D.float(), z=z,
+                          delta_bias=self.dt_proj.bias.float(), seq_idx=seq_idx, **scan_kwargs)
+        if ssm_state is not None:
+            y, last_state = y
+            ssm_state[:b].copy_(last_state)
+        return self.out_proj(y.transpose(1, 2))
+
+    def step(self, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+        """One decode token: hidden_states (b, 1, d_model) -> (b, 1, d_model); states updated in place."""
+        b = hidden_states.shape[0]
+        d_inner, n, r = self.d_inner, self.d_state, self.dt_rank
+        x, z = self.in_proj(hidden_states[:, 0]).split([d_inner, d_inner], dim=-1)  # (b, d_inner)
+        x = ops.causal_conv1d_update(x, conv_state[:b], self.conv1d.weight[:, 0, :], self.conv1d.bias,
+                                     activation="silu")
+        dt, B, C = self.x_proj(x).split([r, n, n], dim=-1)
+        dt = F.linear(dt, self.dt_proj.weight)
+        A = -torch.exp(self.A_log.float())
+        y = ops.selective_state_update(ssm_state[:b], x, dt, A, B, C, D=self.D.float(), z=z,
+                                       dt_bias=self.dt_proj.bias.float(), dt_softplus=True)
+        return self.out_proj(y)[:, None]
+
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None):
+        """-> (conv_state (batch, d_inner, d_conv - 1) in ``dtype``, ssm_state (batch, d_inner, d_state) fp32)."""
+        w = self.conv1d.weight
+        device = device or w.device
+        conv_state = torch.zeros(batch_size, self.d_inner, w.shape[-1] - 1, device=device, dtype=dtype or w.dtype)
+        ssm_state = torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=torch.float32)
+        return conv_state, ssm_state

@@ -1,0 +1,186 @@
+"""``Mamba2``: the Mamba-2 SSD mixer (Dao & Gu 2024), single device, mamba_ssm's parameter names.
+
+Data flow for hidden (b, L, d_model):
+  in_proj -> [z | xBC | dt] with xBC = [x (d_inner) | B (g·n) | C (g·n)], dt (nheads);
+  xBC -> causal depthwise conv + silu; y = SSD scan(x as (h, p) heads, dt, A = -exp(A_log), B, C, D) with
+  dt = clamp(softplus(dt + dt_bias), dt_limit); y = norm(y, z) (gated RMSNorm, group size d_inner / ngroups)
+  -> out_proj -> (b, L, d_model).
+Local sizes come from the attributes ``d_inner, nheads, headdim, ngroups, d_state`` (tensor parallelism rewrites
+them); packed sequences are handled through ``seq_idx`` / ``cu_seqlens`` in both the conv and the scan.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from mamba_parallel import ops
+from mamba_parallel.layers import init
+from mamba_parallel.layers.packing import resolve_seq_idx
+from mamba_parallel.layers.norm import RMSNormGated
+
+
+class Mamba2(nn.Module):
+    def __init__(self, d_model: int, d_state: int = 128, d_conv: int = 4, expand: float = 2, headdim: int = 64,
+                 ngroups: int = 1, chunk_size: int = 256, A_init_range=(1, 16), dt_min: float = 0.001,
+                 dt_max: float = 0.1, dt_init_floor: float = 1e-4, dt_limit=(0.0, float("inf")),
+                 conv_bias: bool = True, bias: bool = False, rmsnorm: bool = True, norm_before_gate: bool = False,
+                 D_has_hdim: bool = False, layer_idx: int | None = None, device=None, dtype=None):
+        super().__init__()
+        fk = dict(device=device, dtype=dtype)
+        self.d_model, self.d_state, self.d_conv = d_model, d_state, d_conv
+        self.d_inner = int(expand * d_model)
+        if self.d_inner % headdim:
+            raise ValueError(f"Mamba2: d_inner = {self.d_inner} is not divisible by headdim = {headdim}")
+        self.headdim = headdim
+        self.nheads = self.d_inner // headdim
+        if self.nheads % ngroups:
+            raise ValueError(f"Mamba2: nheads = {self.nheads} is not divisible by ngroups = {ngroups}")
+        self.ngroups = ngroups
+        self.chunk_size = chunk_size
+        self.A_init_range = tuple(A_init_range)
+        self.dt_min, self.dt_max, self.dt_init_floor = dt_min, dt_max, dt_init_floor
+        self.dt_limit = tuple(float(v) for v in dt_limit)
+        self.rmsnorm, self.D_has_hdim = rmsnorm, D_has_hdim
+        self.layer_idx = layer_idx
+
+        conv_dim = self.d_inner + 2 * ngroups * d_state
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner + 2 * ngroups * d_state + self.nheads, bias=bias, **fk)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, d_conv, groups=conv_dim, padding=d_conv - 1, bias=conv_bias,
+                                **fk)
+        self.dt_bias = nn.Parameter(torch.empty(self.nheads, **fk))
+        self.A_log = nn.Parameter(torch.empty(self.nheads, **fk))
+        self.D = nn.Parameter(torch.empty(self.d_inner if D_has_hdim else self.nheads, **fk))
+        if rmsnorm:
+            self.norm = RMSNormGated(self.d_inner, eps=1e-5, group_size=self.d_inner // ngroups,
+                                     norm_before_gate=norm_before_gate, **fk)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **fk)
+        if not init.is_meta(device):
+            self.reset_parameters()
+        init.mark_no_weight_decay(self)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The paper's init: A = -U(A_init_range) per head, D = 1, softplus(dt_bias) log-uniform in
+        [dt_min, dt_max]; projections and conv as PyTorch's default, norm weight 1. The model's ``init_weights``
+        then re-scales out_proj (see models/lm.py)."""
+        init.linear_default_(self.in_proj.weight)
+        if self.in_proj.bias is not None:
+            init.constant_(self.in_proj.bias, 0.0)
+        init.linear_default_(self.conv1d.weight, self.conv1d.bias)
+        init.dt_bias_(self.dt_bias, self.dt_min, self.dt_max, self.dt_init_floor)
+        lo, hi = self.A_init_range
+        A = torch.empty(self.A_log.shape, device=self.A_log.device).uniform_(lo, hi)
+        init.assign_(self.A_log, torch.log(A))
+        init.constant_(self.D, 1.0)
+        if self.rmsnorm:
+            self.norm.reset_parameters()
+        init.linear_default_(self.out_proj.weight)
+        if self.out_proj.bias is not None:
+            init.constant_(self.out_proj.bias, 0.0)
+        init.mark_no_weight_decay(self)
+
+    # ---- overridable sub-steps (context parallelism replaces them per instance) ---------------------------------
+    def run_conv(self, xBC: torch.Tensor, seq_idx: torch.Tensor | None = None, **state_kwargs):
+        """xBC (b, conv_dim, L) -> silu(causal depthwise conv(xBC)) (b, conv_dim, L); no mixing across seq_idx.
+
+        ``state_kwargs`` (inference only): ``initial_state``, ``return_final_state`` of ops.causal_conv1d.
+        """
+        return ops.causal_conv1d(xBC, self.conv1d.weight[:, 0, :], self.conv1d.bias, activation="silu",
+                                 seq_idx=seq_idx, **state_kwargs)
+
+    def run_scan(self, x, dt, A, B, C, D=None, z=None, dt_bias=None, seq_idx=None, cu_seqlens=None,
+                 **state_kwargs):
+        """x (b, L, h, p), dt (b, L, h), A (h,), B/C (b, L, g, n), D (h,) or (h, p), z (b, L, h, p) or None
+        -> y (b, L, h, p). ``state_kwargs`` (inference only): ``initial_states``, ``return_final_states``.
+
+        Packed input may come with both seq_idx and cu_seqlens (the model derives one from the other); the op takes
+        one, cu_seqlens (b == 1) when given."""
+        if cu_seqlens is not None:
+            seq_idx = None
+        return ops.ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=True,
+                                  dt_limit=self.dt_limit, seq_idx=seq_idx, cu_seqlens=cu_seqlens, **state_kwargs)
+
+    # ---- forward ------------------------------------------------------------------------------------------------
+    def _split_in_proj(self, zxbcdt: torch.Tensor):
+        """(..., 2 d_inner + 2 g n + h) -> z (..., d_inner), xBC (..., d_inner + 2 g n), dt (..., h)."""
+        d_inner, gn, h = self.d_inner, self.ngroups * self.d_state, self.nheads
+        if zxbcdt.shape[-1] != 2 * d_inner + 2 * gn + h:
+            raise ValueError(f"Mamba2: in_proj gives {zxbcdt.shape[-1]} features, expected 2 * d_inner + "
+                             f"2 * ngroups * d_state + nheads = {2 * d_inner + 2 * gn + h} (d_inner={d_inner}, "
+                             f"ngroups={self.ngroups}, d_state={self.d_state}, nheads={h})")
+        return zxbcdt.split([d_inner, d_inner + 2 * gn, h], dim=-1)
+
+    def _D(self) -> torch.Tensor:
+        return self.D.float().view(self.nheads, self.headdim) if self.D_has_hdim else self.D.float()
+
+    def forward(self, hidden_states: torch.Tensor, inference_params=None, seq_idx: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states (b, L, d_model) -> (b, L, d_model).
+
+        seq_idx (b, L) int32 / cu_seqlens (nseq + 1,) int32 (b == 1): packed sequences, no state crosses a
+        boundary. With ``inference_params`` the conv / SSM states of this layer are read (when
+        ``seqlen_offset > 0``) and written back.
+        """
+        b, L, _ = hidden_states.shape
+        seq_idx = resolve_seq_idx(seq_idx, cu_seqlens, L)
+        conv_state = ssm_state = None
+        if inference_params is not None:
+            conv_state, ssm_state = inference_params.states(self.layer_idx)
+            if inference_params.seqlen_offset > 0 and L == 1:
+                return self.step(hidden_states, conv_state, ssm_state)
+            if cu_seqlens is not None:
+                raise ValueError("Mamba2: cu_seqlens (packed sequences) cannot fill an inference cache; prefill "
+                                 "one sequence per batch row instead")
+        h, p, g, n = self.nheads, self.headdim, self.ngroups, self.d_state
+        z, xBC, dt = self._split_in_proj(self.in_proj(hidden_states))
+
+        conv_kwargs, scan_kwargs = {}, {}
+        if conv_state is not None:
+            resume = inference_params.seqlen_offset > 0  # chunked prefill continues from the cached states
+            conv_kwargs = dict(initial_state=conv_state[:b] if resume else None, return_final_state=True)
+            scan_kwargs = dict(initial_states=ssm_state[:b] if resume else None, return_final_states=True)
+        xBC = self.run_conv(xBC.transpose(1, 2), seq_idx, **conv_kwargs)
+        if conv_state is not None:
+            xBC, final_conv = xBC
+            conv_state[:b].copy_(final_conv)
+        x, B, C = xBC.transpose(1, 2).split([self.d_inner, g * n, g * n], dim=-1)
+
+        A = -torch.exp(self.A_log.float())
+        y = self.run_scan(x.unflatten(-1, (h, p)), dt, A, B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),
+                          D=self._D(), z=None if self.rmsnorm else z.unflatten(-1, (h, p)), dt_bias=self.dt_bias,
+                          seq_idx=seq_idx, cu_seqlens=cu_seqlens, **scan_kwargs)
+        if ssm_state is not None:
+            y, final_ssm = y
+            ssm_state[:b].copy_(final_ssm)
+        y = y.flatten(-2)
+        if self.rmsnorm:
+            y = self.norm(y, z)
+        return self.out_proj(y)
+
+    def step(self, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
+        """One decode token: hidden_states (b, 1, d_model) -> (b, 1, d_model); states updated in place."""
+        b = hidden_states.shape[0]
+        h, p, g, n = self.nheads, self.headdim, self.ngroups, self.d_state
+        z, xBC, dt = self._split_in_proj(self.in_proj(hidden_states[:, 0]))
+        xBC = ops.causal_conv1d_update(xBC, conv_state[:b], self.conv1d.weight[:, 0, :], self.conv1d.bias,
+                                       activation="silu")
+        x, B, C = xBC.split([self.d_inner, g * n, g * n], dim=-1)
+        A = -torch.exp(self.A_log.float())
+        y = ops.ssd_state_update(ssm_state[:b], x.unflatten(-1, (h, p)), dt, A, B.unflatten(-1, (g, n)),
+                                 C.unflatten(-1, (g, n)), D=self._D(),
+                                 z=None if self.rmsnorm else z.unflatten(-1, (h, p)), dt_bias=self.dt_bias,
+                                 dt_softplus=True, dt_limit=self.dt_limit)
+        y = y.flatten(-2)
+        if self.rmsnorm:
+            y = self.norm(y, z)
+        return self.out_proj(y)[:, None]
+
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None):
+        """-> (conv_state (batch, conv_dim, d_conv - 1) in ``dtype``, ssm_state (batch, h, p, n) fp32)."""
+        w = self.conv1d.weight
+        device = device or w.device
+        conv_state = torch.zeros(batch_size, w.shape[0], w.shape[-1] - 1, device=device, dtype=dtype or w.dtype)
+        ssm_state = torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, device=device,
+                                dtype=torch.float32)
+        return conv_state, ssm_state

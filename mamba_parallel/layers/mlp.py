@@ -1,0 +1,41 @@
+"""``GatedMLP``: the SwiGLU feed-forward that hybrid / d_intermediate > 0 models put after each mixer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mamba_parallel.layers import init
+
+
+class GatedMLP(nn.Module):
+    """y = fc2(value * silu(gate)) with fc1 -> [value | gate] (mamba_ssm's layout and names).
+
+    The hidden width is ``hidden_features`` rounded up to a multiple of ``multiple_of`` (128, as mamba_ssm), so a
+    mamba_ssm checkpoint with any d_intermediate loads with the same shapes.
+    """
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None,
+                 bias: bool = False, multiple_of: int = 128, device=None, dtype=None):
+        super().__init__()
+        fk = dict(device=device, dtype=dtype)
+        out_features = out_features or in_features
+        hidden = (hidden_features + multiple_of - 1) // multiple_of * multiple_of
+        self.hidden_features = hidden
+        self.fc1 = nn.Linear(in_features, 2 * hidden, bias=bias, **fk)
+        self.fc2 = nn.Linear(hidden, out_features, bias=bias, **fk)
+        if not init.is_meta(device):
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for lin in (self.fc1, self.fc2):
+            init.linear_default_(lin.weight)
+            if lin.bias is not None:
+                init.constant_(lin.bias, 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in_features) -> (..., out_features). The split uses fc1's output width (local under TP)."""
+        value, gate = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(value * F.silu(gate))

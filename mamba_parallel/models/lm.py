@@ -1,0 +1,185 @@
+"""``MambaLMHeadModel``: embedding -> N residual blocks -> final norm -> (tied) LM head, mamba_ssm's layout.
+
+State-dict names are mamba_ssm's (``backbone.embedding.weight``, ``backbone.layers.{i}.mixer.*``,
+``backbone.norm_f.weight``, ``lm_head.weight``), so its checkpoints load without renaming. No distributed code
+here: parallelism is applied from outside (mamba_parallel/distributed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from mamba_parallel import ops
+from mamba_parallel.config import MambaConfig
+from mamba_parallel.inference.cache import InferenceParams
+from mamba_parallel.layers import init
+from mamba_parallel.layers.attention import MHA
+from mamba_parallel.layers.block import create_block
+from mamba_parallel.layers.mamba1 import Mamba
+from mamba_parallel.layers.mamba2 import Mamba2
+from mamba_parallel.layers.mlp import GatedMLP
+from mamba_parallel.layers.norm import RMSNorm, add_norm, make_norm
+from mamba_parallel.layers.packing import seq_idx_from_cu_seqlens
+
+
+class MixerModel(nn.Module):
+    """The backbone: input_ids (b, L) -> hidden states (b, L, d_model) after the final norm."""
+
+    def __init__(self, config: MambaConfig, device=None, dtype=None):
+        super().__init__()
+        fk = dict(device=device, dtype=dtype)
+        self.residual_in_fp32 = config.residual_in_fp32
+        # _weight: skip nn.Embedding's own init (the model's init_weights sets it; on meta it would pull in dynamo)
+        self.embedding = nn.Embedding(config.padded_vocab_size, config.d_model,
+                                      _weight=torch.empty(config.padded_vocab_size, config.d_model, **fk))
+        self.layers = nn.ModuleList(create_block(config, i, **fk) for i in range(config.n_layer))
+        self.norm_f = make_norm(config.d_model, config.rms_norm, config.norm_epsilon, **fk)
+
+    def forward(self, input_ids: torch.Tensor, inference_params=None, seq_idx: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (b, L) -> (b, L, d_model).
+
+        Packed sequences: seq_idx (b, L) int32 and/or cu_seqlens (nseq + 1,) int32 with b == 1 (seq_idx is
+        derived from cu_seqlens when missing). position_ids (b, L) only matter to attention layers (rotary).
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seqlen), got shape {tuple(input_ids.shape)}")
+        b, L = input_ids.shape
+        if cu_seqlens is not None:
+            if b != 1:
+                raise ValueError(f"cu_seqlens needs packed input_ids of batch size 1, got batch {b}")
+            cu_seqlens = cu_seqlens.to(torch.int32)
+            if seq_idx is None:
+                seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, L)
+        if seq_idx is not None:
+            if tuple(seq_idx.shape) != (b, L):
+                raise ValueError(f"seq_idx must have the shape of input_ids {(b, L)}, got {tuple(seq_idx.shape)}")
+            seq_idx = seq_idx.to(torch.int32)
+        hidden_states, residual = self.embedding(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual, inference_params=inference_params,
+                                            seq_idx=seq_idx, cu_seqlens=cu_seqlens, position_ids=position_ids)
+        hidden_states, _ = add_norm(hidden_states, residual, self.norm_f, self.residual_in_fp32)
+        return hidden_states
+
+
+class MambaLMHeadModel(nn.Module):
+    """A Mamba-1 / Mamba-2 / hybrid language model described by a ``MambaConfig``.
+
+    Built on ``device="meta"`` it holds no memory; ``to_empty(device=...)`` then ``init_weights()`` makes it real
+    (the way FSDP2 materialises it). On any other device it is initialised at construction.
+    """
+
+    def __init__(self, config: MambaConfig, device=None, dtype=None):
+        super().__init__()
+        if not isinstance(config, MambaConfig):
+            raise TypeError(f"MambaLMHeadModel: config must be a MambaConfig, got {type(config).__name__}")
+        self.config = config
+        # Build on meta, then materialise once: every parameter is initialised exactly once, by init_weights.
+        target = torch.empty(0, device=device).device  # honours a `with torch.device(...)` default
+        self.backbone = MixerModel(config, device="meta", dtype=dtype)
+        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False, device="meta", dtype=dtype)
+        self.tie_weights()
+        if target.type != "meta":
+            self.to_empty(device=target)
+            self.init_weights()
+        init.mark_no_weight_decay(self)
+
+    # ---- weights ------------------------------------------------------------------------------------------------
+    def tie_weights(self) -> None:
+        """lm_head.weight IS backbone.embedding.weight when config.tie_embeddings (re-done after to_empty)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.backbone.embedding.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Re-initialise every parameter from the torch RNG, deterministically (same seed -> same model).
+
+        Mixers: the papers' init (A_log, D, dt bias, dt_proj); linear / conv weights: PyTorch's default; norms: 1;
+        embedding: N(0, initializer_range); out_proj / fc2 (the layers writing into the residual stream) divided
+        by sqrt(n_residuals_per_layer * n_layer) (GPT-2's scheme, as mamba_ssm). Re-ties the embeddings.
+        """
+        cfg = self.config
+        self.tie_weights()
+        for m in self.modules():
+            if isinstance(m, (Mamba, Mamba2, MHA, GatedMLP, RMSNorm, nn.LayerNorm)):
+                m.reset_parameters()
+        init.normal_(self.backbone.embedding.weight, cfg.initializer_range)
+        if not cfg.tie_embeddings:
+            init.linear_default_(self.lm_head.weight)
+        if cfg.rescale_prenorm_residual:
+            n_residuals_per_layer = 2 if cfg.d_intermediate > 0 else 1
+            scale = 1.0 / math.sqrt(n_residuals_per_layer * cfg.n_layer)
+            for block in self.backbone.layers:
+                block.mixer.out_proj.weight.mul_(scale)
+                if block.mlp is not None:
+                    block.mlp.fc2.weight.mul_(scale)
+        init.mark_no_weight_decay(self)
+
+    # ---- forward ------------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, inference_params=None,
+                num_last_tokens: int = 0, seq_idx: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (b, L) -> logits (b, L, padded_vocab) in the hidden dtype, or with labels (b, L) the mean
+        cross-entropy over labels != -100 (labels already shifted: labels[:, t] is the target of position t).
+
+        num_last_tokens > 0: logits of the last positions only (b, num_last_tokens, padded_vocab).
+        """
+        hidden_states = self.backbone(input_ids, inference_params=inference_params, seq_idx=seq_idx,
+                                      cu_seqlens=cu_seqlens, position_ids=position_ids)
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got "
+                                 f"{tuple(labels.shape)}")
+            return self.lm_loss(hidden_states, labels)
+        if num_last_tokens > 0:
+            hidden_states = hidden_states[:, -num_last_tokens:]
+        return self.lm_head(hidden_states)
+
+    def lm_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """hidden_states (b, L, d_model), labels (b, L) int64 -> mean CE over labels != -100 (scalar, fp32).
+
+        Logits are formed chunk by chunk inside the op, never all at once. Tensor parallelism overrides this
+        method with a vocab-parallel loss.
+        """
+        return ops.linear_cross_entropy(hidden_states.flatten(0, 1), self.lm_head.weight, labels.flatten())
+
+    # ---- inference ----------------------------------------------------------------------------------------------
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None) -> InferenceParams:
+        """A fresh cache for ``batch_size`` rows and up to ``max_seqlen`` positions (see inference/cache.py)."""
+        position = None
+        if self.config.attn_layer_idx:  # attention's one-token step reads seqlen_offset from the device
+            position = torch.zeros((), dtype=torch.long, device=device or self.lm_head.weight.device)
+        cache = InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch_size, position=position)
+        for i, layer in enumerate(self.backbone.layers):
+            cache.key_value_memory_dict[layer.mixer.layer_idx if layer.mixer.layer_idx is not None else i] = \
+                layer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, device=device)
+        return cache
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 0.0, eos_token_id: int | None = None, generator: torch.Generator | None = None,
+                 **kwargs) -> torch.Tensor:
+        """input_ids (b, L) -> token ids (b, L + n), n <= max_new_tokens (see inference/generate.py; ``kwargs``:
+        ``cache_dtype``, ``cuda_graph``)."""
+        from mamba_parallel.inference.generate import generate
+
+        return generate(self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        eos_token_id=eos_token_id, generator=generator, **kwargs)
+
+    # ---- checkpoints (models/formats.py) ------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path, device=None, dtype=None) -> "MambaLMHeadModel":
+        """A model from a mamba_ssm or HF checkpoint folder (or hub name): see models/formats.py."""
+        from mamba_parallel.models.formats import load_pretrained
+
+        return load_pretrained(path, device=device, dtype=dtype)
+
+    def save_pretrained(self, path, format: str = "mamba_ssm") -> None:
+        """Write config + weights to folder ``path`` in ``format`` ("mamba_ssm" or "hf"): see models/formats.py."""
+        from mamba_parallel.models.formats import save_pretrained
+
+        save_pretrained(self, path, format=format)

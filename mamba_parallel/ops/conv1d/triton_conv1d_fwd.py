@@ -1,0 +1,95 @@
+"""Forward Triton kernel of the causal depthwise conv1d; in DPRE mode it also starts the SiLU backward.
+
+Tile = BLOCK_L positions x BLOCK_D channels of one batch row. x is read through its strides; when the channel
+stride is 1 (the channels-last layout the Mamba-2 layer produces) Triton specialises it and loads along channels
+are coalesced, when the position stride is 1 loads along positions are. The w shifted reads of one tile hit cache.
+
+Sequence rule (see naive.py): input q feeds output p only if S(q) == S(p), with S(q) = seq_idx[q] for q >= 0 and
+seq_idx[0] for the initial-state inputs (q < 0).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def seq_at(seq_base, pos, L, stride_s_l, seq0):
+    """S(pos): the sequence id of input/output positions ``pos`` (seq_idx[0] before the start, -1 past the end)."""
+    s = tl.load(seq_base + pos * stride_s_l, mask=(pos >= 0) & (pos < L), other=-1)
+    return tl.where(pos < 0, seq0, s)
+
+
+@triton.jit
+def conv_preact(
+    x_base, init_base, seq_base, w_ptr, b_ptr,
+    pos, c, mask_c, L,
+    stride_x_d, stride_x_l, stride_i_d, stride_i_k, stride_s_l, stride_w_d, stride_w_k, seq0,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Pre-activation bias + sum_k w[:, k] x[pos - (w-1) + k] at positions pos (BLOCK_P,) -> (BLOCK_P, BLOCK_D) fp32."""
+    acc = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    if HAS_SEQ:
+        s_out = seq_at(seq_base, pos, L, stride_s_l, seq0)
+    for k in tl.static_range(W):
+        q = pos + (k - (W - 1))
+        wk = tl.load(w_ptr + c * stride_w_d + k * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)
+        xv = tl.load(x_base + c[None, :] * stride_x_d + q[:, None] * stride_x_l,
+                     mask=((q >= 0) & (q < L))[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        if HAS_INIT:
+            qi = q + (W - 1)
+            xv += tl.load(init_base + c[None, :] * stride_i_d + qi[:, None] * stride_i_k,
+                          mask=((q < 0) & (qi >= 0))[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        if HAS_SEQ:
+            xv = tl.where((seq_at(seq_base, q, L, stride_s_l, seq0) == s_out)[:, None], xv, 0.0)
+        acc += xv * wk[None, :]
+    return acc
+
+
+@triton.jit
+def conv1d_fwd_kernel(
+    X, WEIGHT, BIAS, INIT, SEQ, DY, Y,
+    D, L,
+    stride_x_b, stride_x_d, stride_x_l,
+    stride_w_d, stride_w_k,
+    stride_i_b, stride_i_d, stride_i_k,
+    stride_s_b, stride_s_l,
+    stride_dy_b, stride_dy_d, stride_dy_l,
+    stride_y_b, stride_y_d, stride_y_l,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
+    DPRE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Y = act(pre). With DPRE (first step of the SiLU backward): Y = dy * silu'(pre), the gradient at pre."""
+    pid_l = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    t = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+    c = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_c = c < D
+    mask = (t < L)[:, None] & mask_c[None, :]
+    x_base = X + b * stride_x_b
+    init_base = INIT
+    if HAS_INIT:
+        init_base = INIT + b * stride_i_b
+    seq_base = SEQ
+    seq0 = 0
+    if HAS_SEQ:
+        seq_base = SEQ + b * stride_s_b
+        seq0 = tl.load(seq_base)
+
+    acc = conv_preact(x_base, init_base, seq_base, WEIGHT, BIAS, t, c, mask_c, L,
+                      stride_x_d, stride_x_l, stride_i_d, stride_i_k, stride_s_l, stride_w_d, stride_w_k, seq0,
+                      W, HAS_BIAS, HAS_INIT, HAS_SEQ, BLOCK_L, BLOCK_D)
+    if DPRE:
+        dy = tl.load(DY + b * stride_dy_b + c[None, :] * stride_dy_d + t[:, None] * stride_dy_l, mask=mask,
+                     other=0.0).to(tl.float32)
+        sig = tl.sigmoid(acc)
+        acc = dy * sig * (1.0 + acc * (1.0 - sig))
+    elif SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(Y + b * stride_y_b + c[None, :] * stride_y_d + t[:, None] * stride_y_l, acc.to(Y.dtype.element_ty),
+             mask=mask)

@@ -1,0 +1,60 @@
+"""RMSNorm family: ``rms_norm``, ``add_rms_norm`` (residual add fused with the norm), ``gated_rms_norm`` (Mamba-2)."""
+
+from __future__ import annotations
+
+import torch
+
+from mamba_parallel.ops._common import check_divides, check_ndim, check_shape, kernel_module
+from mamba_parallel.ops.backend import use_triton
+from mamba_parallel.ops.norm import naive
+
+
+def _kernel():
+    return kernel_module(__name__)
+
+
+def _check_weight(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_ndim(op, "x", x, tuple(range(1, 9)), "(..., d)")
+    check_shape(op, "weight", weight, ("d", x.shape[-1]))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """x (..., d), weight (d,) -> y (..., d) in x.dtype; y = x / sqrt(mean(x^2, -1) + eps) * weight (fp32 math)."""
+    _check_weight("rms_norm", x, weight)
+    if use_triton(x, op="rms_norm", has_kernel=_kernel() is not None):
+        return _kernel().rms_norm(x, weight, eps)
+    return naive.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-5,
+                 residual_in_fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., d), residual (..., d) or None, weight (d,) -> (y, new_residual), both (..., d).
+
+    new_residual = x + residual (fp32 when ``residual_in_fp32``, else x.dtype); y = rms_norm(new_residual) in
+    x.dtype. The pre-norm block: the residual stream is carried in fp32 between layers.
+    """
+    _check_weight("add_rms_norm", x, weight)
+    check_shape("add_rms_norm", "residual", residual, *(("...", s) for s in x.shape[:-1]), ("d", x.shape[-1]))
+    if use_triton(x, op="add_rms_norm", has_kernel=_kernel() is not None):
+        return _kernel().add_rms_norm(x, residual, weight, eps, residual_in_fp32)
+    return naive.add_rms_norm(x, residual, weight, eps, residual_in_fp32)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-5,
+                   group_size: int | None = None, norm_before_gate: bool = False) -> torch.Tensor:
+    """x (..., d), z (..., d) or None, weight (d,) -> y (..., d) in x.dtype.
+
+    The RMS is taken over each group of ``group_size`` consecutive channels (None: all d), as Mamba-2 does with
+    ngroups > 1. norm_before_gate=False: y = rmsnorm(x * silu(z)) * weight; True: y = rmsnorm(x) * weight *
+    silu(z). z None: plain (grouped) RMSNorm.
+    """
+    _check_weight("gated_rms_norm", x, weight)
+    check_shape("gated_rms_norm", "z", z, *(("...", s) for s in x.shape[:-1]), ("d", x.shape[-1]))
+    if group_size is not None:
+        check_divides("gated_rms_norm", "group_size", group_size, "d", x.shape[-1])
+    if use_triton(x, op="gated_rms_norm", has_kernel=_kernel() is not None):
+        return _kernel().gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate)
+    return naive.gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate)
+
+
+__all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm"]

@@ -1,0 +1,204 @@
+"""Triton RMSNorm family, registered as torch custom ops so torch.compile keeps them as single graph nodes.
+
+``rms_norm``, ``add_rms_norm`` and ``gated_rms_norm`` take the public functions' arguments (docs/API.md) and all
+run the same kernels (triton_norm_fwd.py / triton_norm_bwd.py): fp32 statistics, rstd saved for the backward,
+the weight gradient reduced down columns into per-program partial sums.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+
+from mamba_parallel.ops.norm import naive
+from mamba_parallel.ops.norm.triton_norm_bwd import norm_bwd_dw_kernel, norm_bwd_dx_kernel
+from mamba_parallel.ops.norm.triton_norm_fwd import norm_fwd_kernel
+
+# One group of channels lives in registers: 64 KiB of fp32 per row is the most a program holds.
+_MAX_GROUP = 16384
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# Weight-gradient reduction: tiles of BLOCK_R rows x BLOCK_C channels, about _DW_PROGRAMS_PER_SM programs per SM.
+_DW_BLOCK_R, _DW_BLOCK_C, _DW_PROGRAMS_PER_SM = 16, 128, 8
+
+
+def _dw_row_split(x: torch.Tensor, rows: int, col_blocks: int) -> int:
+    """Rows per weight-gradient program (a multiple of the row tile), so the grid fills the GPU."""
+    target = _DW_PROGRAMS_PER_SM * (_sm_count(x.device.index or 0) if x.is_cuda else 1)
+    n_row_programs = max(1, min(triton.cdiv(rows, _DW_BLOCK_R), triton.cdiv(target, col_blocks)))
+    return triton.cdiv(triton.cdiv(rows, n_row_programs), _DW_BLOCK_R) * _DW_BLOCK_R
+
+
+def _launch_shape(group_size: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps): a row group over enough threads for ~16 elements each (no spills on sm_90)."""
+    if group_size > _MAX_GROUP:
+        raise ValueError(f"triton rms norm: group of {group_size} channels exceeds {_MAX_GROUP}; "
+                         "use a smaller group_size or MAMBA_PARALLEL_BACKEND=naive")
+    block = triton.next_power_of_2(group_size)
+    return block, max(4, min(16, block // (32 * 16)))
+
+
+def _rows(t: Optional[torch.Tensor], d: int) -> Optional[torch.Tensor]:
+    """(..., d) -> (M, d) with unit channel stride (copies only when it must)."""
+    if t is None:
+        return None
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t.reshape(-1, d)
+
+
+# ---------------------------------------------------------------------------------------------------- forward op
+
+@torch.library.custom_op("mamba_parallel::rms_norm_fwd", mutates_args=())
+def _norm_fwd(x: torch.Tensor, z: Optional[torch.Tensor], residual: Optional[torch.Tensor], weight: torch.Tensor,
+              eps: float, group_size: int, norm_before_gate: bool, store_residual: bool,
+              residual_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x/z/residual (M, d) -> y (M, d) x.dtype, residual_out (M, d) residual_dtype (or empty), rstd (G, M) fp32."""
+    m, d = x.shape
+    groups = d // group_size
+    y = torch.empty((m, d), dtype=x.dtype, device=x.device)
+    res_out = torch.empty((m, d) if store_residual else (0, d), dtype=residual_dtype, device=x.device)
+    rstd = torch.empty((groups, m), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return y, res_out, rstd
+    block, warps = _launch_shape(group_size)
+    norm_fwd_kernel[(m, groups)](
+        x, z, residual, weight, y, res_out, rstd,
+        m, group_size,
+        x.stride(0), z.stride(0) if z is not None else 0, residual.stride(0) if residual is not None else 0,
+        y.stride(0), res_out.stride(0),
+        eps,
+        HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate, HAS_RES=residual is not None,
+        STORE_RES=store_residual, BLOCK_N=block, num_warps=warps,
+    )
+    return y, res_out, rstd
+
+
+@_norm_fwd.register_fake
+def _(x, z, residual, weight, eps, group_size, norm_before_gate, store_residual, residual_dtype):
+    m, d = x.shape
+    return (x.new_empty((m, d)), x.new_empty((m, d) if store_residual else (0, d), dtype=residual_dtype),
+            x.new_empty((d // group_size, m), dtype=torch.float32))
+
+
+# --------------------------------------------------------------------------------------------------- backward op
+
+@torch.library.custom_op("mamba_parallel::rms_norm_bwd", mutates_args=())
+def _norm_bwd(dy: torch.Tensor, dres_out: Optional[torch.Tensor], xin: torch.Tensor, z: Optional[torch.Tensor],
+              weight: torch.Tensor, rstd: torch.Tensor, group_size: int, norm_before_gate: bool,
+              dx_dtype: torch.dtype, dres_dtype: Optional[torch.dtype]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dx (M, d) dx_dtype, dresidual (M, d) dres_dtype (or empty), dz (M, d) (or empty), dweight (d,)."""
+    m, d = xin.shape
+    groups = d // group_size
+    dx = torch.empty((m, d), dtype=dx_dtype, device=xin.device)
+    dres = torch.empty((m, d) if dres_dtype is not None else (0, d), dtype=dres_dtype or dx_dtype,
+                       device=xin.device)
+    dz = torch.empty((m, d) if z is not None else (0, d), dtype=z.dtype if z is not None else dx_dtype,
+                     device=xin.device)
+    if m == 0:
+        return dx, dres, dz, torch.zeros_like(weight)
+    block, warps = _launch_shape(group_size)
+    norm_bwd_dx_kernel[(m, groups)](
+        xin, z, weight, dy, dres_out, rstd,
+        dx, dres, dz,
+        m, group_size,
+        xin.stride(0), z.stride(0) if z is not None else 0, dy.stride(0),
+        dres_out.stride(0) if dres_out is not None else 0, dx.stride(0), dres.stride(0), dz.stride(0),
+        HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate, HAS_DRES_OUT=dres_out is not None,
+        STORE_DX2=dres_dtype is not None, BLOCK_N=block, num_warps=warps,
+    )
+    col_blocks = triton.cdiv(d, _DW_BLOCK_C)
+    rows_per_program = _dw_row_split(xin, m, col_blocks)
+    n_row_programs = triton.cdiv(m, rows_per_program)
+    dw_part = torch.empty((n_row_programs, d), dtype=torch.float32, device=xin.device)
+    norm_bwd_dw_kernel[(n_row_programs, col_blocks)](
+        xin, z, dy, rstd, dw_part,
+        m, d, group_size, rows_per_program,
+        xin.stride(0), z.stride(0) if z is not None else 0, dy.stride(0),
+        HAS_Z=z is not None, BLOCK_R=_DW_BLOCK_R, BLOCK_C=_DW_BLOCK_C, num_warps=4,
+    )
+    return dx, dres, dz, dw_part.sum(0).to(weight.dtype)
+
+
+@_norm_bwd.register_fake
+def _(dy, dres_out, xin, z, weight, rstd, group_size, norm_before_gate, dx_dtype, dres_dtype):
+    m, d = xin.shape
+    return (xin.new_empty((m, d), dtype=dx_dtype),
+            xin.new_empty((m, d) if dres_dtype is not None else (0, d), dtype=dres_dtype or dx_dtype),
+            xin.new_empty((m, d) if z is not None else (0, d), dtype=z.dtype if z is not None else dx_dtype),
+            torch.empty_like(weight))
+
+
+def _setup_context(ctx, inputs, output):
+    x, z, residual, weight, eps, group_size, norm_before_gate, store_residual, residual_dtype = inputs
+    _, res_out, rstd = output
+    # For add_rms_norm the normalised input is the new residual; keep it rather than x.
+    ctx.save_for_backward(res_out if store_residual else x, z, weight, rstd)
+    ctx.group_size, ctx.norm_before_gate = group_size, norm_before_gate
+    ctx.x_dtype = x.dtype
+    ctx.res_dtype = residual.dtype if residual is not None else None
+    ctx.store_residual = store_residual
+
+
+def _backward(ctx, dy, dres_out, _drstd):
+    xin, z, weight, rstd = ctx.saved_tensors
+    if not ctx.store_residual:
+        dres_out = None
+    dx, dres, dz, dw = _norm_bwd(dy.contiguous(), None if dres_out is None else dres_out.contiguous(), xin, z,
+                                 weight, rstd, ctx.group_size, ctx.norm_before_gate, ctx.x_dtype, ctx.res_dtype)
+    return (dx, dz if z is not None else None, dres if ctx.res_dtype is not None else None, dw,
+            None, None, None, None, None)
+
+
+_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------- public-named entries
+
+def _fp64(*ts) -> bool:
+    return any(t is not None and t.dtype == torch.float64 for t in ts)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """x (..., d), weight (d,) -> (..., d) in x.dtype."""
+    if _fp64(x, weight):  # the kernels compute in fp32; fp64 (gradcheck) keeps the exact reference
+        return naive.rms_norm(x, weight, eps)
+    d = x.shape[-1]
+    y, _, _ = _norm_fwd(_rows(x, d), None, None, weight, float(eps), d, False, False, x.dtype)
+    return y.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-5,
+                 residual_in_fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., d), residual (..., d) or None -> (normed (..., d) x.dtype, new_residual (..., d))."""
+    if _fp64(x, residual, weight):
+        return naive.add_rms_norm(x, residual, weight, eps, residual_in_fp32)
+    d = x.shape[-1]
+    res_dtype = torch.float32 if residual_in_fp32 else x.dtype
+    y, res_out, _ = _norm_fwd(_rows(x, d), None, _rows(residual, d), weight, float(eps), d, False, True,
+                              res_dtype)
+    return y.view(x.shape), res_out.view(x.shape)
+
+
+def gated_rms_norm(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-5,
+                   group_size: Optional[int] = None, norm_before_gate: bool = False) -> torch.Tensor:
+    """x/z (..., d), weight (d,) -> (..., d) in x.dtype, RMS over groups of ``group_size`` channels."""
+    if _fp64(x, z, weight):
+        return naive.gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate)
+    d = x.shape[-1]
+    gs = d if group_size is None else int(group_size)
+    y, _, _ = _norm_fwd(_rows(x, d), _rows(z, d), None, weight, float(eps), gs, bool(norm_before_gate), False,
+                        x.dtype)
+    return y.view(x.shape)
+
+
+__all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm"]

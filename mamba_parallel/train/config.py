@@ -1,0 +1,212 @@
+"""TrainConfig: every setting of `mamba-parallel train`, one field per flag, with its help text.
+
+Resolution order (later wins): the field defaults below, a TOML file given by ``--config``, the command-line
+flags. The resolved config is written to ``<out>/config.toml``. TOML keys are the field names (``batch_size``;
+``batch-size`` is accepted too); an optional ``[model]`` table overrides MambaConfig fields of the preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tomllib
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from mamba_parallel.config import PRESETS, ConfigError, MambaConfig, get_preset
+
+DEFAULT_PRESET = "small-byte-mamba2"
+
+
+def _f(default, help: str, *, choices=None, flag_type=None):
+    return field(default=default, metadata={"help": help, "choices": choices, "flag_type": flag_type})
+
+
+@dataclass
+class TrainConfig:
+    # ---- model ---------------------------------------------------------------------------------------------------
+    preset: str = _f(DEFAULT_PRESET, "model preset (see mamba_parallel/config.py PRESETS)", choices=list(PRESETS))
+    model: dict = field(default_factory=dict, metadata={"help": "TOML [model] table: MambaConfig overrides"})
+    # ---- data ----------------------------------------------------------------------------------------------------
+    data: str | None = _f(None, "token folder from `prepare-data`, or raw text: a file, a directory, .jsonl or "
+                                ".parquet (tokenized into <out>/data first). Default: the Python standard "
+                                "library's own .py sources", flag_type=str)
+    tokenizer: str | None = _f(None, "HF tokenizers tokenizer.json (file or folder); default: bytes", flag_type=str)
+    val_fraction: float = _f(0.005, "share of the raw data held out for evaluation when preparing it")
+    # ---- batch and schedule --------------------------------------------------------------------------------------
+    steps: int = _f(600, "optimizer steps in total (a resumed run continues up to this count)")
+    batch_size: int = _f(8, "sequences per rank per micro-step")
+    grad_accum: int = _f(1, "micro-steps per optimizer step (global batch = batch_size x dp ranks x grad_accum)")
+    seq_len: int = _f(256, "tokens per training sequence")
+    lr: float = _f(3e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = _f(0.1, "the cosine schedule ends at lr x min_lr_ratio")
+    warmup: int = _f(30, "linear warmup steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay (never applied to norms, biases, A_log, D, dt_bias)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this (0 = off)")
+    seed: int = _f(0, "seed of the weight init and of the data order")
+    # ---- hardware and parallelism --------------------------------------------------------------------------------
+    device: str | None = _f(None, "cpu or cuda (default: cuda when available)", choices=["cpu", "cuda"],
+                            flag_type=str)
+    dtype: str = _f("fp32", "fp32, or bf16 = bf16 autocast over fp32 master weights", choices=["fp32", "bf16"])
+    dp_mode: str = _f("fsdp", "data parallel: fsdp (FSDP2 fully_shard) or ddp", choices=["fsdp", "ddp"])
+    dp_replicate: int = _f(1, "with --dp-mode fsdp: replicas of the FSDP group (HSDP: shard within a node, "
+                              "replicate across nodes)")
+    tp: int = _f(1, "tensor parallel degree (ranks of one tp group share a batch)")
+    cp: int = _f(1, "context parallel degree (each cp rank gets a contiguous slice of every sequence)")
+    parallel: str = _f("manual", "auto: choose tp/cp from the model and GPU memory; manual: use --tp/--cp",
+                       choices=["auto", "manual"])
+    activation_checkpointing: bool = _f(False, "recompute each block's activations in the backward pass")
+    compile: bool = _f(False, "torch.compile each block")
+    # ---- output, checkpoints, monitoring -------------------------------------------------------------------------
+    out: str = _f("runs/default", "output folder: metrics.jsonl, config.toml, checkpoints/, final/")
+    resume: bool = _f(False, "continue from the newest complete checkpoint in --out")
+    log_every: int = _f(10, "log metrics every N steps")
+    eval_every: int = _f(200, "evaluate on the held-out split every N steps (0 = only at the end)")
+    eval_batches: int = _f(8, "batches per evaluation (each of batch_size sequences per rank)")
+    save_every: int = _f(200, "checkpoint every N steps (0 = only at the end and on SIGTERM)")
+    keep: int = _f(2, "keep the newest N complete checkpoints")
+    sample_tokens: int = _f(200, "tokens to generate as a sample when training ends (0 = none)")
+    sample_prompt: str = _f("def ", "prompt of the closing sample")
+    progress: bool = _f(True, "show a progress bar on rank 0 when the output is a terminal")
+
+    # ---- derived -------------------------------------------------------------------------------------------------
+    def model_config(self) -> MambaConfig:
+        """The preset with the [model] overrides applied."""
+        return get_preset(self.preset, **self.model)
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"--{name.replace('_', '-')}: {why}")
+
+        if self.preset not in PRESETS:
+            raise ConfigError(f"--preset: unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "tp", "cp", "dp_replicate", "keep",
+                     "eval_batches"):
+            need(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup", "log_every", "eval_every", "save_every", "sample_tokens"):
+            need(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        need(self.log_every >= 1, "log_every", "must be >= 1")
+        need(self.lr > 0 and math.isfinite(self.lr), "lr", f"must be a positive number, got {self.lr}")
+        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must lie in [0, 1], got {self.min_lr_ratio}")
+        need(0 <= self.val_fraction < 1, "val_fraction", f"must lie in [0, 1), got {self.val_fraction}")
+        need(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
+        for f in fields(self):
+            ch = f.metadata.get("choices")
+            v = getattr(self, f.name)
+            if ch and v is not None and v not in ch:
+                need(False, f.name, f"must be one of {ch}, got {v!r}")
+        need(self.seq_len % self.cp == 0, "seq_len", f"{self.seq_len} is not divisible by --cp {self.cp}")
+        self.model_config()  # raises ConfigError naming the bad [model] field
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML (None values are left out, as TOML has no null)."""
+        lines, model = [], None
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "model":
+                model = v
+            elif v is not None:
+                lines.append(f"{f.name} = {_toml_value(v)}")
+        if model:
+            lines.append("\n[model]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in model.items()]
+        return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        if isinstance(v, float) and not math.isfinite(v):
+            return "inf" if v > 0 else ("-inf" if v < 0 else "nan")
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise ConfigError(f"cannot write {v!r} ({type(v).__name__}) to TOML")
+
+
+# ---- flags and TOML --------------------------------------------------------------------------------------------
+def _flag_type(f) -> Any:
+    t = f.metadata.get("flag_type")
+    if t is not None:
+        return t
+    return type(f.default) if f.default is not MISSING else str
+
+
+def add_train_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field (``--batch-size`` for batch_size), every default None = "not given"."""
+    p.add_argument("--config", metavar="FILE", help="TOML file with the same fields; flags override it")
+    for f in fields(TrainConfig):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        help_text = f.metadata["help"] + (f" (default: {default})" if default is not None else "")
+        if isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            p.add_argument(flag, type=_flag_type(f), default=None, help=help_text,
+                           choices=f.metadata.get("choices"),
+                           metavar=None if f.metadata.get("choices") else f.name.upper())
+
+
+def load_toml(path: str) -> dict:
+    """Read a train config TOML into a dict of TrainConfig fields; unknown keys -> ConfigError naming the file."""
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"--config: file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: invalid TOML: {e}") from None
+    known = {f.name: f for f in fields(TrainConfig)}
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"--config {path}: unknown key {key!r}; known keys: {', '.join(known)}")
+        if name == "model" and not isinstance(value, dict):
+            raise ConfigError(f"--config {path}: 'model' must be a table of MambaConfig fields")
+        out[name] = value
+    return out
+
+
+def resolve_config(args: argparse.Namespace | None = None, toml_path: str | None = None,
+                   **overrides: Any) -> TrainConfig:
+    """Defaults <- TOML file <- parsed flags <- keyword overrides; validated."""
+    values: dict[str, Any] = {}
+    path = toml_path or (getattr(args, "config", None) if args is not None else None)
+    if path:
+        values.update(load_toml(path))
+    if args is not None:
+        for f in fields(TrainConfig):
+            v = getattr(args, f.name, None)
+            if v is not None:
+                values[f.name] = v
+    known = {f.name for f in fields(TrainConfig)}
+    bad = sorted(set(overrides) - known)
+    if bad:
+        raise ConfigError(f"unknown train setting(s) {bad}; known: {sorted(known)}")
+    values.update(overrides)
+    try:
+        cfg = TrainConfig(**values)
+    except TypeError as e:
+        raise ConfigError(f"train config: {e}") from None
+    for f in fields(TrainConfig):  # TOML gives ints where floats are meant, and may give wrong types
+        v = getattr(cfg, f.name)
+        want = _flag_type(f)
+        if v is None or f.name == "model":
+            continue
+        if want is float and isinstance(v, int) and not isinstance(v, bool):
+            setattr(cfg, f.name, float(v))
+        elif not isinstance(v, want) or (want is int and isinstance(v, bool)):
+            raise ConfigError(f"{f.name}: expected {want.__name__}, got {v!r}")
+    cfg.validate()
+    return cfg

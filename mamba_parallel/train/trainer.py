@@ -1,0 +1,406 @@
+"""The training loop of `mamba-parallel train`: one process per device, any world size under torchrun.
+
+Precision: fp32 master weights (and optimizer state); ``--dtype bf16`` runs forward/backward under
+``torch.autocast(bf16)`` (FSDP2 gathers and reduces in fp32). Loss: the model's own chunked cross-entropy
+(``model(input_ids, labels=labels)``), mean over the micro-batch; averaged over micro-steps and ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mamba_parallel.config import ConfigError
+from mamba_parallel.distributed.data_parallel import DistEnv, init_distributed
+from mamba_parallel.distributed.parallel_dims import ParallelDims
+from mamba_parallel.distributed.parallelize import parallelize
+from mamba_parallel.train import checkpoint as ckpt
+from mamba_parallel.train.config import TrainConfig
+from mamba_parallel.train.data import DataError, RankBatches, TokenWindows, is_prepared, open_split, prepare_data, \
+    read_header
+from mamba_parallel.train.flops import peak_flops, train_flops_per_token
+from mamba_parallel.train.metrics import GpuMonitor, MetricsLogger, Progress, Throughput, peak_memory_gib
+from mamba_parallel.train.optim import build_optimizer, build_scheduler, restart_schedule
+from mamba_parallel.train.tokenizer import load_tokenizer
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. a non-finite loss); the last complete checkpoint is left intact."""
+
+
+_STOP = {"sigterm": False}
+
+
+def _on_sigterm(signum, frame):
+    _STOP["sigterm"] = True
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---- data --------------------------------------------------------------------------------------------------------
+def resolve_data(cfg: TrainConfig, env: DistEnv) -> tuple[str, dict, object]:
+    """(token folder, header, tokenizer): a prepared folder as is, anything else tokenized into <out>/data."""
+    if cfg.data and is_prepared(cfg.data):
+        folder = cfg.data
+        header = read_header(folder)
+        if cfg.tokenizer and load_tokenizer(cfg.tokenizer).spec != header["tokenizer"]:
+            raise DataError(f"--tokenizer {cfg.tokenizer!r} differs from the tokenizer of the token folder "
+                            f"{folder!r} ({header['tokenizer']!r})")
+        return folder, header, load_tokenizer(header["tokenizer"])
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    source = cfg.data or "stdlib"
+    if source != "stdlib" and not os.path.exists(source):
+        raise DataError(f"--data: {source!r} does not exist")
+    folder = os.path.join(cfg.out, "data")
+    wanted = {"source": os.path.abspath(source) if source != "stdlib" else "stdlib", "tokenizer": tokenizer.spec,
+              "val_fraction": cfg.val_fraction}
+    error = None
+    if env.is_main:
+        try:
+            fresh = is_prepared(folder) and all(read_header(folder).get(k) == v for k, v in wanted.items())
+            if not fresh:
+                prepare_data(source, folder, tokenizer, cfg.val_fraction)
+        except DataError as e:
+            error = str(e)
+    if dist.is_initialized():  # every rank fails alike instead of waiting for rank 0 forever
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise DataError(error)
+    return folder, read_header(folder), tokenizer
+
+
+# ---- model -------------------------------------------------------------------------------------------------------
+def _model_class():
+    from mamba_parallel.models import MambaLMHeadModel
+    return MambaLMHeadModel
+
+
+def init_model(config, device: torch.device, seed: int) -> torch.nn.Module:
+    """The single-device model: built on meta, materialised on ``device``, ``init_weights`` under ``seed``."""
+    with torch.device("meta"):
+        model = _model_class()(config)
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+def build_parallel_model(config, cfg: TrainConfig, env: DistEnv, dims: ParallelDims, resuming: bool):
+    """(model to train, the unwrapped model). Initial weights equal ``init_model``'s at every layout.
+
+    FSDP-only runs build on meta, shard, materialise, and receive rank 0's initialisation
+    (``broadcast_from_rank0``; skipped when resuming). Tensor / context parallel and DDP start from the full model
+    built on every rank under the same seed (tensor parallel slices real weights)."""
+    if env.world_size == 1 or cfg.dp_mode == "ddp" or dims.tp > 1 or dims.cp > 1:
+        model = init_model(config, env.device, cfg.seed)
+        wrapped = parallelize(model, dims, dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
+                              compile=cfg.compile)
+        return wrapped, model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    with torch.device("meta"):
+        model = _model_class()(config)
+    model = parallelize(model, dims, dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
+                        compile=cfg.compile)
+    model.to_empty(device=env.device)
+    torch.manual_seed(cfg.seed)
+    with torch.no_grad():
+        model.init_weights()  # buffers, and a valid start when the broadcast below is skipped
+    if not resuming:
+        full = init_model(config, env.device, cfg.seed).state_dict() if env.is_main else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+    return model, model
+
+
+def gather_for_save(model: torch.nn.Module, config) -> torch.nn.Module | None:
+    """A plain single-device copy of the trained weights on rank 0's CPU (None on other ranks); collective."""
+    from mamba_parallel.distributed.state_dict import full_model_state_dict
+
+    full = full_model_state_dict(model, cpu_offload=True)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    with torch.device("meta"):
+        plain = _model_class()(config)
+    plain.load_state_dict(full, assign=True, strict=True)
+    plain.tie_weights()
+    return plain
+
+
+# ---- parallel layout ---------------------------------------------------------------------------------------------
+def choose_dims(cfg: TrainConfig, config, env: DistEnv, log) -> ParallelDims:
+    tp, cp = cfg.tp, cfg.cp
+    if cfg.parallel == "auto":
+        try:
+            from mamba_parallel.distributed.auto import choose_parallel
+        except ModuleNotFoundError:
+            tp, cp = 1, 1
+            log("--parallel auto: mamba_parallel.distributed.auto is not available; data parallel only")
+        else:
+            mem = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else 0
+            tp, cp = choose_parallel(env.world_size, config, mem, seq_len=cfg.seq_len, micro_batch=cfg.batch_size)
+            log(f"--parallel auto chose tp={tp} cp={cp}")
+    if cfg.dp_mode == "ddp":
+        if env.world_size % (tp * cp):
+            raise ConfigError(f"world size {env.world_size} is not divisible by tp*cp = {tp * cp}")
+        dims = ParallelDims(dp_replicate=env.world_size // (tp * cp), dp_shard=1, cp=cp, tp=tp,
+                            world_size=env.world_size)
+    else:
+        dims = ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=-1, cp=cp, tp=tp, world_size=env.world_size)
+    dims.validate_for_model(config)
+    return dims
+
+
+def _drop_metrics_after(out: str, step: int) -> None:
+    """On resume: forget metrics.jsonl records of steps after the checkpoint (they will be logged again)."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path) as fh:
+        keep = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path, "w") as fh:
+        fh.writelines(keep)
+
+
+# ---- the loop ----------------------------------------------------------------------------------------------------
+def _grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """The global gradient norm (over every shard); clips in place when ``max_norm`` > 0."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    if hasattr(norm, "full_tensor"):  # FSDP / TP: DTensor norm -> the reduced value on every rank
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    if cfg.dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model, batches: RankBatches, n_batches: int, cfg: TrainConfig, device) -> float:
+    """Mean loss over the first ``n_batches`` global micro-batches of the validation split (all ranks)."""
+    model.eval()
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    for i in range(n_batches):
+        inputs, labels = batches.batch(i * batches.global_batch, device)
+        with _autocast(cfg, device):
+            total += model(inputs, labels=labels).double()
+    model.train()
+    total /= n_batches
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    return total.item()
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run training as configured; return ``{"losses": {step: loss}, "eval": {step: loss}, "step", "stopped"}``.
+
+    Raises TrainingError on a non-finite loss / grad norm (before that step's optimizer update).
+    """
+    env = init_distributed(cfg.device)
+    progress = None
+    log_lines = []
+
+    def log(text: str) -> None:
+        log_lines.append(text)
+        if env.is_main:
+            (progress.print if progress else print)(text)
+
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    if env.is_main:
+        os.makedirs(cfg.out, exist_ok=True)
+    _barrier()
+
+    found = ckpt.latest_checkpoint(cfg.out)
+    if found and not cfg.resume:
+        raise ConfigError(f"--out {cfg.out!r} already holds checkpoints (newest {found[1]}): pass --resume to "
+                          f"continue that run, or choose another --out")
+    if cfg.resume and found is None:
+        log(f"--resume: no complete checkpoint in {cfg.out!r}; starting from scratch")
+    ckpt.remove_stale_tmp(cfg.out)
+
+    folder, header, tokenizer = resolve_data(cfg, env)
+    config = cfg.model_config()
+    if header["vocab_size"] > config.vocab_size:
+        log(f"model vocab_size {config.vocab_size} < tokenizer vocab {header['vocab_size']}: using the latter")
+        cfg.model = {**cfg.model, "vocab_size": header["vocab_size"]}
+        config = cfg.model_config()
+
+    dims = choose_dims(cfg, config, env, log)
+    if env.world_size > 1:
+        dims.build_mesh(env.device.type)
+    dp_rank = env.rank // (dims.cp * dims.tp)
+    cp_rank = (env.rank // dims.tp) % dims.cp
+    train_w = TokenWindows(open_split(folder, "train"), cfg.seq_len, cfg.seed, shuffle=True, what="train")
+    batches = RankBatches(train_w, cfg.batch_size, dp_rank, dims.dp, cp_rank, dims.cp)
+    try:
+        val_w = TokenWindows(open_split(folder, "val"), cfg.seq_len, cfg.seed, shuffle=False, what="val")
+        val_batches = RankBatches(val_w, cfg.batch_size, dp_rank, dims.dp, cp_rank, dims.cp)
+    except DataError:
+        val_batches = None
+        log(f"the validation split has fewer than {cfg.seq_len + 1} tokens: evaluation is off")
+
+    with torch.device("meta"):
+        meta_model = _model_class()(config)
+    flops_per_token = train_flops_per_token(meta_model, config, cfg.seq_len)
+    n_params = sum(p.numel() for p in meta_model.parameters())
+    del meta_model
+    model, _ = build_parallel_model(config, cfg, env, dims, resuming=found is not None and cfg.resume)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2),
+                                fused=env.device.type == "cuda")
+    scheduler = build_scheduler(optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+
+    step, consumed = 0, 0
+    if cfg.resume and found is not None:
+        state = ckpt.load_checkpoint(found[1], model, optimizer, scheduler)
+        step, consumed = state["step"], state["consumed"]
+        restart_schedule(optimizer, scheduler, cfg.lr)
+        log(f"resumed from {found[1]} (step {step}, saved by {state['world_size']} rank(s))")
+        if env.is_main:
+            _drop_metrics_after(cfg.out, step)
+    if env.is_main:
+        with open(os.path.join(cfg.out, "config.toml"), "w") as fh:
+            fh.write(cfg.to_toml())
+
+    tokens_per_step = cfg.batch_size * dims.dp * cfg.grad_accum * cfg.seq_len
+    mode = f" ({cfg.dp_mode})" if dims.dp > 1 else ""
+    log(f"model {cfg.preset}: {n_params / 1e6:.2f}M params | {dims.describe()}{mode} | "
+        f"device {env.device} {cfg.dtype} | data {folder}: {header['tokens']['train']:,} train tokens | "
+        f"{tokens_per_step:,} tokens/step")
+
+    peak = peak_flops(env.device, cfg.dtype)
+    metrics = MetricsLogger(cfg.out, env.is_main)
+    gpus = GpuMonitor(env.is_main and env.device.type == "cuda")
+    progress = Progress(env.is_main, cfg.steps, step, cfg.progress)
+    prev_handler = None
+    try:
+        prev_handler = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: no SIGTERM handling
+        pass
+    _STOP["sigterm"] = False
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+
+    losses, evals, last_saved, stopped = {}, {}, step if found and cfg.resume else -1, False
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    model.train()
+    clock, t_start = Throughput(), time.perf_counter()
+    try:
+        while step < cfg.steps:
+            loss_sum = torch.zeros((), device=env.device, dtype=torch.float32)
+            for micro in range(cfg.grad_accum):
+                inputs, labels = batches.batch(consumed + micro * batches.global_batch, env.device)
+                sync = micro == cfg.grad_accum - 1
+                with (model.no_sync() if ddp and not sync else contextlib.nullcontext()), _autocast(cfg, env.device):
+                    loss = model(inputs, labels=labels)
+                (loss / cfg.grad_accum).backward()
+                loss_sum += loss.detach().float()
+            grad_norm = _grad_norm(model, cfg.grad_clip)
+            # One all-reduce per step: the mean loss, and the SIGTERM flag (> 0 on any rank stops every rank).
+            red = torch.stack([loss_sum / cfg.grad_accum, torch.tensor(float(_STOP["sigterm"]), device=env.device)])
+            if dist.is_initialized():
+                dist.all_reduce(red)
+                red[0] /= dist.get_world_size()
+            stats = torch.stack([red[0], grad_norm.float().to(env.device), red[1]])
+            loss_v, gnorm_v, stop_v = stats.tolist()
+            if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
+                raise TrainingError(f"non-finite {'loss' if not math.isfinite(loss_v) else 'gradient norm'} at "
+                                    f"step {step + 1} (loss {loss_v}, grad norm {gnorm_v}): stopped before the "
+                                    f"optimizer update; the last complete checkpoint is untouched")
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            consumed += cfg.grad_accum * batches.global_batch
+            losses[step] = loss_v
+            clock.add(tokens_per_step)
+            stopped = stop_v > 0 and step < cfg.steps  # at the last step the normal end already saves
+
+            if step % cfg.log_every == 0 or step == cfg.steps or step == 1:
+                tps, _ = clock.read()
+                mfu = tps * flops_per_token / (peak * env.world_size) if peak else None
+                rec = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": gnorm_v, "tokens_per_s": tps,
+                       "mfu": mfu, "mem_gib": round(peak_memory_gib(env.device), 3),
+                       "tokens": consumed * cfg.seq_len, "elapsed_s": round(time.perf_counter() - t_start, 2)}
+                rec.update(gpus.read())
+                metrics.log(rec)
+                mfu_s = f" mfu {mfu:.1%}" if mfu is not None else ""
+                log(f"step {step}/{cfg.steps} loss {loss_v:.4f} lr {lr:.2e} grad_norm {gnorm_v:.3f} "
+                    f"{tps:,.0f} tok/s{mfu_s} mem {rec['mem_gib']:.2f} GiB")
+            progress.update(step, f"loss {loss_v:.3f}")
+
+            do_eval = val_batches is not None and ((cfg.eval_every and step % cfg.eval_every == 0)
+                                                   or step == cfg.steps)
+            if do_eval and not stopped:
+                ev = evaluate(model, val_batches, cfg.eval_batches, cfg, env.device)
+                evals[step] = ev
+                metrics.log({"step": step, "eval_loss": ev})
+                log(f"step {step}: eval_loss {ev:.4f}")
+                clock.read()
+            if stopped or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                if last_saved != step:
+                    path = ckpt.save_checkpoint(cfg.out, step, model, optimizer, scheduler, consumed, cfg.keep)
+                    last_saved = step
+                    log(f"saved checkpoint {path}")
+                clock.read()
+            if stopped:
+                log(f"SIGTERM: stopped after step {step} with a checkpoint; resume with --resume")
+                break
+    finally:
+        progress.close()
+        progress = None
+        metrics.close()
+        if prev_handler is not None:
+            signal.signal(signal.SIGTERM, prev_handler)
+
+    result = {"losses": losses, "eval": evals, "step": step, "stopped": stopped, "log": log_lines}
+    if not stopped and step >= cfg.steps:
+        final = os.path.join(cfg.out, "final")
+        plain = gather_for_save(model, config)
+        if plain is not None:
+            plain.save_pretrained(final)
+            tokenizer.save(final)
+            log(f"saved the final model to {final} (load it with MambaLMHeadModel.from_pretrained or "
+                f"`mamba-parallel generate --checkpoint {final}`)")
+            if cfg.sample_tokens:
+                result["sample"] = sample_text(plain.to(env.device), tokenizer, cfg.sample_prompt,
+                                               cfg.sample_tokens, env.device)
+                log("---- sample ----\n" + result["sample"] + "\n----------------")
+        _barrier()
+    return result
+
+
+@torch.no_grad()
+def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, device, temperature: float = 0.8,
+                top_k: int = 40, seed: int = 0, top_p: float = 0.0) -> str:
+    """Prompt + ``max_new_tokens`` sampled tokens, decoded."""
+    model.eval()
+    ids = torch.tensor([tokenizer.encode(prompt) or [tokenizer.eos_token_id or 0]], device=device)
+    torch.manual_seed(seed)
+    out = model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         eos_token_id=tokenizer.eos_token_id)
+    seq = out.sequences if hasattr(out, "sequences") else out
+    return tokenizer.decode(seq[0].tolist())

@@ -1,0 +1,120 @@
+"""Parity with HF transformers' own MambaForCausalLM / Mamba2ForCausalLM (their pure-torch path), both directions.
+
+transformers is a test-only dependency. Models are built from local configs with random weights (no downloads);
+without mamba_ssm / causal_conv1d installed, transformers runs its reference PyTorch code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local folder only; never the hub
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+from mamba_parallel.models.formats import load_pretrained, save_pretrained  # noqa: E402
+from mamba_parallel.models.hf_config import config_from_hf  # noqa: E402
+
+MAX_REL_ERR = 1e-4  # fp32, max |ours - HF| / max |HF|
+
+SMALL = dict(hidden_size=32, num_hidden_layers=2, state_size=8)
+CASES = {
+    "mamba1": (transformers.MambaConfig, dict(SMALL, vocab_size=64)),
+    "mamba1-bias-nocb-untied": (transformers.MambaConfig, dict(
+        SMALL, vocab_size=60, use_conv_bias=False, use_bias=True, time_step_rank=3, tie_word_embeddings=False)),
+    "mamba2-g1": (transformers.Mamba2Config, dict(
+        SMALL, vocab_size=64, num_heads=4, head_dim=16, n_groups=1, chunk_size=8)),
+    "mamba2-g2-bias-nocb-tied-dtlimit": (transformers.Mamba2Config, dict(
+        SMALL, vocab_size=64, num_heads=4, head_dim=16, n_groups=2, chunk_size=8, use_conv_bias=False,
+        use_bias=True, tie_word_embeddings=True, time_step_limit=(0.01, 0.05))),
+}
+
+
+def _hf_class(config):
+    return transformers.Mamba2ForCausalLM if config.model_type == "mamba2" else transformers.MambaForCausalLM
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    """Random offsets on every tensor (HF starts norms at 1, conv biases at 0: parity must see them all)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def _max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def _ids(vocab: int, length: int = 20) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_parity_both_directions(tmp_path, case):
+    config_cls, kwargs = CASES[case]
+    torch.manual_seed(0)
+    hf = _hf_class(config_cls(**kwargs))(config_cls(**kwargs)).eval()
+    _perturb(hf, 1)
+    ids = _ids(kwargs["vocab_size"])
+
+    # HF's save_pretrained -> our from_pretrained
+    hf.save_pretrained(tmp_path / "from_hf")
+    ours = load_pretrained(tmp_path / "from_hf").eval()
+    with torch.no_grad():
+        ref = hf(ids).logits
+        err = _max_rel_err(ours(ids), ref)
+    assert err <= MAX_REL_ERR, f"ours(HF weights) vs HF: max rel err {err:.2e}"
+
+    # our save_pretrained(format="hf") -> HF's from_pretrained (new weights, so nothing carries over)
+    _perturb(ours, 2)
+    save_pretrained(ours, tmp_path / "to_hf", format="hf")
+    hf2, info = _hf_class(hf.config).from_pretrained(tmp_path / "to_hf", dtype=torch.float32,
+                                                     output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        ref = hf2.eval()(ids).logits
+        err = _max_rel_err(ours(ids), ref)
+    assert err <= MAX_REL_ERR, f"ours vs HF(our weights): max rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("case", ["mamba1", "mamba2-g1"])
+def test_greedy_generate_matches_hf(tmp_path, case):
+    config_cls, kwargs = CASES[case]
+    torch.manual_seed(0)
+    hf = _hf_class(config_cls(**kwargs))(config_cls(**kwargs)).eval()
+    _perturb(hf, 4)
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path).eval()
+    prompt = _ids(kwargs["vocab_size"], length=6)
+    # An explicit mask: HF would otherwise treat prompt tokens equal to pad_token_id as left padding.
+    want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+    got = ours.generate(prompt, max_new_tokens=10, temperature=0.0)
+    assert got.shape == (2, 16) and torch.equal(got, want), f"ours {got.tolist()}\nHF   {want.tolist()}"
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2"])
+def test_missing_fields_take_transformers_defaults(tmp_path, model_type):
+    """A config.json with only a few fields means to us what it means to transformers (its defaults)."""
+    raw = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 32}
+    if model_type == "mamba2":
+        raw.update(num_heads=8, head_dim=16)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    ours = config_from_hf(raw)
+    m = ours.mixer_cfg
+    assert (m["d_state"], m["d_conv"], m["expand"], m["bias"], m["conv_bias"]) == (
+        hf.state_size, hf.conv_kernel, hf.expand, hf.use_bias, hf.use_conv_bias)
+    assert (ours.tie_embeddings, ours.norm_epsilon, ours.residual_in_fp32, m["dt_min"], m["dt_max"]) == (
+        hf.tie_word_embeddings, hf.layer_norm_epsilon, hf.residual_in_fp32, hf.time_step_min, hf.time_step_max)
+    if model_type == "mamba":
+        assert ours.dt_rank == hf.time_step_rank
+    else:
+        assert (m["ngroups"], m["chunk_size"], m["dt_limit"]) == (hf.n_groups, hf.chunk_size,
+                                                                 tuple(hf.time_step_limit))

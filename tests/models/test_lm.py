@@ -1,0 +1,191 @@
+"""MambaLMHeadModel: state-dict names, loss vs logits, meta-device build, packed sequences, dtypes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close
+
+from mamba_parallel import get_preset
+from mamba_parallel.models import MambaLMHeadModel
+
+
+def _model(name, **overrides):
+    torch.manual_seed(0)
+    return MambaLMHeadModel(get_preset(name, **overrides))
+
+
+def test_state_dict_names_are_mamba_ssm_names():
+    cfg = get_preset("tiny-hybrid")  # layer 1 attention, the others Mamba2, gated MLP everywhere
+    sd = MambaLMHeadModel(cfg).state_dict()
+    d, di, n, h, V = 64, 128, 16, 8, 256
+    expect = {"backbone.embedding.weight": (V, d), "backbone.norm_f.weight": (d,), "lm_head.weight": (V, d)}
+    for i in range(4):
+        p = f"backbone.layers.{i}."
+        expect.update({p + "norm.weight": (d,), p + "norm2.weight": (d,), p + "mlp.fc1.weight": (2 * 128, d),
+                       p + "mlp.fc2.weight": (d, 128)})
+        if i == 1:
+            qkv = 16 * (4 + 2 * 2)
+            expect.update({p + "mixer.in_proj.weight": (qkv, d), p + "mixer.in_proj.bias": (qkv,),
+                           p + "mixer.out_proj.weight": (d, 64), p + "mixer.out_proj.bias": (d,)})
+        else:
+            conv_dim = di + 2 * n
+            expect.update({p + "mixer.in_proj.weight": (2 * di + 2 * n + h, d),
+                           p + "mixer.conv1d.weight": (conv_dim, 1, 4), p + "mixer.conv1d.bias": (conv_dim,),
+                           p + "mixer.dt_bias": (h,), p + "mixer.A_log": (h,), p + "mixer.D": (h,),
+                           p + "mixer.norm.weight": (di,), p + "mixer.out_proj.weight": (d, di)})
+    assert {k: tuple(v.shape) for k, v in sd.items()} == expect
+
+    sd1 = MambaLMHeadModel(get_preset("tiny-mamba")).state_dict()
+    r, n1 = 4, 8  # dt_rank = ceil(64 / 16)
+    assert tuple(sd1["backbone.layers.0.mixer.x_proj.weight"].shape) == (r + 2 * n1, di)
+    assert tuple(sd1["backbone.layers.0.mixer.dt_proj.weight"].shape) == (di, r)
+    assert tuple(sd1["backbone.layers.0.mixer.dt_proj.bias"].shape) == (di,)
+    assert tuple(sd1["backbone.layers.0.mixer.A_log"].shape) == (di, n1)
+    assert tuple(sd1["backbone.layers.0.mixer.in_proj.weight"].shape) == (2 * di, d)
+
+
+@pytest.mark.parametrize("name", ["tiny-mamba", "tiny-hybrid"])
+def test_loss_equals_cross_entropy_of_logits(name):
+    model = _model(name)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (2, 13), generator=g)
+    labels = torch.randint(0, 256, (2, 13), generator=g)
+    labels[0, :4] = -100
+    labels[1, -1] = -100
+    loss = model(ids, labels=labels)
+    logits = model(ids)
+    ref = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    assert loss.dim() == 0
+    assert_close(loss, ref, name="loss")
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    with pytest.raises(ValueError, match="labels"):
+        model(ids, labels=labels[:, :5])
+
+
+def test_meta_build_to_empty_init_weights_is_a_real_tied_model():
+    torch.manual_seed(1)
+    direct = MambaLMHeadModel(get_preset("tiny-hybrid"))
+    meta = MambaLMHeadModel(get_preset("tiny-hybrid"), device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    assert meta.lm_head.weight is meta.backbone.embedding.weight
+    meta.to_empty(device="cpu")
+    torch.manual_seed(1)
+    meta.init_weights()
+    assert meta.lm_head.weight is meta.backbone.embedding.weight, "init_weights must re-tie the embeddings"
+    ref, got = direct.state_dict(), meta.state_dict()
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), f"{k} differs: init_weights is not deterministic"
+    marked = {n.rsplit(".", 1)[-1] for n, p in meta.named_parameters() if getattr(p, "_no_weight_decay", False)}
+    assert marked == {"A_log", "D", "dt_bias"}
+    ids = torch.randint(0, 256, (1, 9))
+    assert_close(meta(ids), direct(ids), name="logits")
+    untied = MambaLMHeadModel(get_preset("tiny-mamba", tie_embeddings=False))
+    assert untied.lm_head.weight is not untied.backbone.embedding.weight
+
+
+def test_init_weights_on_fsdp2_shards_gives_single_device_values():
+    """FSDP2's path: meta build -> fully_shard -> to_empty -> init_weights. Each rank's shard must hold the slice of
+    the single-device model's values (same seed). Rank 1 of 2 is simulated in-process with a fake process group."""
+    import torch.distributed as dist
+
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    cfg = get_preset("tiny-hybrid")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=1, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        model = MambaLMHeadModel(cfg, device="meta")
+        for block in model.backbone.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        torch.manual_seed(5)
+        model.init_weights()
+        local = {k: v.to_local() for k, v in model.state_dict().items()}
+    finally:
+        dist.destroy_process_group()
+    torch.manual_seed(5)
+    ref = MambaLMHeadModel(cfg).state_dict()
+    assert local.keys() == ref.keys()
+    for k, v in ref.items():
+        expect = v.chunk(2, dim=0)[1] if v.shape[0] > 1 else v[:0]  # FSDP2 shards dim 0 like torch.chunk
+        assert torch.equal(local[k], expect), f"{k}: rank 1's shard differs from the single-device slice"
+
+
+def test_num_last_tokens_and_backbone():
+    model = _model("tiny-mamba2")
+    ids = torch.randint(0, 256, (3, 10))
+    full = model(ids)
+    assert full.shape == (3, 10, 256)
+    assert_close(model(ids, num_last_tokens=2), full[:, -2:], name="last logits")
+    hidden = model.backbone(ids)
+    assert hidden.shape == (3, 10, 64)
+    assert_close(model.lm_head(hidden), full, name="lm_head(backbone)")
+
+
+@pytest.mark.parametrize("name", ["tiny-mamba", "tiny-hybrid"])
+def test_packed_sequences_match_separate_runs(name):
+    """Three sequences packed in one row (seq_idx or cu_seqlens) give each sequence's own logits."""
+    model = _model(name)
+    lens = [5, 9, 4]
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 256, (1, n), generator=g) for n in lens]
+    packed = torch.cat(seqs, dim=1)
+    separate = torch.cat([model(s) for s in seqs], dim=1)
+    seq_idx = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lens)])[None]
+    assert_close(model(packed, seq_idx=seq_idx), separate, name="packed via seq_idx")
+    cu = torch.tensor([0, 5, 14, 18], dtype=torch.int32)
+    assert_close(model(packed, cu_seqlens=cu), separate, name="packed via cu_seqlens")
+    # A mixer called directly with cu_seqlens only (no seq_idx) keeps the sequences apart as well.
+    x = torch.randn(1, 18, 64)
+    for mixer in (model.backbone.layers[0].mixer, model.backbone.layers[1].mixer):
+        with torch.no_grad():
+            sep = torch.cat([mixer(x[:, a:e]) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
+            assert_close(mixer(x, cu_seqlens=cu), sep, name=f"{type(mixer).__name__} with cu_seqlens only")
+    plain = model(packed)  # without the boundaries, later sequences see earlier ones: must differ
+    assert (plain[:, 5:] - separate[:, 5:]).abs().max() > 1e-3
+
+
+def test_low_precision_forward_keeps_dtype():
+    model = _model("tiny-hybrid").to(torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 8))
+    logits = model(ids)
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    ref = _model("tiny-hybrid")(ids)
+    assert_close(logits, ref, dtype=torch.bfloat16, factor=3, name="bf16 logits")
+
+
+def test_bad_inputs_are_clear_errors():
+    model = _model("tiny-mamba2")
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(torch.zeros(2, 5, dtype=torch.long), cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(TypeError, match="MambaConfig"):
+        MambaLMHeadModel({"d_model": 64})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-mamba", "tiny-mamba2", "tiny-hybrid"])
+def test_gpu_triton_kernels_match_reference_ops(name, monkeypatch):
+    """The same model on CUDA: Triton kernels vs the naive ops (fp32 params; kernels may use TF32 dots)."""
+    model = _model(name).cuda()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (2, 40), generator=g).cuda()
+    labels = torch.randint(0, 256, (2, 40), generator=g).cuda()
+    results = {}
+    for backend in ("naive", "triton"):
+        monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", backend)
+        model.zero_grad()
+        loss = model(ids, labels=labels)
+        loss.backward()
+        with torch.no_grad():
+            results[backend] = (model(ids), loss.detach(), model.backbone.embedding.weight.grad.clone())
+    (lr, sr, gr), (lt, st, gt) = results["naive"], results["triton"]
+    assert_close(lt, lr, dtype=torch.float16, name="logits")
+    assert_close(st, sr, dtype=torch.float16, name="loss")
+    assert_close(gt, gr, dtype=torch.float16, grad=True, factor=2, name="embedding grad")

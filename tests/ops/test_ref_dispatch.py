@@ -1,0 +1,60 @@
+"""The op dispatch contract: a missing triton_impl means "no kernel", a broken one raises; forced / naive
+backends route a public op to the kernel module or the reference with the validated arguments."""
+
+import sys
+
+import pytest
+import torch
+
+import mamba_parallel.ops.norm as norm_pkg
+from mamba_parallel.ops import rms_norm
+from mamba_parallel.ops._common import kernel_module
+
+
+def _make_pkg(root, name, impl_source):
+    pkg = root / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    if impl_source is not None:
+        (pkg / "triton_impl.py").write_text(impl_source)
+
+
+def test_kernel_module_missing_broken_present(tmp_path, monkeypatch):
+    _make_pkg(tmp_path, "mp_test_nokernel", None)
+    _make_pkg(tmp_path, "mp_test_broken", "import a_module_that_does_not_exist_anywhere\n")
+    _make_pkg(tmp_path, "mp_test_kernel", "VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert kernel_module("mp_test_nokernel") is None
+        with pytest.raises(ImportError, match="a_module_that_does_not_exist_anywhere"):
+            kernel_module("mp_test_broken")
+        assert kernel_module("mp_test_kernel").VALUE == 7
+        assert kernel_module("mp_test_kernel") is kernel_module("mp_test_kernel")
+    finally:
+        for name in [m for m in sys.modules if m.startswith("mp_test_")]:
+            del sys.modules[name]
+
+
+class _FakeKernel:
+    def __init__(self):
+        self.calls = []
+
+    def rms_norm(self, x, weight, eps):
+        self.calls.append((x, weight, eps))
+        return torch.full_like(x, 3.0)
+
+
+def test_public_op_routes_by_backend(monkeypatch):
+    fake = _FakeKernel()
+    monkeypatch.setattr(norm_pkg, "_kernel", lambda: fake)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, w = torch.randn(2, 4), torch.randn(4)
+    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
+    assert torch.equal(rms_norm(x, w, 1e-3), torch.full_like(x, 3.0))
+    assert fake.calls[0][0] is x and fake.calls[0][2] == 1e-3
+    with pytest.raises(ValueError, match="weight"):  # validation runs before any kernel
+        rms_norm(x, torch.randn(5))
+    assert len(fake.calls) == 1
+    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
+    assert not torch.equal(rms_norm(x, w), torch.full_like(x, 3.0))
+    assert len(fake.calls) == 1
