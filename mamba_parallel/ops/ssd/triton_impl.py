@@ -1,0 +1,184 @@
+"""Triton SSD chunked scan: forward and backward as two torch custom ops, so torch.compile sees one node each.
+
+Forward stages (each a kernel file): dt processing + cumulative decay (triton_dt), per-chunk states and the
+sequential state pass (triton_states), chunk outputs with C.B recomputed in registers (triton_scan_fwd).
+Backward: gate and dx / dD (triton_scan_bwd), state gradients (triton_states), dB / dC with the dA_cs gradient
+(triton_dbc), dt / A / dt_bias (triton_dt). Launch configs: triton_tuning.
+seq_idx and cu_seqlens are turned into a chunk-aligned packed layout (triton_varlen).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from mamba_parallel.ops.ssd.triton_dt import dt_backward, dt_forward
+from mamba_parallel.ops.ssd.triton_dbc import dbc_bwd
+from mamba_parallel.ops.ssd.triton_scan_bwd import dx_bwd, gate_bwd
+from mamba_parallel.ops.ssd.triton_scan_fwd import scan_fwd
+from mamba_parallel.ops.ssd.triton_states import state_pass_bwd, state_pass_fwd, weighted_outer
+from mamba_parallel.ops.ssd.triton_varlen import make_packing
+
+
+def _small(*ts):
+    """A, D, dt_bias are read with unit strides by the kernels (tiny tensors: copying costs nothing)."""
+    return tuple(t.contiguous() if t is not None else None for t in ts)
+
+
+def _prepare(x, dt, B, C, chunk_size, seq_idx, cu_seqlens):
+    """-> (packing or None, B, C in x.dtype)."""
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"ssd_chunk_scan (triton): chunk_size must be a power of two >= 16, got {chunk_size}")
+    pk = None
+    if seq_idx is not None or cu_seqlens is not None:
+        pk = make_packing(x.shape[0], x.shape[1], chunk_size, seq_idx, cu_seqlens, x.device)
+    return pk, B.to(x.dtype), C.to(x.dtype)
+
+
+def _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states, seq_idx,
+             cu_seqlens):
+    b, L, H, P = x.shape
+    hpg = H // B.shape[2]
+    A, D, dt_bias = _small(A, D, dt_bias)
+    pk, B, C = _prepare(x, dt, B, C, chunk_size, seq_idx, cu_seqlens)
+    nstates = cu_seqlens.numel() - 1 if cu_seqlens is not None else b
+    valid = seg = None
+    xs, dts, Bs, Cs, zs = x, dt, B, C, z
+    if pk is not None:
+        xs, dts, Bs, Cs, zs = (pk.pack(t) for t in (x, dt, B, C, z))
+        valid, seg = pk.valid, pk.seg
+    init = initial_states.contiguous() if initial_states is not None else None
+    dtp, acs = dt_forward(dts, A, dt_bias, dt_softplus, dt_min, dt_max, valid, chunk_size)
+    states = weighted_outer(xs, Bs, dtp, acs, 0, hpg)
+    hin, final = state_pass_fwd(states, acs, init, seg, nstates, x.dtype)
+    y, ypre = scan_fwd(xs, zs, Bs, Cs, hin, dtp, acs, D, hpg)
+    if pk is not None:
+        y, ypre = pk.unpack(y, x), pk.unpack(ypre, x)
+        if init is not None and pk.empty is not None and pk.empty.numel():
+            final[pk.empty] = init[pk.empty].float()  # an empty sequence hands its initial state through
+    return y, final, (ypre if ypre is not None else x.new_empty(0)), dtp, acs, hin
+
+
+def _backward(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states,
+              seq_idx, cu_seqlens, ypre, dtp, acs, hin, final):
+    hpg = x.shape[2] // B.shape[2]
+    A, D, dt_bias = _small(A, D, dt_bias)
+    pk, Bc, Cc = _prepare(x, dt, B, C, chunk_size, seq_idx, cu_seqlens)
+    dz = None
+    if z is not None:
+        dy, dz = gate_bwd(dy, z, ypre)
+    valid = seg = None
+    xs, dts, Bs, Cs, dys = x, dt, Bc, Cc, dy
+    if pk is not None:
+        xs, dts, Bs, Cs, dys = (pk.pack(t) for t in (x, dt, Bc, Cc, dy))
+        valid, seg = pk.valid, pk.seg
+    dfinal = dfinal.float().contiguous() if dfinal is not None else None
+    dhy = weighted_outer(dys, Cs, dtp, acs, 1, hpg)
+    ds, dinit, dlast = state_pass_bwd(dhy, acs, hin, final, dfinal, seg, initial_states is not None)
+    dB, dC, dac, cb = dbc_bwd(xs, dys, Bs, Cs, hin, ds, dtp, acs, hpg)
+    dx, ddir, dD = dx_bwd(xs, dys, Bs, cb, ds, dtp, acs, D, hpg)
+    ddt, dA, dbias = dt_backward(dts, A, dt_bias, dt_softplus, dt_min, dt_max, valid, dtp, dac, ddir, dlast)
+    if pk is not None:
+        dx, ddt, dB, dC = pk.unpack(dx, x), pk.unpack(ddt, dt), pk.unpack(dB, B), pk.unpack(dC, C)
+        if dinit is not None and dfinal is not None and pk.empty is not None and pk.empty.numel():
+            dinit[pk.empty] += dfinal[pk.empty]
+    def cast(g, like):  # custom-op outputs may not alias each other: a fresh empty tensor for each missing grad
+        return g.to(like.dtype) if like is not None else x.new_empty(0)
+
+    return (dx, ddt, cast(dA, A), cast(dB, B), cast(dC, C), cast(dD, D), cast(dz, z), cast(dbias, dt_bias),
+            cast(dinit, initial_states))
+
+
+@torch.library.custom_op("mamba_parallel::ssd_chunk_scan_fwd", mutates_args=())
+def ssd_fwd_op(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
+               z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool, dt_min: float, dt_max: float,
+               initial_states: Optional[Tensor], seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor]
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> y, final_states (fp32), y before the gate (empty without z), dt_proc, dA_cs, states entering chunks."""
+    return _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states,
+                    seq_idx, cu_seqlens)
+
+
+@ssd_fwd_op.register_fake
+def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states, seq_idx, cu_seqlens):
+    b, L, H, P = x.shape
+    N = B.shape[-1]
+    nstates = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else b
+    if seq_idx is None and cu_seqlens is None:
+        rows, nc = b, triton.cdiv(L, chunk_size)
+    else:
+        rows, nc = 1, torch.library.get_ctx().new_dynamic_size()
+    f32 = torch.float32
+    return (x.new_empty(b, L, H, P), x.new_empty(nstates, H, P, N, dtype=f32),
+            x.new_empty(b, L, H, P) if z is not None else x.new_empty(0),
+            x.new_empty(rows, H, nc, chunk_size, dtype=f32), x.new_empty(rows, H, nc, chunk_size, dtype=f32),
+            x.new_empty(rows, nc, H, P, N))
+
+
+@torch.library.custom_op("mamba_parallel::ssd_chunk_scan_bwd", mutates_args=())
+def ssd_bwd_op(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+               chunk_size: int, D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
+               dt_softplus: bool, dt_min: float, dt_max: float, initial_states: Optional[Tensor],
+               seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor], ypre: Tensor, dtp: Tensor, acs: Tensor,
+               hin: Tensor, final: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                    Tensor]:
+    """ypre: y before the gate (empty without z). -> dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states
+    (the last four empty when the input is None)."""
+    return _backward(dy.contiguous(), dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max,
+                     initial_states, seq_idx, cu_seqlens, ypre, dtp, acs, hin, final)
+
+
+@ssd_bwd_op.register_fake
+def _(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states, seq_idx,
+      cu_seqlens, ypre, dtp, acs, hin, final):
+    like = lambda t: torch.empty_like(t) if t is not None else x.new_empty(0)  # noqa: E731
+    return (torch.empty_like(x), torch.empty_like(dt), torch.empty_like(A), torch.empty_like(B), torch.empty_like(C),
+            like(D), like(z), like(dt_bias), like(initial_states))
+
+
+_N_FWD_INPUTS = 15
+
+
+def _setup_context(ctx, inputs, output):
+    (x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states, seq_idx,
+     cu_seqlens) = inputs
+    y, final, ypre, dtp, acs, hin = output
+    ctx.args = (chunk_size, dt_softplus, dt_min, dt_max)
+    ctx.has = tuple(t is not None for t in (D, z, dt_bias, initial_states, seq_idx, cu_seqlens))
+    ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, ypre, dtp, acs, hin,
+                          final)
+
+
+def _autograd_backward(ctx, dy, dfinal, *_unused):
+    (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, ypre, dtp, acs, hin,
+     final) = ctx.saved_tensors
+    chunk_size, dt_softplus, dt_min, dt_max = ctx.args
+    has_D, has_z, has_bias, has_init, _, _ = ctx.has
+    if dy is None:
+        dy = torch.zeros_like(x)
+    dx, ddt, dA, dB, dC, dD, dz, dbias, dinit = ssd_bwd_op(
+        dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states,
+        seq_idx, cu_seqlens, ypre, dtp, acs, hin, final)
+    return (dx, ddt, dA, dB, dC, None, dD if has_D else None, dz if has_z else None, dbias if has_bias else None,
+            None, None, None, dinit if has_init else None, None, None)
+
+
+ssd_fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+                   dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, cu_seqlens=None,
+                   return_final_states=False):
+    """Triton path of ``mamba_parallel.ops.ssd_chunk_scan`` (arguments already checked there).
+
+    x (b, L, h, p); dt (b, L, h); A (h,); B/C (b, L, g, n); D (h,) or (h, p); z (b, L, h, p); dt_bias (h,);
+    initial_states (b, h, p, n) or (nseq, h, p, n) with cu_seqlens -> y (b, L, h, p) [, final (.., h, p, n) fp32].
+    chunk_size must be a power of two >= 16.
+    """
+    y, final, *_ = ssd_fwd_op(x, dt, A, B, C, int(chunk_size), D, z, dt_bias, bool(dt_softplus),
+                              float(dt_limit[0]), float(dt_limit[1]), initial_states, seq_idx, cu_seqlens)
+    return (y, final) if return_final_states else y

@@ -1,0 +1,100 @@
+"""SSD stage 4: the output of each chunk, y_t = exp(dA_cs[t]) C_t hin^T + sum_{s<=t} (C_t.B_s) e^{dA_cs[t]-dA_cs[s]}
+dt_s x_s + D x_t, gated by silu(z_t).
+
+C.B is recomputed tile by tile in registers rather than read from a stored (b, nchunks, g, chunk, chunk) matrix:
+on an H200 (b8 L4096 h64 n128 bf16) this kernel took 0.69 ms so, and 0.99 ms reading a precomputed fp32 CB.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mamba_parallel.ops.ssd.triton_tuning import block_pow2, dot_precision, tuned
+
+
+@triton.jit
+def _scan_fwd_kernel(x_ptr, z_ptr, B_ptr, C_ptr, hin_ptr, dtp_ptr, acs_ptr, D_ptr, y_ptr, ypre_ptr,
+                     L, H, NC, P, N, HPG,
+                     sx_b, sx_l, sx_h, sx_p, sz_b, sz_l, sz_h, sz_p, sb_b, sb_l, sb_g, sb_n,
+                     sc_b, sc_l, sc_g, sc_n, sy_b, sy_l, sy_h, sy_p,
+                     CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_D: tl.constexpr, D_HAS_P: tl.constexpr,
+                     HAS_Z: tl.constexpr, PREC: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_h, pid_mp, pid_bc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b = pid_bc // NC
+    c = pid_bc % NC
+    g = pid_h // HPG
+    npb = tl.cdiv(P, BLOCK_P)
+    pid_m = pid_mp // npb
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_p = (pid_mp % npb) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    chunk_len = tl.minimum(CHUNK, L - c * CHUNK)
+    mm = offs_m < chunk_len
+    mp = offs_p < P
+    mn = offs_n < N
+    a_base = ((b * H + pid_h) * NC + c) * CHUNK
+    a_m = tl.load(acs_ptr + a_base + offs_m, mask=offs_m < CHUNK, other=0.0)
+
+    # carried-in state: (BLOCK_M, n) @ (n, BLOCK_P)
+    c_m = tl.load(C_ptr + b * sc_b + (c * CHUNK + offs_m[:, None]) * sc_l + g * sc_g + offs_n[None, :] * sc_n,
+                  mask=mm[:, None] & mn[None, :], other=0.0)
+    hin = tl.load(hin_ptr + ((b * NC + c) * H + pid_h) * P * N + offs_p[None, :] * N + offs_n[:, None],
+                  mask=mn[:, None] & mp[None, :], other=0.0)
+    acc = tl.dot(c_m, hin.to(c_m.dtype), input_precision=PREC) * tl.exp(a_m)[:, None]
+
+    # within the chunk, causal: source positions up to the end of this row block
+    b_base = B_ptr + b * sb_b + c * CHUNK * sb_l + g * sb_g
+    x_base = x_ptr + b * sx_b + c * CHUNK * sx_l + pid_h * sx_h
+    k_end = tl.minimum((pid_m + 1) * BLOCK_M, chunk_len)
+    for k0 in range(0, k_end, BLOCK_K):
+        kk = k0 + offs_k
+        mk = kk < chunk_len
+        b_k = tl.load(b_base + kk[None, :] * sb_l + offs_n[:, None] * sb_n, mask=mn[:, None] & mk[None, :],
+                      other=0.0)
+        cb = tl.dot(c_m, b_k, input_precision=PREC)
+        a_k = tl.load(acs_ptr + a_base + kk, mask=mk, other=0.0)
+        dt_k = tl.load(dtp_ptr + a_base + kk, mask=mk, other=0.0)
+        # rows past the chunk end hold a_m = 0: keep them out of the exponent too (exp(+big) * 0 = NaN)
+        causal = (offs_m[:, None] >= kk[None, :]) & mk[None, :] & mm[:, None]
+        cb *= tl.exp(tl.where(causal, a_m[:, None] - a_k[None, :], float("-inf"))) * dt_k[None, :]
+        x_k = tl.load(x_base + kk[:, None] * sx_l + offs_p[None, :] * sx_p, mask=mk[:, None] & mp[None, :],
+                      other=0.0)
+        acc += tl.dot(cb.to(x_k.dtype), x_k, input_precision=PREC)
+
+    tile = mm[:, None] & mp[None, :]
+    if HAS_D:
+        x_m = tl.load(x_base + offs_m[:, None] * sx_l + offs_p[None, :] * sx_p, mask=tile, other=0.0)
+        if D_HAS_P:
+            d = tl.load(D_ptr + pid_h * P + offs_p, mask=mp, other=0.0).to(tl.float32)[None, :]
+        else:
+            d = tl.load(D_ptr + pid_h).to(tl.float32)
+        acc += x_m.to(tl.float32) * d
+    y_off = b * sy_b + (c * CHUNK + offs_m[:, None]) * sy_l + pid_h * sy_h + offs_p[None, :] * sy_p
+    if HAS_Z:
+        tl.store(ypre_ptr + y_off, acc.to(ypre_ptr.dtype.element_ty), mask=tile)
+        zt = tl.load(z_ptr + b * sz_b + (c * CHUNK + offs_m[:, None]) * sz_l + pid_h * sz_h + offs_p[None, :] * sz_p,
+                     mask=tile, other=0.0).to(tl.float32)
+        acc *= zt * tl.sigmoid(zt)
+    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=tile)
+
+
+def scan_fwd(x, z, B, C, hin, dtp, acs, D, hpg):
+    """x (b, L, h, p), z like x or None, B/C (b, L, g, n), hin (b, nc, h, p, n), dtp/acs (b, h, nc, chunk),
+    D (h,) / (h, p) / None -> (y (b, L, h, p), y before the gate (or None without z)), both in x.dtype."""
+    b, L, H, P = x.shape
+    N = B.shape[-1]
+    nc, chunk = acs.shape[2], acs.shape[3]
+    y = torch.empty(b, L, H, P, device=x.device, dtype=x.dtype)
+    ypre = torch.empty_like(y) if z is not None else None
+    zz = z if z is not None else x
+    fn = tuned(_scan_fwd_kernel, "scan_fwd")
+    grid = lambda meta: (H, triton.cdiv(chunk, meta["BLOCK_M"]) * triton.cdiv(P, meta["BLOCK_P"]), b * nc)  # noqa: E731
+    fn[grid](x, zz, B, C, hin, dtp, acs, D if D is not None else x, y, ypre if ypre is not None else y,
+             L, H, nc, P, N, hpg, *x.stride(), *zz.stride(), *B.stride(), *C.stride(), *y.stride(),
+             CHUNK=chunk, BLOCK_N=block_pow2(N), HAS_D=D is not None, D_HAS_P=D is not None and D.dim() == 2,
+             HAS_Z=z is not None, PREC=dot_precision(x.dtype))
+    return y, ypre
