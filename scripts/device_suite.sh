@@ -17,9 +17,9 @@ for stage in "$@"; do case $stage in
     run 300 python3 -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/ops tests/models tests/inference tests/bench
     run 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/distributed tests/train ;;
   kernels)
-    run 150 python3 -m mamba_parallel.bench.bench_ssd --json "$OUT/ssd.json"
-    run 150 python3 -m mamba_parallel.bench.bench_selective_scan --json "$OUT/selective_scan.json"
-    run 120 python3 -m mamba_parallel.bench.bench_ops --json "$OUT/ops.json" ;;
+    for k in ${KERNELS:-ssd selective_scan ops}; do
+      run 150 python3 -m mamba_parallel.bench.bench_$k --json "$OUT/$k.json"
+    done ;;
   train1)  # one GPU, the ANCHORS setting: seq 2048, batch 8, fp32 master + bf16 autocast, fused AdamW
     for p in ${PRESETS:-mamba2-130m mamba2-370m mamba2-1.3b mamba2-2.7b mamba-130m mamba-1.4b}; do
       run 150 python3 -m mamba_parallel.bench.bench_train --preset "$p" --steps 5 --warmup-steps 2 --json "$OUT/train1_$p.json"
