@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=1, help="context parallel degree")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--profile", action="store_true",
+                   help="add a per-phase breakdown (forward, backward, clip, optimizer, other) in ms: host time to "
+                        "issue each phase in the timed steps, and device-synchronised time in extra steps")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the result to FILE")
     return p
 
@@ -72,21 +75,56 @@ def main(argv: list[str] | None = None) -> int:
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
 
-    times = []
+    phases = ("forward", "backward", "clip", "optimizer")
+
+    def one_step(marks: list, synced: bool) -> torch.Tensor:
+        """One training step; appends perf_counter() after each phase (after a device sync when ``synced``)."""
+        def mark():
+            if synced:
+                sync()
+            marks.append(time.perf_counter())
+        with _autocast(cfg, env.device):
+            loss = model(inputs, labels=labels)
+        mark()
+        loss.backward()
+        mark()
+        _grad_norm(model, 1.0)
+        mark()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mark()
+        return loss
+
+    times, host = [], {k: [] for k in phases}
     for i in range(a.warmup_steps + a.steps):
         if i == a.warmup_steps and env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         sync()
         t0 = time.perf_counter()
-        with _autocast(cfg, env.device):
-            loss = model(inputs, labels=labels)
-        loss.backward()
-        _grad_norm(model, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        marks = [t0]
+        loss = one_step(marks, synced=False)
         sync()
         if i >= a.warmup_steps:
             times.append(time.perf_counter() - t0)
+            for k, t_a, t_b in zip(phases, marks, marks[1:]):
+                host[k].append(t_b - t_a)
+    profile = None
+    if a.profile:
+        # Synchronised phases: what each phase costs on its own (loses the overlap the real step has).
+        synced = {k: [] for k in phases}
+        for _ in range(a.steps):
+            sync()
+            marks = [time.perf_counter()]
+            one_step(marks, synced=True)
+            for k, t_a, t_b in zip(phases, marks, marks[1:]):
+                synced[k].append(t_b - t_a)
+        med = {k: statistics.median(v) * 1e3 for k, v in host.items()}
+        sync_med = {k: statistics.median(v) * 1e3 for k, v in synced.items()}
+        step_ms = statistics.median(times) * 1e3
+        profile = {"host_issue_ms": {k: round(v, 2) for k, v in med.items()},
+                   "host_issue_total_ms": round(sum(med.values()), 2),
+                   "synced_ms": {k: round(v, 2) for k, v in sync_med.items()},
+                   "synced_other_ms": round(step_ms - sum(sync_med.values()), 2)}
 
     step_s = statistics.median(times)
     peak = torch.tensor(torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0,
@@ -109,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         "mfu": round(tps * flops_per_token / (pf * env.world_size), 4) if pf else None,
         "final_loss": round(loss.item(), 4), "timed_steps": a.steps,
     }
+    if profile is not None:
+        result["profile"] = profile
     if env.is_main:
         text = json.dumps(result)
         print(text)

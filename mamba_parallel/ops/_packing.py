@@ -46,3 +46,11 @@ def scatter_seq(y: torch.Tensor, valid: torch.Tensor, dim: int) -> torch.Tensor:
     flat = moved.flatten(dim, dim + 1)
     keep = valid.reshape(-1).nonzero().squeeze(-1)
     return flat.index_select(dim, keep).unsqueeze(0)
+
+
+def segments(L: int, row_seq: list | None) -> list[tuple[int, int]]:
+    """[start, end) spans of equal ``seq_idx`` values in one row (the whole row when ``row_seq`` is None)."""
+    if row_seq is None:
+        return [(0, L)]
+    cuts = [0] + [t for t in range(1, L) if row_seq[t] != row_seq[t - 1]] + [L]
+    return list(zip(cuts[:-1], cuts[1:]))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mamba_parallel.ops._common import compute_dtype, fp32_math, process_dt
-from mamba_parallel.ops._packing import gather_seq, scatter_seq, unpack_index
+from mamba_parallel.ops._packing import gather_seq, scatter_seq, segments, unpack_index
 
 
 def _finish(y, u, D, z, ct):
@@ -71,13 +71,6 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     return (y, last) if return_last_state else y
 
 
-def _segments(L: int, row_seq: list | None) -> list[tuple[int, int]]:
-    if row_seq is None:
-        return [(0, L)]
-    cuts = [0] + [t for t in range(1, L) if row_seq[t] != row_seq[t - 1]] + [L]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
 @fp32_math
 def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                               initial_state=None, return_last_state=False, seq_idx=None, cu_seqlens=None):
@@ -98,7 +91,7 @@ def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None
             cu = cu_seqlens.tolist()
             segs = list(zip(cu[:-1], cu[1:]))
         else:
-            segs = _segments(L, None if seq_idx is None else seq_idx[r].tolist())
+            segs = segments(L, None if seq_idx is None else seq_idx[r].tolist())
         for k, (s, e) in enumerate(segs):
             if cu_seqlens is not None:
                 h = zero if initial_state is None else initial_state[k].to(ct)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mamba_parallel.ops._common import compute_dtype, fp32_math, process_dt
-from mamba_parallel.ops._packing import gather_seq, scatter_seq, unpack_index
+from mamba_parallel.ops._packing import gather_seq, scatter_seq, segments, unpack_index
 
 
 def segsum(a: torch.Tensor) -> torch.Tensor:
@@ -117,13 +117,6 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
     return (y, final) if return_final_states else y
 
 
-def _segments(L: int, row_seq: list | None) -> list[tuple[int, int]]:
-    if row_seq is None:
-        return [(0, L)]
-    cuts = [0] + [t for t in range(1, L) if row_seq[t] != row_seq[t - 1]] + [L]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
 @fp32_math
 def ssd_sequential(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, cu_seqlens=None,
@@ -144,7 +137,7 @@ def ssd_sequential(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None
             cu = cu_seqlens.tolist()
             segs = list(zip(cu[:-1], cu[1:]))
         else:
-            segs = _segments(L, None if seq_idx is None else seq_idx[r].tolist())
+            segs = segments(L, None if seq_idx is None else seq_idx[r].tolist())
         s = zero if initial_states is None or cu_seqlens is not None else initial_states[r].to(ct)
         for k, (start, end) in enumerate(segs):
             if cu_seqlens is not None:
