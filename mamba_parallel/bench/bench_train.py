@@ -4,7 +4,11 @@ Synthetic tokens; fp32 master weights + bf16 autocast; fused AdamW on CUDA; the 
 parallelize() path as `mamba-parallel train`. Works under torchrun (dp / tp / cp from the flags):
 
     mamba-parallel bench train --preset mamba2-370m
-    torchrun --nproc_per_node 2 -m mamba_parallel.cli bench train --preset mamba2-370m
+    torchrun --nproc_per_node 2 -m mamba_parallel.cli bench train --preset mamba2-370m --profile
+
+``--profile`` adds the host time to issue each phase (forward, backward, clip, optimizer; when it nears the step
+time the step is CPU-bound), each phase's time with a device sync around it, and the all-reduce bus bandwidth
+(NVLink-class links give hundreds of GB/s; a host-memory path tens, too slow to hide fp32 gradients).
 """
 
 from __future__ import annotations
@@ -33,11 +37,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=1, help="context parallel degree")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--fsdp-param-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="FSDP2 compute/all-gather dtype (MixedPrecisionPolicy.param_dtype; fp32 master shards and "
+                        "fp32 gradient reduction either way; default: fp32)")
+    p.add_argument("--no-reshard-after-forward", action="store_true",
+                   help="FSDP2: keep blocks gathered from forward to backward (one all-gather per step, not two)")
+    p.add_argument("--ddp-bucket-mb", type=float, default=None, help="DDP bucket size in MB (default: torch's 25)")
+    p.add_argument("--ddp-bf16-grads", action="store_true", help="DDP: all-reduce gradients in bf16")
     p.add_argument("--profile", action="store_true",
                    help="add a per-phase breakdown (forward, backward, clip, optimizer, other) in ms: host time to "
                         "issue each phase in the timed steps, and device-synchronised time in extra steps")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the result to FILE")
     return p
+
+
+def _allreduce_busbw(device: torch.device, sync, mib: int = 256, reps: int = 5) -> float:
+    """NCCL-tests style bus bandwidth (GB/s) of an fp32 all-reduce over the world: says whether the link is
+    NVLink-class (hundreds of GB/s) or a host-memory path (tens), i.e. whether gradients can hide behind compute."""
+    mib = mib if device.type == "cuda" else 8
+    buf = torch.ones(mib * 2**20 // 4, device=device)
+    n = dist.get_world_size()
+    dist.all_reduce(buf)
+    sync()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return buf.numel() * 4 * 2 * (n - 1) / n / statistics.median(times) / 1e9
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     dims = choose_dims(cfg, config, env, print)
     if env.world_size > 1:
         dims.build_mesh(env.device.type)
-    model, _ = build_parallel_model(config, cfg, env, dims, resuming=False)
+    options = {"param_dtype": torch.bfloat16 if a.fsdp_param_dtype == "bf16" else None,
+                  "reshard_after_forward": not a.no_reshard_after_forward,
+                  "ddp_bucket_cap_mb": a.ddp_bucket_mb, "ddp_bf16_grads": a.ddp_bf16_grads}
+    model, _ = build_parallel_model(config, cfg, env, dims, resuming=False, options=options)
     optimizer = build_optimizer(model, 1e-4, 0.1, fused=env.device.type == "cuda")
     with torch.device("meta"):
         flops_per_token = train_flops_per_token(_model_class()(config), config, cfg.seq_len)
@@ -120,11 +152,13 @@ def main(argv: list[str] | None = None) -> int:
                 synced[k].append(t_b - t_a)
         med = {k: statistics.median(v) * 1e3 for k, v in host.items()}
         sync_med = {k: statistics.median(v) * 1e3 for k, v in synced.items()}
-        step_ms = statistics.median(times) * 1e3
         profile = {"host_issue_ms": {k: round(v, 2) for k, v in med.items()},
                    "host_issue_total_ms": round(sum(med.values()), 2),
                    "synced_ms": {k: round(v, 2) for k, v in sync_med.items()},
-                   "synced_other_ms": round(step_ms - sum(sync_med.values()), 2)}
+                   # vs step_ms_median: how much the real step gains from overlapping its phases
+                   "synced_total_ms": round(sum(sync_med.values()), 2)}
+        if dist.is_initialized():
+            profile["allreduce_busbw_gbps"] = round(_allreduce_busbw(env.device, sync), 1)
 
     step_s = statistics.median(times)
     peak = torch.tensor(torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else 0.0,
@@ -142,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         if env.device.type == "cuda" else "cpu", "world_size": env.world_size, "dp": dims.dp, "tp": dims.tp,
         "cp": dims.cp, "dp_mode": a.dp_mode, "dtype": a.dtype, "seq_len": a.seq_len, "batch_per_dp_rank": a.batch_size,
         "activation_checkpointing": a.activation_checkpointing, "compile": a.compile,
+        "fsdp_param_dtype": a.fsdp_param_dtype, "reshard_after_forward": not a.no_reshard_after_forward,
+        "ddp_bucket_mb": a.ddp_bucket_mb, "ddp_bf16_grads": a.ddp_bf16_grads,
         "step_ms_median": round(step_s * 1e3, 2), "tokens_per_s": round(tps, 1),
         "tokens_per_s_per_gpu": round(tps / env.world_size, 1), "peak_mem_gib": round(peak.item(), 2),
         "mfu": round(tps * flops_per_token / (pf * env.world_size), 4) if pf else None,

@@ -64,6 +64,8 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, blocks, param_dtype: to
 
     ``mesh`` is 1-D (shard) or 2-D (replicate, shard) = HSDP. ``param_dtype`` None keeps fp32 compute params
     (bf16 then comes from autocast); bf16 here is FSDP's own mixed precision with fp32 gradient reduction.
+    ``reshard_after_forward`` applies to the blocks but the last (False: one all-gather per block and step
+    instead of two, for the memory of the full block params).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -73,17 +75,50 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, blocks, param_dtype: to
         # The last block's params are needed again at once by the backward pass: keep them gathered.
         fully_shard(block, mesh=mesh, mp_policy=mp,
                     reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root (embedding, tied lm_head, final norm) is the first thing backward needs: never reshard it after
+    # forward. Passing a bool here overrides FSDP2's own root exemption (it applies only to the None default), so
+    # the old `reshard_after_forward=True` re-gathered the vocab-sized weight, exposed, at every backward start.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    # Issue block i+1's all-gather when block i starts (not when the CPU reaches block i+1), so the gather
+    # overlaps block i's compute even when the host is barely ahead of the GPU. Backward prefetches one already.
+    for block, nxt in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([nxt])
     return model
 
 
-def apply_ddp(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
-    """torch DDP over a 1-D data-parallel mesh (its process group); gradients averaged in fp32."""
+def apply_ddp(model: torch.nn.Module, mesh: DeviceMesh, bucket_cap_mb: float | None = None,
+              bf16_grads: bool = False) -> torch.nn.Module:
+    """torch DDP over a 1-D data-parallel mesh (its process group); gradients averaged in fp32.
+
+    ``bucket_cap_mb``: DDP's all-reduce bucket size (None: torch's 25 MB; bigger means fewer, larger
+    all-reduces). ``bf16_grads``: all-reduce gradients in bf16 (half the bytes; results differ from the fp32
+    reduction by bf16 rounding), for links too slow to hide the fp32 all-reduce behind the backward pass.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
     if mesh.ndim != 1:
         raise ValueError(f"DDP needs a 1-D data-parallel mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}")
+    if bucket_cap_mb is not None and bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
     dev = next(model.parameters()).device
     ids = [dev.index] if dev.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, process_group=mesh.get_group(),
-                                   gradient_as_bucket_view=True)
+    kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    ddp = DistributedDataParallel(model, device_ids=ids, process_group=mesh.get_group(),
+                                  gradient_as_bucket_view=True, **kwargs)
+    if bf16_grads:
+        ddp.register_comm_hook(mesh.get_group(), _bf16_allreduce_hook)
+    return ddp
+
+
+def _bf16_allreduce_hook(group, bucket):
+    """DDP comm hook: average one gradient bucket in bf16 (divided before the sum so it cannot overflow), then
+    write it back into the fp32 bucket. torch's own bf16 hook is NCCL-only; this one also runs on gloo."""
+    buf = bucket.buffer()
+    low = buf.to(torch.bfloat16).div_(dist.get_world_size(group))
+    fut = dist.all_reduce(low, group=group, async_op=True).get_future()
+
+    def unpack(f):
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(unpack)

@@ -51,11 +51,15 @@ def dp_mesh(dims: ParallelDims):
 
 def parallelize(model: torch.nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp",
                 activation_checkpointing: bool = False, compile: bool = False,
-                param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+                param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
+                ddp_bucket_cap_mb: float | None = None, ddp_bf16_grads: bool = False) -> torch.nn.Module:
     """Apply TP/SP, CP, activation checkpointing, compile and FSDP2/DDP (in that order); return the model.
 
     ``dp_mode="ddp"`` returns a DistributedDataParallel wrapper (``.module`` is the model); otherwise the model
-    itself (modified in place). ``param_dtype`` (FSDP only) is FSDP's compute dtype; None keeps fp32 params.
+    itself (modified in place). FSDP only: ``param_dtype`` is FSDP's compute dtype (None keeps fp32 params;
+    bf16 all-gathers half the bytes, gradients still reduced in fp32); ``reshard_after_forward=False`` keeps
+    each block gathered from forward to backward (one all-gather per block and step instead of two, for the
+    memory of the full params). DDP only: ``ddp_bucket_cap_mb`` and ``ddp_bf16_grads`` (see ``apply_ddp``).
     """
     if dp_mode not in ("fsdp", "ddp"):
         raise ParallelConfigError(f"--dp-mode must be fsdp or ddp, got {dp_mode!r}")
@@ -81,8 +85,10 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, dp_mode: str = "f
             raise ParallelConfigError(f"--dp-mode ddp replicates whole models: it needs tp = cp = 1 and "
                                       f"dp_shard = 1 ({dims.describe()}); use --dp-mode fsdp")
         if dims.dp_replicate > 1:
-            return apply_ddp(model, dims.mesh["dp_replicate"])
+            return apply_ddp(model, dims.mesh["dp_replicate"], bucket_cap_mb=ddp_bucket_cap_mb,
+                             bf16_grads=ddp_bf16_grads)
         return model
     if dims.fsdp_enabled or dims.dp_replicate > 1:
-        apply_fsdp(model, dp_mesh(dims), layers, param_dtype=param_dtype)
+        apply_fsdp(model, dp_mesh(dims), layers, param_dtype=param_dtype,
+                   reshard_after_forward=reshard_after_forward)
     return model

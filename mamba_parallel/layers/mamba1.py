@@ -21,6 +21,16 @@ from mamba_parallel.layers import init
 from mamba_parallel.layers.packing import resolve_seq_idx
 
 
+def _token_major_linear(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """weight (out, in), x (b, in, L) any strides -> weight @ x (+ bias) as a contiguous (b, out, L).
+
+    The token-major counterpart of F.linear: one batched matmul over a stride-0 expanded weight (no copy of the
+    weight; autograd sums its gradient over b), so neither x nor the result needs a transposing copy.
+    """
+    y = torch.bmm(weight.unsqueeze(0).expand(x.shape[0], -1, -1), x)
+    return y if bias is None else y + bias.to(y.dtype)[:, None]  # in the product's dtype, as F.linear under autocast
+
+
 class Mamba(nn.Module):
     def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: float = 2, dt_rank="auto",
                  dt_min: float = 0.001, dt_max: float = 0.1, dt_init: str = "random", dt_scale: float = 1.0,
@@ -92,6 +102,18 @@ class Mamba(nn.Module):
         return ops.selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=True,
                                   seq_idx=seq_idx, **state_kwargs)
 
+    def _x_proj_token_major(self, x: torch.Tensor) -> torch.Tensor:
+        """x (b, d_inner, L) -> x_proj(x) as (b, r + 2n, L).
+
+        A plain x_proj is applied token-major (no copy of x, which the scan also keeps for backward); a replaced
+        one (tensor parallelism wraps it to all-reduce its output) is called as a module on the (b, L, d_inner)
+        view.
+        """
+        lin = self.x_proj
+        if type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks):
+            return _token_major_linear(lin.weight, x, lin.bias)
+        return lin(x.transpose(1, 2)).transpose(1, 2)
+
     # ---- forward ------------------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, inference_params=None, seq_idx: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,24 +134,27 @@ class Mamba(nn.Module):
         xz = self.in_proj(hidden_states)
         if xz.shape[-1] != 2 * d_inner:
             raise ValueError(f"Mamba: in_proj gives {xz.shape[-1]} features, expected 2 * d_inner = {2 * d_inner}")
-        x, z = xz.transpose(1, 2).split([d_inner, d_inner], dim=1)  # (b, d_inner, L) each
+        # Token-major (b, d_inner, L) with unit token stride for the conv and scan kernels (they stream along L and
+        # load transposed views slowly): one copy each of x and z. Splitting on the feature axis first makes the
+        # backward concatenate dx | dz straight into in_proj's (b, L, 2 d_inner) layout.
+        x, z = (t.transpose(1, 2).contiguous() for t in xz.split([d_inner, d_inner], dim=-1))
 
         conv_kwargs, scan_kwargs = {}, {}
         if conv_state is not None:
             resume = inference_params.seqlen_offset > 0  # chunked prefill continues from the cached states
             conv_kwargs = dict(initial_state=conv_state[:b] if resume else None, return_final_state=True)
             scan_kwargs = dict(initial_state=ssm_state[:b] if resume else None, return_last_state=True)
-        x = self.run_conv(x, seq_idx, **conv_kwargs)
+        x = self.run_conv(x, seq_idx, **conv_kwargs)  # keeps its input's layout: token-contiguous
         if conv_state is not None:
             x, final_conv = x
             conv_state[:b].copy_(final_conv)
 
-        x_dbl = self.x_proj(x.transpose(1, 2))  # (b, L, r + 2n)
-        dt, B, C = x_dbl.split([r, n, n], dim=-1)
-        dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)  # (b, d_inner, L); bias added in the scan
+        x_dbl = self._x_proj_token_major(x)  # (b, r + 2n, L)
+        dt, B, C = x_dbl.split([r, n, n], dim=1)
+        dt = _token_major_linear(self.dt_proj.weight, dt)  # (b, d_inner, L); bias added in the scan
         A = -torch.exp(self.A_log.float())
-        y = self.run_scan(x, dt, A, B.transpose(1, 2), C.transpose(1, 2), D=self.D.float(), z=z,
-                          delta_bias=self.dt_proj.bias.float(), seq_idx=seq_idx, **scan_kwargs)
+        y = self.run_scan(x, dt, A, B, C, D=self.D.float(), z=z, delta_bias=self.dt_proj.bias.float(),
+                          seq_idx=seq_idx, **scan_kwargs)
         if ssm_state is not None:
             y, last_state = y
             ssm_state[:b].copy_(last_state)

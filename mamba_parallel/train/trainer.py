@@ -100,8 +100,21 @@ def init_model(config, device: torch.device, seed: int) -> torch.nn.Module:
     return model
 
 
-def build_parallel_model(config, cfg: TrainConfig, env: DistEnv, dims: ParallelDims, resuming: bool):
+def dp_options(cfg: TrainConfig) -> dict:
+    """The data-parallel speed options of ``parallelize`` from the config. Read with defaults so a TrainConfig
+    without these fields (fsdp_param_dtype, reshard_after_forward, ddp_bucket_mb, ddp_bf16_grads) keeps torch's
+    defaults: fp32 FSDP params, reshard after forward, 25 MB DDP buckets, fp32 gradient all-reduce."""
+    return {"param_dtype": torch.bfloat16 if getattr(cfg, "fsdp_param_dtype", "fp32") == "bf16" else None,
+            "reshard_after_forward": bool(getattr(cfg, "reshard_after_forward", True)),
+            "ddp_bucket_cap_mb": getattr(cfg, "ddp_bucket_mb", None),
+            "ddp_bf16_grads": bool(getattr(cfg, "ddp_bf16_grads", False))}
+
+
+def build_parallel_model(config, cfg: TrainConfig, env: DistEnv, dims: ParallelDims, resuming: bool,
+                         options: dict | None = None):
     """(model to train, the unwrapped model). Initial weights equal ``init_model``'s at every layout.
+
+    ``options``: keyword arguments of ``parallelize`` for data parallelism (default: ``dp_options(cfg)``).
 
     FSDP-only runs build on meta, shard, materialise, and receive rank 0's initialisation
     (``broadcast_from_rank0``; skipped when resuming). Tensor / context parallel and DDP start from the full model
@@ -109,14 +122,14 @@ def build_parallel_model(config, cfg: TrainConfig, env: DistEnv, dims: ParallelD
     if env.world_size == 1 or cfg.dp_mode == "ddp" or dims.tp > 1 or dims.cp > 1:
         model = init_model(config, env.device, cfg.seed)
         wrapped = parallelize(model, dims, dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
-                              compile=cfg.compile)
+                              compile=cfg.compile, **(dp_options(cfg) if options is None else options))
         return wrapped, model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     with torch.device("meta"):
         model = _model_class()(config)
     model = parallelize(model, dims, dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
-                        compile=cfg.compile)
+                        compile=cfg.compile, **(dp_options(cfg) if options is None else options))
     model.to_empty(device=env.device)
     torch.manual_seed(cfg.seed)
     with torch.no_grad():
@@ -178,14 +191,68 @@ def _drop_metrics_after(out: str, step: int) -> None:
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------------
+def _shard_reduce_key(grad: torch.Tensor):
+    """For a DTensor gradient: (mesh, the mesh dims its local squared norm must be summed over); None when a
+    placement (e.g. Partial) does not allow summing local norms, so the caller falls back to DTensor math."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    dims = []
+    for i, pl in enumerate(grad.placements):
+        if isinstance(pl, Shard):
+            if grad.device_mesh.size(i) > 1:
+                dims.append(i)
+        elif not isinstance(pl, Replicate):
+            return None
+    return grad.device_mesh, tuple(dims)
+
+
+@torch.no_grad()
+def _local_total_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The global 2-norm of sharded (DTensor) gradients from their local shards: one foreach norm per
+    (mesh dims, device, dtype) group and one all-reduce per set of sharded mesh dims. None if any placement is
+    not Shard / Replicate. Avoids DTensor dispatch over hundreds of gradients (a host cost paid every step)."""
+    groups: dict = {}
+    for g in grads:
+        key = _shard_reduce_key(g)
+        if key is None:
+            return None
+        local = g.to_local()
+        groups.setdefault((id(key[0]), key[1], local.device, local.dtype), (key, []))[1].append(local)
+    by_reduction: dict = {}
+    for (mesh, dims), locals_ in groups.values():
+        sq = torch.stack(torch._foreach_norm(locals_, 2)).float().pow(2).sum()
+        by_reduction.setdefault((id(mesh), dims), (mesh, dims, []))[2].append(sq)
+    total = None
+    for mesh, dims, parts in by_reduction.values():  # same order on every rank: parameter order
+        sq = torch.stack(parts).sum()
+        for d in dims:
+            dist.all_reduce(sq, group=mesh.get_group(d))
+        total = sq if total is None else total + sq.to(total.device)
+    return total.sqrt()
+
+
 def _grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """The global gradient norm (over every shard); clips in place when ``max_norm`` > 0."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    if hasattr(norm, "full_tensor"):  # FSDP / TP: DTensor norm -> the reduced value on every rank
-        norm = norm.full_tensor()
+    """The global gradient norm (over every shard, fp32 scalar on every rank); clips in place when ``max_norm`` > 0.
+
+    Sharded gradients (FSDP2 / TP DTensors) are handled on their local shards (see ``_local_total_norm``)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = None
+    if all(hasattr(g, "device_mesh") for g in grads):
+        norm = _local_total_norm(grads)
+    if norm is None:
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if hasattr(norm, "full_tensor"):  # mixed / Partial layouts: DTensor norm -> the reduced value on every rank
+            norm = norm.full_tensor()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        # torch's clip_grads_with_norm_ formula, applied to the local tensors (no DTensor dispatch).
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        locals_ = [g.to_local() if hasattr(g, "device_mesh") else g for g in grads]
+        with torch.no_grad():
+            for (dev, _), (group, _) in torch.utils._foreach_utils._group_tensors_by_device_and_dtype(
+                    [locals_]).items():
+                torch._foreach_mul_(group[0], coef.to(dev))
     return norm
 
 
