@@ -59,6 +59,13 @@ class TrainConfig:
                        choices=["auto", "manual"])
     activation_checkpointing: bool = _f(False, "recompute each block's activations in the backward pass")
     compile: bool = _f(False, "torch.compile each block")
+    fsdp_param_dtype: str = _f("fp32", "FSDP2 compute dtype of the gathered weights (bf16 halves all-gather "
+                                       "traffic; master weights and gradient reduction stay fp32)",
+                               choices=["fp32", "bf16"])
+    reshard_after_forward: bool = _f(True, "FSDP2: free gathered block weights after forward (off: keep them "
+                                           "until backward, more memory, fewer all-gathers)")
+    ddp_bucket_mb: float | None = _f(None, "DDP gradient bucket size in MB (default: torch's 25)", flag_type=float)
+    ddp_bf16_grads: bool = _f(False, "DDP: all-reduce gradients in bf16 (half the traffic)")
     # ---- output, checkpoints, monitoring -------------------------------------------------------------------------
     out: str = _f("runs/default", "output folder: metrics.jsonl, config.toml, checkpoints/, final/")
     resume: bool = _f(False, "continue from the newest complete checkpoint in --out")

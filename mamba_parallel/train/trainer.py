@@ -101,13 +101,11 @@ def init_model(config, device: torch.device, seed: int) -> torch.nn.Module:
 
 
 def dp_options(cfg: TrainConfig) -> dict:
-    """The data-parallel speed options of ``parallelize`` from the config. Read with defaults so a TrainConfig
-    without these fields (fsdp_param_dtype, reshard_after_forward, ddp_bucket_mb, ddp_bf16_grads) keeps torch's
-    defaults: fp32 FSDP params, reshard after forward, 25 MB DDP buckets, fp32 gradient all-reduce."""
-    return {"param_dtype": torch.bfloat16 if getattr(cfg, "fsdp_param_dtype", "fp32") == "bf16" else None,
-            "reshard_after_forward": bool(getattr(cfg, "reshard_after_forward", True)),
-            "ddp_bucket_cap_mb": getattr(cfg, "ddp_bucket_mb", None),
-            "ddp_bf16_grads": bool(getattr(cfg, "ddp_bf16_grads", False))}
+    """The data-parallel speed options of ``parallelize`` from the config (torch's defaults unless set)."""
+    return {"param_dtype": torch.bfloat16 if cfg.fsdp_param_dtype == "bf16" else None,
+            "reshard_after_forward": cfg.reshard_after_forward,
+            "ddp_bucket_cap_mb": cfg.ddp_bucket_mb,
+            "ddp_bf16_grads": cfg.ddp_bf16_grads}
 
 
 def build_parallel_model(config, cfg: TrainConfig, env: DistEnv, dims: ParallelDims, resuming: bool,
