@@ -15,34 +15,10 @@ import os
 
 import torch
 
+from mamba_parallel.bench._timing import COPY_TBPS, DTYPES, graph_us, median_ms, require_cuda, write_json
+
 # (b, d, L, n) -> (peer fwd ms, peer fwd+bwd ms)
 SCAN_SHAPES = {(8, 4096, 4096, 16): (2.44, 12.25), (4, 5120, 8192, 16): (3.43, 15.74)}
-COPY_TBPS = 4.3
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _median_ms(fn, rep_ms: float = 300.0) -> float:
-    """Median of the timed calls (CUDA events) that fit in ``rep_ms`` (at least 10), after warm-up."""
-    import triton
-
-    fn()
-    torch.cuda.synchronize()
-    est = triton.testing.do_bench(fn, warmup=5, rep=5, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=25, rep=max(rep_ms, 12 * est), return_mode="median")
-
-
-def _graph_us(fn, steps: int = 100) -> float:
-    """Per-call time in microseconds of ``steps`` calls captured in one CUDA graph (as generate() runs them)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile / warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(steps):
-            fn()
-    return _median_ms(graph.replay) * 1e3 / steps
 
 
 def scan_inputs(b, d, L, n, dtype, device="cuda", seed=0):
@@ -58,7 +34,7 @@ def bench_scan(b, d, L, n, dtype) -> dict:
 
     kw = scan_inputs(b, d, L, n, dtype)
     with torch.no_grad():
-        fwd_ms = _median_ms(lambda: selective_scan(**kw))
+        fwd_ms = median_ms(lambda: selective_scan(**kw))
     leaves = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
     kwg = {k: (v.detach().requires_grad_() if k in leaves else v) for k, v in kw.items()}
     dy = torch.randn(b, d, L, device="cuda", dtype=dtype)
@@ -68,7 +44,7 @@ def bench_scan(b, d, L, n, dtype) -> dict:
         y = selective_scan(**kwg)
         torch.autograd.grad(y, params, dy)
 
-    fb_ms = _median_ms(fwd_bwd)
+    fb_ms = median_ms(fwd_bwd)
     es = torch.finfo(dtype).bits // 8
     bdl = b * d * L * es
     fwd_bytes = 4 * bdl + 2 * b * n * L * es  # u, delta, z, B, C in; y out
@@ -114,7 +90,7 @@ def bench_decode(dtype) -> list[dict]:
         A, Bv, Cv = -torch.rand(d, n, device="cuda"), *(torch.randn(batch, n, device="cuda", dtype=dtype)
                                                        for _ in range(2))
         D, bias = torch.randn(d, device="cuda"), torch.randn(d, device="cuda")
-        us = _graph_us(lambda: selective_state_update(st, x, dt, A, Bv, Cv, D, z, bias, True))
+        us = graph_us(lambda: selective_state_update(st, x, dt, A, Bv, Cv, D, z, bias, True))
         nbytes = 2 * st.numel() * 4
         rows.append(dict(op="selective_state_update", shape=f"b{batch} d{d} n{n}", us=us, TBps=nbytes / us / 1e6))
         h, p, n = 80, 64, 128
@@ -123,7 +99,7 @@ def bench_decode(dtype) -> list[dict]:
         dt = torch.randn(batch, h, device="cuda", dtype=dtype)
         A, D, bias = -torch.rand(h, device="cuda"), torch.randn(h, device="cuda"), torch.randn(h, device="cuda")
         Bv, Cv = (torch.randn(batch, 1, n, device="cuda", dtype=dtype) for _ in range(2))
-        us = _graph_us(lambda: ssd_state_update(st, x, dt, A, Bv, Cv, D, z, bias, True))
+        us = graph_us(lambda: ssd_state_update(st, x, dt, A, Bv, Cv, D, z, bias, True))
         nbytes = 2 * st.numel() * 4
         rows.append(dict(op="ssd_state_update", shape=f"b{batch} h{h} p{p} n{n}", us=us, TBps=nbytes / us / 1e6))
     return rows
@@ -138,8 +114,7 @@ def main(argv=None) -> None:
                          "(see ops/selective_scan/triton_common.py)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-step kernels")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_selective_scan: needs a CUDA GPU")
+    require_cuda("bench_selective_scan")
     dtype = DTYPES[args.dtype]
     results = {"device": torch.cuda.get_device_name(), "scan": [], "decode": [], "sweep_errors": {}}
     for cfg in [None] + list(args.sweep):
@@ -178,9 +153,7 @@ def main(argv=None) -> None:
         print(f"config {cfg}: max rel err vs default {err}")
     for r in results["decode"]:
         print(f"{r['op']:>24} {r['shape']:>22} {r['us']:8.2f} us {r['TBps']:5.2f} TB/s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

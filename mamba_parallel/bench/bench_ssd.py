@@ -15,14 +15,14 @@ import math
 
 import torch
 
+from mamba_parallel.bench._timing import COPY_TBPS, DTYPES, require_cuda, write_json
+
 # (b, L, h, p, n, g) and mamba_ssm's (fwd ms, fwd+bwd ms) from ANCHORS.md; chunk 256, with D, no z, bf16
 SHAPES = [
     ((8, 4096, 64, 64, 128, 1), (1.44, 5.80)),
     ((4, 16384, 64, 64, 128, 1), (2.62, 10.75)),
     ((8, 4096, 32, 64, 64, 1), (1.21, 5.35)),
 ]
-COPY_CEILING_TBS = 4.3
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def make_inputs(b, L, h, p, n, g, dtype, device="cuda", seed=0):
@@ -131,8 +131,7 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true",
                     help="also report relative errors vs the fp32 reference on the first shape (autotuned configs)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_ssd needs a CUDA GPU")
+    require_cuda("bench_ssd")
     from mamba_parallel.ops.ssd import naive, triton_impl
 
     dtype = DTYPES[args.dtype]
@@ -155,7 +154,7 @@ def main(argv=None):
                 gbs = min_bytes(*shape, dtype, backward) / (ms * 1e-3) / 1e9
                 row[f"{key}_ms"] = ms
                 row[f"{key}_GBps"] = gbs
-                row[f"{key}_of_copy_ceiling"] = gbs / (COPY_CEILING_TBS * 1e3)
+                row[f"{key}_of_copy_ceiling"] = gbs / (COPY_TBPS * 1e3)
             row["speedup_fwd"] = peer_fwd / row["fwd_ms"]
             row["speedup_fwd_bwd"] = peer_fb / row["fwd_bwd_ms"]
             rows.append(row)
@@ -169,7 +168,7 @@ def main(argv=None):
         print(f"{r['impl']:7s} {s:24s} {r['fwd_ms']:8.3f} {r['peer_fwd_ms']:6.2f} {r['speedup_fwd']:5.2f} "
               f"{r['fwd_bwd_ms']:8.3f} {r['peer_fwd_bwd_ms']:6.2f} {r['speedup_fwd_bwd']:5.2f} "
               f"{r['fwd_GBps']:9.0f} {r['fwd_bwd_GBps']:9.0f}")
-    result = dict(device=torch.cuda.get_device_name(), copy_ceiling_TBps=COPY_CEILING_TBS, rows=rows)
+    result = dict(device=torch.cuda.get_device_name(), copy_ceiling_TBps=COPY_TBPS, rows=rows)
     if args.breakdown:
         shape = picked[0][0]
         result["breakdown_shape"] = shape
@@ -181,9 +180,7 @@ def main(argv=None):
         result["check_rel_err"] = check_against_naive(picked[0][0], dtype, args.chunk)
         errs = " ".join(f"{k}={v:.1e}" for k, v in result["check_rel_err"].items())
         print(f"\nrelative error vs fp32 reference: {errs}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

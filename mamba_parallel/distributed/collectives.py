@@ -38,6 +38,7 @@ def group_size(process_group) -> int:
 
 
 def group_rank(process_group) -> int:
+    """This rank's index in ``process_group`` (0 when torch.distributed is not initialised)."""
     if not dist.is_available() or not dist.is_initialized():
         return 0
     return dist.get_rank(process_group)
@@ -93,15 +94,19 @@ def all_reduce_raw(input_: Tensor, process_group=None, async_op: bool = False):
 
 # ---- any-dim helpers ------------------------------------------------------------------------------------------
 def _gather_dim(x: Tensor, group, dim: int) -> Tensor:
-    if dim == 0:
-        return all_gather_raw(x, group)[0]
+    """x: (..., n, ...) at ``dim`` -> (..., world*n, ...)."""
     return all_gather_raw(x.movedim(dim, 0), group)[0].movedim(0, dim)
 
 
 def _scatter_dim(x: Tensor, group, dim: int) -> Tensor:
-    if dim == 0:
-        return reduce_scatter_raw(x, group)[0]
+    """x: (..., world*n, ...) at ``dim`` -> (..., n, ...) summed over ranks."""
     return reduce_scatter_raw(x.movedim(dim, 0), group)[0].movedim(0, dim)
+
+
+def _own_slice(x: Tensor, group, dim: int) -> Tensor:
+    """x: (..., world*n, ...) -> this rank's (..., n, ...) at ``dim``."""
+    n = x.shape[dim] // group_size(group)
+    return x.narrow(dim, group_rank(group) * n, n).contiguous()
 
 
 def _check_dim(x: Tensor, dim: int, name: str) -> int:
@@ -111,77 +116,46 @@ def _check_dim(x: Tensor, dim: int, name: str) -> int:
 
 
 # ---- autograd functions -----------------------------------------------------------------------------------------
-class AllGatherFunc(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather_dim(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _scatter_dim(grad, ctx.group, ctx.dim), None, None
+# One Function per family; the pairing of forward and backward (the table above) is picked by constant arguments,
+# which torch.compile treats as constants.
+_DIM_OPS = {"gather": _gather_dim, "scatter": _scatter_dim, "own_slice": _own_slice}
 
 
-class ReduceScatterFunc(torch.autograd.Function):
+class DimCollectiveFunc(torch.autograd.Function):
+    """forward: ``_DIM_OPS[fwd]`` along ``dim``; backward: ``_DIM_OPS[bwd]`` along the same dim."""
+
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _scatter_dim(x, group, dim)
+    def forward(ctx, x, group, dim, fwd, bwd):
+        ctx.group, ctx.dim, ctx.bwd = group, dim, bwd
+        return _DIM_OPS[fwd](x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_dim(grad, ctx.group, ctx.dim), None, None
+        return _DIM_OPS[ctx.bwd](grad, ctx.group, ctx.dim), None, None, None, None
 
 
-class GatherFromGroupFunc(torch.autograd.Function):
+def _sum(x: Tensor, group) -> Tensor:
+    return all_reduce_raw(x.clone(), group)[0]  # the clone keeps the in-place all-reduce off autograd's tensors
+
+
+class SumFunc(torch.autograd.Function):
+    """Sum over ranks in forward if ``in_forward``, in backward if ``in_backward``; identity otherwise."""
+
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather_dim(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        n = grad.shape[ctx.dim] // group_size(ctx.group)
-        return grad.narrow(ctx.dim, group_rank(ctx.group) * n, n).contiguous(), None, None
-
-
-class AllReduceFunc(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce_raw(x.clone(), group)[0]
+    def forward(ctx, x, group, in_forward, in_backward):
+        ctx.group, ctx.in_backward = group, in_backward
+        return _sum(x, group) if in_forward else x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
-
-
-class CopyToGroupFunc(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce_raw(grad.clone(), ctx.group)[0], None
-
-
-class AllReduceBothFunc(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_reduce_raw(x.clone(), group)[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce_raw(grad.clone(), ctx.group)[0], None
+        return (_sum(grad, ctx.group) if ctx.in_backward else grad), None, None, None
 
 
 def all_gather(x: Tensor, process_group=None, dim: int = 0) -> Tensor:
     """x: (..., n, ...) at ``dim`` -> (..., world*n, ...); backward reduce-scatters."""
     if group_size(process_group) == 1:
         return x
-    return AllGatherFunc.apply(x, process_group, _check_dim(x, dim, "all_gather"))
+    return DimCollectiveFunc.apply(x, process_group, _check_dim(x, dim, "all_gather"), "gather", "scatter")
 
 
 def reduce_scatter(x: Tensor, process_group=None, dim: int = 0) -> Tensor:
@@ -193,26 +167,27 @@ def reduce_scatter(x: Tensor, process_group=None, dim: int = 0) -> Tensor:
     if x.shape[dim] % world:
         raise ValueError(f"reduce_scatter: size {x.shape[dim]} of dim {dim} (shape {tuple(x.shape)}) is not "
                          f"divisible by the group size {world}")
-    return ReduceScatterFunc.apply(x, process_group, dim)
+    return DimCollectiveFunc.apply(x, process_group, dim, "scatter", "gather")
 
 
 def all_reduce(x: Tensor, process_group=None) -> Tensor:
     """Sum over ranks; the result is used identically on every rank, so the backward is the identity."""
-    return x if group_size(process_group) == 1 else AllReduceFunc.apply(x, process_group)
+    return x if group_size(process_group) == 1 else SumFunc.apply(x, process_group, True, False)
 
 
 def copy_to_group(x: Tensor, process_group=None) -> Tensor:
     """Identity forward; backward sums the gradient over ranks (a replicated tensor used rank-locally)."""
-    return x if group_size(process_group) == 1 else CopyToGroupFunc.apply(x, process_group)
+    return x if group_size(process_group) == 1 else SumFunc.apply(x, process_group, False, True)
 
 
 def all_reduce_both(x: Tensor, process_group=None) -> Tensor:
     """Sum over ranks in forward AND backward: a summed value that each rank then uses for its own shard."""
-    return x if group_size(process_group) == 1 else AllReduceBothFunc.apply(x, process_group)
+    return x if group_size(process_group) == 1 else SumFunc.apply(x, process_group, True, True)
 
 
 def gather_from_group(x: Tensor, process_group=None, dim: int = -1) -> Tensor:
     """x: (..., n, ...) -> (..., world*n, ...) used identically on every rank; backward keeps this rank's slice."""
     if group_size(process_group) == 1:
         return x
-    return GatherFromGroupFunc.apply(x, process_group, _check_dim(x, dim, "gather_from_group"))
+    dim = _check_dim(x, dim, "gather_from_group")
+    return DimCollectiveFunc.apply(x, process_group, dim, "gather", "own_slice")

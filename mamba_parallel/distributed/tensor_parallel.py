@@ -161,32 +161,38 @@ def parallel_linear_func(x: Tensor, weight: Tensor, bias: Tensor | None = None, 
                                     dim % x.dim() if sequence_parallel else 0)
 
 
-def _linear_init_(weight: Tensor, bias: Tensor | None, fan_in: int) -> None:
-    # nn.Linear's default init, with the GLOBAL fan-in so a shard matches the unsharded layer's distribution.
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-    if bias is not None:
-        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
-        nn.init.uniform_(bias, -bound, bound)
+class _ParallelLinear(nn.Module):
+    """Shared constructor of the column / row layers: weight (out_features, in_features) with dim ``split_dim``
+    split over ``process_group`` in units of ``multiple_of``; bias (weight rows,)."""
+
+    split_dim: int
+
+    def __init__(self, in_features: int, out_features: int, process_group=None, bias: bool = True,
+                 sequence_parallel: bool = True, multiple_of: int = 1, device=None, dtype=None):
+        super().__init__()
+        self.process_group, self.sequence_parallel = process_group, sequence_parallel
+        self.in_features, self.out_features = in_features, out_features
+        shape = [out_features, in_features]
+        shape[self.split_dim] = get_dim_for_local_rank(shape[self.split_dim], group_size(process_group),
+                                                       group_rank(process_group), multiple_of)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype)) if bias else None
+        # nn.Linear's default init, with the GLOBAL fan-in so a shard matches the unsharded layer's distribution.
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+            if self.bias is not None:
+                bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+                nn.init.uniform_(self.bias, -bound, bound)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_ParallelLinear):
     """y = x W^T + b with W's rows (out_features) split over ``process_group``.
 
     forward: x (n_local, ..., in_features) [sequence_parallel] or (n, ..., in_features) -> (n, ..., out_local).
     ``multiple_of``: each rank's share of out_features is a multiple of this (e.g. a head size).
     """
 
-    def __init__(self, in_features: int, out_features: int, process_group=None, bias: bool = True,
-                 sequence_parallel: bool = True, multiple_of: int = 1, device=None, dtype=None):
-        super().__init__()
-        world, rank = group_size(process_group), group_rank(process_group)
-        self.process_group, self.sequence_parallel = process_group, sequence_parallel
-        self.in_features, self.out_features = in_features, out_features
-        local_out = get_dim_for_local_rank(out_features, world, rank, multiple_of)
-        self.weight = nn.Parameter(torch.empty(local_out, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(local_out, device=device, dtype=dtype)) if bias else None
-        with torch.no_grad():
-            _linear_init_(self.weight, self.bias, in_features)
+    split_dim = 0
 
     def forward(self, x: Tensor) -> Tensor:
         return parallel_linear_func(x, local_tensor(self.weight), local_tensor(self.bias), self.process_group,
@@ -197,24 +203,15 @@ class ColumnParallelLinear(nn.Module):
                 f"{self.weight.shape[0]}), sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """y = sum over ranks of x_r W_r^T, + b, with W's columns (in_features) split over ``process_group``.
 
     forward: x (n, ..., in_local) -> (n_local, ..., out_features) [sequence_parallel: reduce-scatter on dim 0] or
     (n, ..., out_features) [all-reduce]. The bias is added once, after the reduction.
+    ``multiple_of``: each rank's share of in_features is a multiple of this.
     """
 
-    def __init__(self, in_features: int, out_features: int, process_group=None, bias: bool = True,
-                 sequence_parallel: bool = True, multiple_of: int = 1, device=None, dtype=None):
-        super().__init__()
-        world, rank = group_size(process_group), group_rank(process_group)
-        self.process_group, self.sequence_parallel = process_group, sequence_parallel
-        self.in_features, self.out_features = in_features, out_features
-        local_in = get_dim_for_local_rank(in_features, world, rank, multiple_of)
-        self.weight = nn.Parameter(torch.empty(out_features, local_in, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        with torch.no_grad():
-            _linear_init_(self.weight, self.bias, in_features)
+    split_dim = 1
 
     def forward(self, x: Tensor) -> Tensor:
         out = F.linear(x, local_tensor(self.weight))

@@ -15,14 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from mamba_parallel.distributed.collectives import (
-    all_reduce,
-    all_reduce_both,
-    all_reduce_raw,
-    copy_to_group,
-    gather_from_group,
-    reduce_scatter,
-)
+from mamba_parallel.distributed import collectives as coll
 from mamba_parallel.distributed.tensor_parallel import (
     local_tensor,
     parallel_linear_func,
@@ -54,7 +47,7 @@ class ShardView(nn.Module):
         local = []
         for p, g in zip(parts, self.grad_sum):
             t = local_tensor(p)
-            local.append(copy_to_group(t, self.group) if g else t)
+            local.append(coll.copy_to_group(t, self.group) if g else t)
         return local[0] if len(local) == 1 else torch.cat(local, self.dim)
 
     def right_inverse(self, full: Tensor):
@@ -77,7 +70,18 @@ def _meta_dtensor(shape, dtype, mesh: DeviceMesh, placement: Placement) -> DTens
 
 
 # ---- replacement modules ----------------------------------------------------------------------------------------
-class TPRowLinear(nn.Module):
+class _LinearTakeover(nn.Module):
+    """Takes over an nn.Linear's ``weight`` / ``bias`` (same state-dict names) for a tp ``group``."""
+
+    def __init__(self, linear: nn.Linear, group):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.group = group
+
+
+class TPRowLinear(_LinearTakeover):
     """Row-parallel linear taking over an nn.Linear's ``weight`` / ``bias`` (same state-dict names).
 
     x (..., in_local) -> reduce(x @ W_local^T) + bias, reduce = "reduce_scatter" (SP, along the sequence),
@@ -85,38 +89,32 @@ class TPRowLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, group, reduce: str):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.group, self.reduce = group, reduce
+        super().__init__(linear, group)
+        self.reduce = reduce
 
     def forward(self, x: Tensor) -> Tensor:
         out = F.linear(x, self.weight)
         if self.reduce == "reduce_scatter":
-            out = reduce_scatter(out, self.group, SEQ_DIM)
+            out = coll.reduce_scatter(out, self.group, SEQ_DIM)
         elif self.reduce == "all_reduce":
-            out = all_reduce(out, self.group)
+            out = coll.all_reduce(out, self.group)
         else:
-            out = all_reduce_both(out, self.group)
+            out = coll.all_reduce_both(out, self.group)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, reduce={self.reduce}"
 
 
-class TPColumnLinear(nn.Module):
+class TPColumnLinear(_LinearTakeover):
     """Column-parallel linear taking over an nn.Linear's ``weight`` / ``bias``, entering the parallel region:
     x (b, L / tp, in) [SP] or (b, L, in) -> (b, L, out_local). The sequence all-gather happens inside
     ``parallel_linear_func`` so only the local shard is saved for backward, and the backward overlaps the
     input-gradient reduce-scatter (or all-reduce) with the weight-gradient matmul."""
 
     def __init__(self, linear: nn.Linear, group, sequence_parallel: bool):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.group, self.sequence_parallel = group, sequence_parallel
+        super().__init__(linear, group)
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
         return parallel_linear_func(x, self.weight, self.bias, self.group, self.sequence_parallel, dim=SEQ_DIM)
@@ -156,7 +154,7 @@ class TPGatedRMSNormFunc(torch.autograd.Function):
         g = x.to(ct)
         if z is not None and not norm_before_gate:
             g = g * F.silu(z.to(ct))
-        sumsq = all_reduce_raw(g.square().sum(-1, keepdim=True), group)[0]
+        sumsq = coll.all_reduce_raw(g.square().sum(-1, keepdim=True), group)[0]
         rstd = torch.rsqrt(sumsq / dim_global + eps)
         y = g * rstd * weight.to(ct)
         if z is not None and norm_before_gate:
@@ -176,7 +174,7 @@ class TPGatedRMSNormFunc(torch.autograd.Function):
         g = xf * silu if gate_first else xf
         dn = dy * silu if (z is not None and ctx.norm_before_gate) else dy  # gradient wrt g * r * w
         dw = (dn * g * rstd).reshape(-1, g.shape[-1]).sum(0)
-        dot = all_reduce_raw((dn * w * g).sum(-1, keepdim=True), ctx.group)[0]
+        dot = coll.all_reduce_raw((dn * w * g).sum(-1, keepdim=True), ctx.group)[0]
         dg = rstd * w * dn - g * rstd.pow(3) / ctx.dim_global * dot
         dz = None
         if z is not None:
@@ -204,11 +202,11 @@ class TPEmbedding(nn.Module):
     def forward(self, input_ids: Tensor) -> Tensor:
         out = vocab_parallel_embedding(input_ids, self.weight, self.vocab_start)
         if not self.sequence_parallel:
-            return all_reduce(out, self.group)
+            return coll.all_reduce(out, self.group)
         if input_ids.shape[SEQ_DIM] % self.tp:
             raise ValueError(f"sequence parallel needs seqlen divisible by tp={self.tp}, got input_ids of shape "
                              f"{tuple(input_ids.shape)} (pad the batch, or apply tp with sequence_parallel=False)")
-        return reduce_scatter(out, self.group, SEQ_DIM)
+        return coll.reduce_scatter(out, self.group, SEQ_DIM)
 
 
 class TPLMHead(nn.Module):
@@ -230,7 +228,7 @@ class TPLMHead(nn.Module):
         return self.weight
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return gather_from_group(F.linear(hidden, self.weight), self.group, -1)
+        return coll.gather_from_group(F.linear(hidden, self.weight), self.group, -1)
 
 
 class TPTiedLMHead(TPLMHead):

@@ -11,7 +11,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
 from dist_harness import spawn
-from tp_cases import CASES, batch, bf16_failures, bf16_parity, build, full, grads, rel_errs
+from tp_cases import (
+    CASES,
+    assert_one_step_matches,
+    batch,
+    bf16_failures,
+    bf16_parity,
+    build,
+    full,
+    one_step_errors,
+)
 from mamba_parallel import get_preset
 from mamba_parallel.distributed import ParallelConfigError
 from mamba_parallel.distributed.state_dict import (
@@ -45,16 +54,11 @@ def _train(model, opt, steps, seed=20):
 def _parity(mesh, case, sp):
     ref = build(case)
     tp = apply_tensor_parallel(copy.deepcopy(ref), mesh, sequence_parallel=sp)
-    ids, labels = batch()
-    logits = rel_errs({"x": full(tp(ids)).detach()}, {"x": ref(ids).detach()})["x"]
-    loss_t, loss_r = tp(ids, labels=labels), ref(ids, labels=labels)
-    loss_t.backward()
-    loss_r.backward()
+    res = one_step_errors(tp, ref, *batch())
     # The trainer's clipping norm: DTensor gradients (sharded and replicated) give the global norm.
     norms = [full(torch.nn.utils.get_total_norm([p.grad for p in m.parameters() if p.grad is not None]))
              for m in (tp, ref)]
-    return {"logits": logits, "loss": abs(loss_t.item() - loss_r.item()) / abs(loss_r.item()),
-            "grads": rel_errs(grads(tp), grads(ref)), "norm": abs(norms[0].item() / norms[1].item() - 1)}
+    return {**res, "norm": abs(norms[0].item() / norms[1].item() - 1)}
 
 
 def _steps(mesh, case, sp):
@@ -131,10 +135,7 @@ def results():
 def test_logits_loss_and_every_gradient(results, case, sp):
     for r in range(2):
         res = results[r]["parity"][case, sp]
-        assert res["logits"] <= 1e-5, f"rank {r} logits rel err {res['logits']:.2e}"
-        assert res["loss"] <= 1e-5, f"rank {r} loss rel err {res['loss']:.2e}"
-        bad = {k: v for k, v in res["grads"].items() if not v <= 1e-5}
-        assert not bad, f"rank {r} gradients off (inf = missing): {bad}"
+        assert_one_step_matches(res, r)
         assert len(res["grads"]) >= 10
         assert res["norm"] <= 1e-5, f"rank {r} total gradient norm rel err {res['norm']:.2e}"
 

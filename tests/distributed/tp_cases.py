@@ -58,6 +58,28 @@ def rel_errs(a: dict, b: dict) -> dict[str, float]:
     return out
 
 
+def one_step_errors(model, ref, ids, labels, rows: slice = slice(None), global_loss=lambda loss: loss) -> dict:
+    """One forward + backward of the parallel ``model`` on this rank's ``rows`` of the batch and of the one-process
+    ``ref`` on all of it: relative errors of the logits (on ``rows``), of the loss (``global_loss`` turns this rank's
+    loss into the whole batch's) and of every gradient ({name: err}, inf = missing)."""
+    my_ids, my_labels = ids[rows], labels[rows]
+    logits = rel_errs({"x": full(model(my_ids)).detach()}, {"x": ref(my_ids).detach()})["x"]
+    loss = model(my_ids, labels=my_labels)
+    loss.backward()
+    ref_loss = ref(ids, labels=labels)
+    ref_loss.backward()
+    return {"logits": logits, "loss": abs(global_loss(loss.item()) - ref_loss.item()) / abs(ref_loss.item()),
+            "grads": rel_errs(grads(model), grads(ref))}
+
+
+def assert_one_step_matches(res: dict, rank: int, tol: float = 1e-5) -> None:
+    """The logits, loss and every gradient of ``one_step_errors`` within ``tol`` (relative)."""
+    assert res["logits"] <= tol, f"rank {rank} logits rel err {res['logits']:.2e}"
+    assert res["loss"] <= tol, f"rank {rank} loss rel err {res['loss']:.2e}"
+    bad = {k: v for k, v in res["grads"].items() if not v <= tol}
+    assert not bad, f"rank {rank} gradients off (inf = missing): {bad}"
+
+
 def bf16_parity(make_tp, ref, ids, labels, device_type: str) -> dict:
     """bf16 autocast: the tp model's and the one-device model's errors against the fp32 one-device model.
 
