@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import shutil
 import sys
 
 from mamba_parallel.config import ConfigError
@@ -59,7 +61,7 @@ def _convert_parser(sub) -> None:
 
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark: mamba_parallel/bench/bench_<NAME>.py",
-                       description="Runs mamba_parallel.bench.bench_<NAME>.main(args).")
+                       description="Runs mamba_parallel.bench.bench_<NAME>.main(args) (also profile_train, report).")
     p.add_argument("name", help="benchmark name, e.g. train")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
 
@@ -70,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_train_parser, _generate_parser, _prepare_parser, _convert_parser, _bench_parser):
         add(sub)
     return p
+
+
+# Tokenizer files that `convert` carries over beside the weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 # ---- commands ----------------------------------------------------------------------------------------------------
@@ -87,6 +93,18 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _check_model_folder(path: str, what: str) -> None:
+    """Point a user who names a training run or a DCP checkpoint instead of a model folder at the right one."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return
+    if os.path.isfile(os.path.join(path, "config.toml")) and os.path.isdir(os.path.join(path, "checkpoints")):
+        raise ConfigError(f"{what} {path!r} is a training run folder; its model folder is "
+                          f"{os.path.join(path, 'final')!r} (written when the run completes)")
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        raise ConfigError(f"{what} {path!r} is a training checkpoint (DCP, for `train --resume`); a model folder "
+                          f"is <out>/final, written when the run completes")
+
+
 def cmd_generate(args) -> int:
     import torch
 
@@ -94,22 +112,33 @@ def cmd_generate(args) -> int:
     from mamba_parallel.train.tokenizer import tokenizer_for_checkpoint
     from mamba_parallel.train.trainer import sample_text
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible to torch (use --device cpu)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    _check_model_folder(args.checkpoint, "--checkpoint")
     model = MambaLMHeadModel.from_pretrained(args.checkpoint)
     model = model.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     tokenizer = tokenizer_for_checkpoint(args.checkpoint, args.tokenizer)
+    if tokenizer.vocab_size < model.config.vocab_size and not args.tokenizer and tokenizer.spec == "byte":
+        print(f"mamba-parallel generate: note: no tokenizer.json in {args.checkpoint!r}: using bytes for a model "
+              f"of vocab {model.config.vocab_size}; pass --tokenizer if it was trained with another", file=sys.stderr)
     print(sample_text(model, tokenizer, args.prompt, args.max_new_tokens, device, args.temperature, args.top_k,
                       args.seed, top_p=args.top_p))
     return 0
 
 
 def cmd_prepare(args) -> int:
-    from mamba_parallel.train.data import prepare_data
+    from mamba_parallel.train.data import DataError, prepare_data
     from mamba_parallel.train.tokenizer import load_tokenizer
 
-    header = prepare_data(args.source, args.out, load_tokenizer(args.tokenizer), args.val_fraction, args.text_field)
+    try:
+        header = prepare_data(args.source, args.out, load_tokenizer(args.tokenizer), args.val_fraction,
+                              args.text_field)
+    except DataError as e:  # the data module names the train flag; here the source is a positional argument
+        msg = str(e)
+        raise DataError("SOURCE " + msg[len("--data: "):] if msg.startswith("--data: ") else msg) from None
     print(f"{args.out}: {header['tokens']['train']:,} train + {header['tokens']['val']:,} val tokens "
           f"({header['dtype']}, vocab {header['vocab_size']}, tokenizer {header['tokenizer']})")
     return 0
@@ -118,44 +147,81 @@ def cmd_prepare(args) -> int:
 def cmd_convert(args) -> int:
     from mamba_parallel.models import MambaLMHeadModel
 
+    _check_model_folder(args.src, "SRC")
     MambaLMHeadModel.from_pretrained(args.src).save_pretrained(args.dst, format=args.format)
-    print(f"wrote {args.dst} ({args.format} format)")
+    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(args.src, f))]
+    for f in copied:  # `generate --checkpoint DST` must find the same tokenizer as SRC (none = bytes)
+        shutil.copyfile(os.path.join(args.src, f), os.path.join(args.dst, f))
+    print(f"wrote {args.dst} ({args.format} format{', with ' + ', '.join(copied) if copied else ''})")
     return 0
 
 
+def bench_names() -> list[str]:
+    """The names `mamba-parallel bench NAME` accepts: bench_<NAME>.py, profile_train.py and report.py."""
+    import pkgutil
+
+    import mamba_parallel.bench as pkg
+
+    names = [m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_")]
+    return sorted(n.removeprefix("bench_") for n in names)
+
+
 def cmd_bench(args) -> int:
-    module = f"mamba_parallel.bench.bench_{args.name}"
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name != module:
-            raise
-        raise ConfigError(f"bench: no benchmark named {args.name!r} (no module {module})") from None
-    rc = mod.main(args.args)
-    return int(rc or 0)
+    for module in (f"mamba_parallel.bench.bench_{args.name}", f"mamba_parallel.bench.{args.name}"):
+        if args.name.startswith("_") or "." in args.name:
+            break
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        if hasattr(mod, "main"):
+            return int(mod.main(args.args) or 0)
+    raise ConfigError(f"bench: no benchmark named {args.name!r}; known: {', '.join(bench_names())}")
 
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "prepare-data": cmd_prepare, "convert": cmd_convert,
             "bench": cmd_bench}
 
 
+def _unknown_flags(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
+    """Exit 2 on unknown arguments with one line naming them and the nearest known flag (no 30-line usage)."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    known = [o for a in sub._actions for o in a.option_strings]
+    hints = [f"{u} -> {m[0]}" for u in unknown if u.startswith("--")
+             for m in [difflib.get_close_matches(u.split("=")[0], known, n=1, cutoff=0.75)] if m]
+    hint = f" (did you mean: {', '.join(hints)}?)" if hints else ""
+    print(f"mamba-parallel {command}: error: unrecognized arguments: {' '.join(unknown)}{hint}; "
+          f"see `mamba-parallel {command} --help`", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (2: bad flags / config / data, 1: the run failed)."""
     from mamba_parallel.distributed.parallel_dims import ParallelConfigError
+    from mamba_parallel.models.formats import CheckpointError
     from mamba_parallel.train.data import DataError
     from mamba_parallel.train.tokenizer import TokenizerError
     from mamba_parallel.train.trainer import TrainingError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _unknown_flags(parser, args.command, unknown)
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, DataError, TokenizerError, ParallelConfigError) as e:
+    except (ConfigError, DataError, TokenizerError, ParallelConfigError, CheckpointError) as e:
         print(f"mamba-parallel {args.command}: error: {e}", file=sys.stderr)
         return 2
     except TrainingError as e:
         print(f"mamba-parallel {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: no traceback; a training run keeps its last complete checkpoint
+        print(f"mamba-parallel {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from mamba_parallel.distributed.collectives import (
     reduce_scatter_raw,
 )
 from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims, dims_from_world
+# The function, bound after its submodule is loaded, so ``distributed.parallelize`` is callable.
+from mamba_parallel.distributed.parallelize import parallelize
 from mamba_parallel.distributed.tensor_parallel import (
     ColumnParallelEmbedding,
     ColumnParallelLinear,
@@ -41,7 +43,7 @@ def __getattr__(name):  # the tp plan imports the model layers: load it only whe
 
 
 __all__ = [
-    "ParallelDims", "ParallelConfigError", "dims_from_world", "choose_parallel", "apply_tensor_parallel",
+    "ParallelDims", "ParallelConfigError", "dims_from_world", "choose_parallel", "apply_tensor_parallel", "parallelize",
     "ColumnParallelLinear", "RowParallelLinear", "parallel_linear_func", "VocabParallelEmbedding",
     "ColumnParallelEmbedding", "ParallelEmbeddings", "get_dim_for_local_rank", "vocab_parallel_cross_entropy",
     "vocab_parallel_linear_cross_entropy", "all_gather_raw", "reduce_scatter_raw", "all_reduce_raw", "all_gather",

@@ -24,7 +24,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from mamba_parallel.config import ConfigError
 from mamba_parallel.distributed.state_dict import (
     load_model_state_dict,
     load_optim_state_dict,
@@ -139,7 +141,10 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path)
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except (Exception, CheckpointException) as e:  # noqa: B014 (CheckpointException is a BaseException)
+            raise ConfigError(f"--resume: {path} does not fit this model / layout: {_first_cause(e)}") from None
     load_model_state_dict(model, state["model"])
     load_optim_state_dict(model, optimizer, state["optim"])
     train = json.loads(state["train"]["json"])
@@ -147,6 +152,14 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     rngs = torch.load(io.BytesIO(state["train"]["rng"]), weights_only=False)
     set_rng_state(rngs[_rank() % len(rngs)])
     return train
+
+
+def _first_cause(e: BaseException) -> str:
+    """The telling line of a DCP load failure (its message may hold every rank's traceback)."""
+    text = str(e)
+    m = re.search(r"(Size mismatch[^\n]*|Missing key[^\n]*|Unexpected key[^\n]*)", text)
+    line = m.group(1) if m else (text.strip().splitlines() or [type(e).__name__])[-1]
+    return line[:400]
 
 
 def remove_stale_tmp(out: str) -> None:

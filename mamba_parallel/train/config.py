@@ -1,7 +1,7 @@
 """TrainConfig: every setting of `mamba-parallel train`, one field per flag, with its help text.
 
-Resolution order (later wins): the field defaults below, a TOML file given by ``--config``, the command-line
-flags. The resolved config is written to ``<out>/config.toml``. TOML keys are the field names (``batch_size``;
+Resolution order (later wins): the field defaults below, with ``--resume`` the run's own ``<out>/config.toml``,
+a TOML file given by ``--config``, the command-line flags. The resolved config is written to ``<out>/config.toml``. TOML keys are the field names (``batch_size``;
 ``batch-size`` is accepted too); an optional ``[model]`` table overrides MambaConfig fields of the preset.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -139,6 +140,13 @@ def _toml_value(v: Any) -> str:
     raise ConfigError(f"cannot write {v!r} ({type(v).__name__}) to TOML")
 
 
+# Settings of the machine a run happens to be on, not of the run: `--resume` does not take them from the run's
+# config.toml (a checkpoint resumes at any layout).
+MACHINE_FIELDS = frozenset({"device", "dp_mode", "dp_replicate", "tp", "cp", "parallel", "activation_checkpointing",
+                            "compile", "fsdp_param_dtype", "reshard_after_forward", "ddp_bucket_mb",
+                            "ddp_bf16_grads", "progress", "resume"})
+
+
 # ---- flags and TOML --------------------------------------------------------------------------------------------
 def _flag_type(f) -> Any:
     t = f.metadata.get("flag_type")
@@ -202,6 +210,13 @@ def resolve_config(args: argparse.Namespace | None = None, toml_path: str | None
     if bad:
         raise ConfigError(f"unknown train setting(s) {bad}; known: {sorted(known)}")
     values.update(overrides)
+    saved = os.path.join(values.get("out", TrainConfig.out), "config.toml")
+    if values.get("resume") and os.path.isfile(saved):
+        # `train --out DIR --resume` continues the run as it was configured (DIR/config.toml, written at its
+        # start): model, data, schedule. The machine's settings (device, parallel layout, speed options) come from
+        # the defaults / flags of now, as a checkpoint loads at any layout. --config and flags still win.
+        run = {k: v for k, v in load_toml(saved).items() if k not in MACHINE_FIELDS}
+        values = {**run, **values}
     try:
         cfg = TrainConfig(**values)
     except TypeError as e:

@@ -122,9 +122,30 @@ def prepare_data(source: str, out_dir: str, tokenizer, val_fraction: float = 0.0
     Written to ``out_dir.tmp`` and renamed when complete, so a killed run never leaves a half-written folder.
     """
     dtype = token_dtype(tokenizer.vocab_size)
+    _check_out_dir(out_dir)
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    try:
+        return _write_token_folder(source, out_dir, tmp, tokenizer, dtype, val_fraction, text_field)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed run leaves nothing behind
+        raise
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """Refuse to replace anything but an earlier token folder (``--out .`` must never wipe a user's files)."""
+    if not os.path.exists(out_dir) or is_prepared(out_dir):
+        return
+    if not os.path.isdir(out_dir):
+        raise DataError(f"--out {out_dir!r} is a file, not a folder")
+    if os.listdir(out_dir):
+        raise DataError(f"--out {out_dir!r} is a non-empty folder without {HEADER}: it would be replaced; "
+                        f"choose a new or empty folder")
+
+
+def _write_token_folder(source: str, out_dir: str, tmp: str, tokenizer, dtype, val_fraction: float,
+                        text_field: str) -> dict:
     counts = {"train": 0, "val": 0}
     docs = {"train": 0, "val": 0}
     eos = tokenizer.eos_token_id
@@ -143,7 +164,6 @@ def prepare_data(source: str, out_dir: str, tokenizer, val_fraction: float = 0.0
             counts[split] += len(ids)
             docs[split] += 1
     if counts["train"] == 0 and counts["val"] == 0:
-        shutil.rmtree(tmp)
         raise DataError(f"--data: {source!r} holds no text")
     if val_fraction > 0 and (counts["val"] == 0 or counts["train"] == 0):
         # Too few documents for a split by document: hold out the tail of the whole stream instead.

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from mamba_parallel.config import ConfigError
 from mamba_parallel.distributed.data_parallel import DistEnv, init_distributed
-from mamba_parallel.distributed.parallel_dims import ParallelDims
+from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
 from mamba_parallel.distributed.parallelize import parallelize
 from mamba_parallel.train import checkpoint as ckpt
 from mamba_parallel.train.config import TrainConfig
@@ -166,14 +166,18 @@ def choose_dims(cfg: TrainConfig, config, env: DistEnv, log) -> ParallelDims:
             mem = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else 0
             tp, cp = choose_parallel(env.world_size, config, mem, seq_len=cfg.seq_len, micro_batch=cfg.batch_size)
             log(f"--parallel auto chose tp={tp} cp={cp}")
-    if cfg.dp_mode == "ddp":
-        if env.world_size % (tp * cp):
-            raise ConfigError(f"world size {env.world_size} is not divisible by tp*cp = {tp * cp}")
-        dims = ParallelDims(dp_replicate=env.world_size // (tp * cp), dp_shard=1, cp=cp, tp=tp,
-                            world_size=env.world_size)
-    else:
-        dims = ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=-1, cp=cp, tp=tp, world_size=env.world_size)
-    dims.validate_for_model(config)
+    flags = f"--tp {tp} --cp {cp}" + (f" --dp-replicate {cfg.dp_replicate}" if cfg.dp_replicate > 1 else "")
+    try:
+        if cfg.dp_mode == "ddp":
+            if env.world_size % (tp * cp):
+                raise ConfigError(f"world size {env.world_size} is not divisible by tp*cp = {tp * cp}")
+            dims = ParallelDims(dp_replicate=env.world_size // (tp * cp), dp_shard=1, cp=cp, tp=tp,
+                                world_size=env.world_size)
+        else:
+            dims = ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=-1, cp=cp, tp=tp, world_size=env.world_size)
+        dims.validate_for_model(config)
+    except (ParallelConfigError, ConfigError) as e:  # name the flags at fault (the message names the degrees)
+        raise ConfigError(f"{flags} on {env.world_size} rank(s): {e}") from None
     return dims
 
 
@@ -282,6 +286,10 @@ def train(cfg: TrainConfig) -> dict:
 
     Raises TrainingError on a non-finite loss / grad norm (before that step's optimizer update).
     """
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible to torch (use --device cpu)")
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise ConfigError(f"--out {cfg.out!r} is a file, not a folder")
     env = init_distributed(cfg.device)
     progress = None
     log_lines = []
