@@ -30,7 +30,7 @@ OOM_EXIT = 3
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="mamba-parallel bench long_context", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="mamba2-1.3b", help="model preset (mamba_parallel/config.py)")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (global, before cp slicing)")
     p.add_argument("--cp", type=int, default=None, help="context parallel degree (default: the world size)")

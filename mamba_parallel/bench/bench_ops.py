@@ -167,7 +167,7 @@ def bench_ce(rec, dtype):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="mamba-parallel bench ops", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="activation / weight dtype")
     ap.add_argument("--impls", default="triton,naive",

@@ -106,7 +106,7 @@ def bench_decode(dtype) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="mamba-parallel bench selective_scan", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype of the scans")
     ap.add_argument("--sweep", nargs="*", default=[], metavar="CFG",

@@ -120,7 +120,7 @@ def check_against_naive(shape, dtype, chunk):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="mamba-parallel bench ssd", description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the results to this JSON file")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input dtype (ANCHORS use bf16)")
     ap.add_argument("--chunk", type=int, default=256, help="chunk size (ANCHORS use 256)")
