@@ -15,11 +15,16 @@ _KERNELS: dict[str, ModuleType | None] = {}
 def kernel_module(package: str) -> ModuleType | None:
     """``<package>.triton_impl`` imported once, or None when the op has no such file.
 
-    Only a missing file means "no kernel": an ImportError raised inside an existing triton_impl propagates.
+    A missing file or a missing Triton install means "no kernel"; an ImportError raised inside an existing
+    triton_impl (Triton installed) propagates.
     """
     name = package + ".triton_impl"
     if name not in _KERNELS:
-        _KERNELS[name] = importlib.import_module(name) if importlib.util.find_spec(name) is not None else None
+        from mamba_parallel.ops.backend import triton_available
+
+        # Triton is optional (the `gpu` extra): without it every op runs its reference.
+        exists = triton_available() and importlib.util.find_spec(name) is not None
+        _KERNELS[name] = importlib.import_module(name) if exists else None
     return _KERNELS[name]
 
 
