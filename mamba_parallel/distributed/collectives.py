@@ -14,6 +14,9 @@ backward collective that makes gradients right:
 | ``all_reduce_both`` | all-reduce (sum)   | all-reduce (sum)   | summed value then used rank-locally (x_proj, norm)|
 | ``gather_from_group``| all-gather on dim | keep own slice     | shards -> a full tensor used identically (logits) |
 
+``ring_exchange`` is the one P2P step (send to the next rank, receive from the previous) that the overlapped
+column-parallel forward (tensor_parallel.py) builds its ring all-gather from.
+
 ``process_group=None`` means the default (world) group.
 """
 
@@ -90,6 +93,20 @@ def all_reduce_raw(input_: Tensor, process_group=None, async_op: bool = False):
     input_ = input_.contiguous()
     handle = dist.all_reduce(input_, group=process_group, async_op=async_op)
     return input_, handle
+
+
+def ring_exchange(send: Tensor, recv: Tensor, process_group=None) -> list:
+    """Start sending ``send`` to the next rank of ``process_group`` and receiving ``recv`` from the previous one.
+
+    send, recv: same shape and dtype (recv is written). Returns the requests: ``wait()`` each before reading
+    ``recv`` or writing ``send``. P2P works on gloo and NCCL; peers are named by global rank (torch 2.11 has no
+    group-relative P2P arguments on every backend).
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    world, rank = group_size(group), group_rank(group)
+    nxt, prv = (dist.get_global_rank(group, (rank + step) % world) for step in (1, -1))
+    ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+    return dist.batch_isend_irecv(ops)
 
 
 # ---- any-dim helpers ------------------------------------------------------------------------------------------

@@ -13,11 +13,19 @@ Layout conventions:
 Overlap: ``parallel_linear_func``'s backward re-gathers the sequence-sharded input asynchronously while it computes
 the input gradient, then reduce-scatters (or all-reduces) that gradient asynchronously while it computes the
 weight gradient, so both collectives hide behind a matmul.
+
+Forward overlap (opt-in, OFF by default until a GPU run shows it pays): with ``MAMBA_PARALLEL_TP_OVERLAP=1`` in
+the environment (read at every forward) or ``overlap_comm=True`` on the layer (``ColumnParallelLinear.overlap_comm``,
+``apply_tensor_parallel(..., overlap_comm=True)``), a sequence-parallel column linear replaces its input
+all-gather by ``tp - 1`` ring steps: while the shard in hand is multiplied, the next one arrives from the previous
+rank (P2P), and each partial product is written into its rows of the output. The per-shard matmuls are the same
+as in gather-then-matmul, so the output matches it; the backward is unchanged.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.utils.checkpoint
@@ -34,12 +42,26 @@ from mamba_parallel.distributed.collectives import (
     group_size,
     reduce_scatter,
     reduce_scatter_raw,
+    ring_exchange,
 )
 
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch < 2.4
     DTensor = ()
+
+OVERLAP_ENV = "MAMBA_PARALLEL_TP_OVERLAP"
+
+
+def overlap_enabled(flag: bool = False) -> bool:
+    """Whether a sequence-parallel column linear overlaps its input gather with its matmul: ``flag`` (the layer's
+    ``overlap_comm``) or ``MAMBA_PARALLEL_TP_OVERLAP=1``, read now so it can be switched between steps."""
+    if flag:
+        return True
+    value = os.environ.get(OVERLAP_ENV, "0").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{OVERLAP_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def local_tensor(t: Tensor | None) -> Tensor | None:
@@ -75,7 +97,7 @@ class ParallelLinearFunc(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, process_group, sequence_parallel, dim=0):
+    def forward(ctx, x, weight, bias, process_group, sequence_parallel, dim=0, overlap=False):
         dtype = autocast_dtype(x)
         if dtype is not None:  # autocast does not reach into a custom Function's backward: cast once, here
             x, weight = x.to(dtype), weight.to(dtype)
@@ -84,6 +106,8 @@ class ParallelLinearFunc(torch.autograd.Function):
         ctx.process_group, ctx.sequence_parallel, ctx.dim = process_group, sequence_parallel, dim
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
+        if sequence_parallel and overlap:
+            return _ring_gather_linear(x, weight, bias, process_group, dim)
         if sequence_parallel:
             x = _moved_back(all_gather_raw(_moved(x, dim), process_group)[0], dim)
         return F.linear(x, weight, bias)
@@ -117,7 +141,35 @@ class ParallelLinearFunc(torch.autograd.Function):
             reduce_handle.wait()
         if sp and grad_input is not None:
             grad_input = _moved_back(grad_input, dim)
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _ring_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None, group, dim: int) -> Tensor:
+    """F.linear(all_gather(x, dim), weight, bias) with the gather split into ring steps behind the matmuls.
+
+    x: this rank's shard, n_local along ``dim`` (contiguous); weight (out_local, in) -> output with world * n_local
+    along ``dim``, rank r's rows at [r * n_local, (r + 1) * n_local). At step s the shard of rank (rank - s) is
+    multiplied while the shard of rank (rank - s - 1) is received from the previous rank.
+    """
+    world, rank = group_size(group), group_rank(group)
+    n = x.shape[dim]
+    shape = list(x.shape)
+    shape[dim], shape[-1] = world * n, weight.shape[0]
+    out = x.new_empty(shape)
+    held = _moved(x, dim)  # (n, ...) contiguous: what travels around the ring
+    spare = [torch.empty_like(held), torch.empty_like(held)] if world > 2 else [torch.empty_like(held)]
+    for step in range(world):
+        reqs, incoming = [], None
+        if step < world - 1:  # x itself is never written: the received shards land in the spare buffers
+            incoming = spare[step % len(spare)]
+            reqs = ring_exchange(held, incoming, group)
+        src = (rank - step) % world
+        # A view of out: each partial product goes straight to its rows (copied when rows are strided, dim > 0).
+        out.narrow(dim, src * n, n).copy_(F.linear(_moved_back(held, dim), weight, bias))
+        for req in reqs:
+            req.wait()
+        held = incoming
+    return out
 
 
 def autocast_dtype(x: Tensor) -> torch.dtype | None:
@@ -138,13 +190,14 @@ def _moved_back(x: Tensor, dim: int) -> Tensor:
 
 
 def parallel_linear_func(x: Tensor, weight: Tensor, bias: Tensor | None = None, process_group=None,
-                         sequence_parallel: bool = True, dim: int = 0) -> Tensor:
+                         sequence_parallel: bool = True, dim: int = 0, overlap_comm: bool = False) -> Tensor:
     """Column-parallel linear: x (n_local, ..., in) if sequence_parallel else (n, ..., in); weight
     (out_local, in); bias (out_local,) -> (n, ..., out_local) where n = world * n_local. ``dim``: the sharded
     activation dim (0 as in the seed; 1 for (batch, seqlen, d) activations sharded along the sequence).
 
     The seed calls ``parallel_linear_func(x, weight, process_group)``: a process group passed in the bias slot is
-    taken as the process group.
+    taken as the process group. ``overlap_comm`` (or ``MAMBA_PARALLEL_TP_OVERLAP=1``): with sequence_parallel,
+    ring-gather x behind the per-shard matmuls instead of gathering first (see the module docstring).
     """
     if bias is not None and not isinstance(bias, Tensor):
         if process_group is not None:
@@ -157,8 +210,9 @@ def parallel_linear_func(x: Tensor, weight: Tensor, bias: Tensor | None = None, 
         return F.linear(x, weight, bias)
     if sequence_parallel and (not -x.dim() <= dim < x.dim() or dim % x.dim() == x.dim() - 1):
         raise ValueError(f"parallel_linear_func: dim={dim} must index a non-feature dim of x {tuple(x.shape)}")
+    overlap = sequence_parallel and overlap_enabled(overlap_comm)
     return ParallelLinearFunc.apply(x, weight, bias, process_group, sequence_parallel,
-                                    dim % x.dim() if sequence_parallel else 0)
+                                    dim % x.dim() if sequence_parallel else 0, overlap)
 
 
 class _ParallelLinear(nn.Module):
@@ -190,13 +244,15 @@ class ColumnParallelLinear(_ParallelLinear):
 
     forward: x (n_local, ..., in_features) [sequence_parallel] or (n, ..., in_features) -> (n, ..., out_local).
     ``multiple_of``: each rank's share of out_features is a multiple of this (e.g. a head size).
+    ``overlap_comm``: set True (or MAMBA_PARALLEL_TP_OVERLAP=1) to ring-gather x behind the matmul under SP.
     """
 
     split_dim = 0
+    overlap_comm = False
 
     def forward(self, x: Tensor) -> Tensor:
         return parallel_linear_func(x, local_tensor(self.weight), local_tensor(self.bias), self.process_group,
-                                    self.sequence_parallel)
+                                    self.sequence_parallel, overlap_comm=self.overlap_comm)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local "

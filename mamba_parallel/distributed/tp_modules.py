@@ -110,18 +110,20 @@ class TPColumnLinear(_LinearTakeover):
     """Column-parallel linear taking over an nn.Linear's ``weight`` / ``bias``, entering the parallel region:
     x (b, L / tp, in) [SP] or (b, L, in) -> (b, L, out_local). The sequence all-gather happens inside
     ``parallel_linear_func`` so only the local shard is saved for backward, and the backward overlaps the
-    input-gradient reduce-scatter (or all-reduce) with the weight-gradient matmul."""
+    input-gradient reduce-scatter (or all-reduce) with the weight-gradient matmul. ``overlap_comm`` (or
+    MAMBA_PARALLEL_TP_OVERLAP=1): under SP, ring-gather the sequence behind per-shard matmuls (opt-in)."""
 
-    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool):
+    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool, overlap_comm: bool = False):
         super().__init__(linear, group)
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.overlap_comm = sequence_parallel, overlap_comm
 
     def forward(self, x: Tensor) -> Tensor:
-        return parallel_linear_func(x, self.weight, self.bias, self.group, self.sequence_parallel, dim=SEQ_DIM)
+        return parallel_linear_func(x, self.weight, self.bias, self.group, self.sequence_parallel, dim=SEQ_DIM,
+                                    overlap_comm=self.overlap_comm)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, overlap_comm={self.overlap_comm}")
 
 
 class TPGatedRMSNorm(nn.Module):

@@ -24,6 +24,9 @@
   projection (``TPColumnLinear`` -> ``parallel_linear_func``): only the local shard is saved for backward, and
   the backward overlaps the input-gradient reduce-scatter with the weight-gradient matmul (and the re-gather with
   the input-gradient matmul). Attention reads seqlen from its input, so it gathers in a forward pre-hook.
+- ``overlap_comm=True`` (or ``MAMBA_PARALLEL_TP_OVERLAP=1``): those entry projections also overlap the FORWARD
+  gather, as ring steps behind per-shard matmuls (tensor_parallel.py). Off by default until a GPU run shows it pays;
+  attention's pre-hook gather is not overlapped.
 
 Either the model holds real, identical weights on every tp rank (tp rank 0's are scattered), or it is on the meta
 device: then ``to_empty`` + ``model.init_weights()`` afterwards (overridden per instance) give the same values as
@@ -99,9 +102,10 @@ def _column(linear: nn.Linear, mesh: DeviceMesh, segments) -> None:
     _shard(linear, "bias", mesh, segments)
 
 
-def _entry_column(linear: nn.Linear, mesh: DeviceMesh, segments, sp: bool) -> TPColumnLinear:
+def _entry_column(linear: nn.Linear, mesh: DeviceMesh, segments, sp: bool,
+                  overlap: bool = False) -> TPColumnLinear:
     """The first projection of a mixer / MLP: column-parallel AND the gather of its input (see TPColumnLinear)."""
-    col = TPColumnLinear(linear, mesh.get_group(), sp)
+    col = TPColumnLinear(linear, mesh.get_group(), sp, overlap)
     _column(col, mesh, segments)
     return col
 
@@ -110,10 +114,10 @@ def _out_reduce(sp: bool) -> str:
     return "reduce_scatter" if sp else "all_reduce"
 
 
-def _plan_mamba1(m: Mamba, mesh: DeviceMesh, sp: bool) -> None:
+def _plan_mamba1(m: Mamba, mesh: DeviceMesh, sp: bool, overlap: bool = False) -> None:
     tp, d = mesh.size(), m.d_inner
     S = _split(d, tp, "d_inner")
-    m.in_proj = _entry_column(m.in_proj, mesh, [(d, S, False), (d, S, False)], sp)  # [x | z]
+    m.in_proj = _entry_column(m.in_proj, mesh, [(d, S, False), (d, S, False)], sp, overlap)  # [x | z]
     _shard(m.conv1d, "weight", mesh, [(d, S, False)])
     _shard(m.conv1d, "bias", mesh, [(d, S, False)])
     m.x_proj = _row(m.x_proj, mesh, "all_reduce_both", bias_grad_sum=True)
@@ -124,7 +128,7 @@ def _plan_mamba1(m: Mamba, mesh: DeviceMesh, sp: bool) -> None:
     m.d_inner = d // tp
 
 
-def _plan_mamba2(m: Mamba2, mesh: DeviceMesh, sp: bool) -> None:
+def _plan_mamba2(m: Mamba2, mesh: DeviceMesh, sp: bool, overlap: bool = False) -> None:
     tp = mesh.size()
     d, h, g, n = m.d_inner, m.nheads, m.ngroups, m.d_state
     S = _split(h, tp, "nheads")
@@ -133,7 +137,7 @@ def _plan_mamba2(m: Mamba2, mesh: DeviceMesh, sp: bool) -> None:
     else:
         bc = (g * n, _split(g, tp, "ngroups (must be 1 or a multiple of tp)"), False)
     m.in_proj = _entry_column(m.in_proj, mesh, [(d, S, False), (d, S, False), bc, bc, (h, S, False)],
-                              sp)  # [z | x | B | C | dt]
+                              sp, overlap)  # [z | x | B | C | dt]
     _shard(m.conv1d, "weight", mesh, [(d, S, False), bc, bc])  # [x | B | C]
     _shard(m.conv1d, "bias", mesh, [(d, S, False), bc, bc])
     _shard(m, "dt_bias", mesh, [(h, S, False)])
@@ -157,10 +161,10 @@ def _plan_mha(m: MHA, mesh: DeviceMesh, sp: bool) -> None:
     m.num_heads, m.num_heads_kv = m.num_heads // tp, m.num_heads_kv // tp
 
 
-def _plan_mlp(m: GatedMLP, mesh: DeviceMesh, sp: bool) -> None:
+def _plan_mlp(m: GatedMLP, mesh: DeviceMesh, sp: bool, overlap: bool = False) -> None:
     tp, hid = mesh.size(), m.hidden_features
     S = _split(hid, tp, "MLP hidden_features")
-    m.fc1 = _entry_column(m.fc1, mesh, [(hid, S, False), (hid, S, False)], sp)  # [value | gate]
+    m.fc1 = _entry_column(m.fc1, mesh, [(hid, S, False), (hid, S, False)], sp, overlap)  # [value | gate]
     m.fc2 = _row(m.fc2, mesh, _out_reduce(sp), bias_grad_sum=sp)
     m.hidden_features = hid // tp
 
@@ -184,8 +188,12 @@ def _leave_backbone(backbone: nn.Module, group, sp: bool) -> None:
 
 
 # ---- entry point ------------------------------------------------------------------------------------------------
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True,
+                          overlap_comm: bool = False) -> nn.Module:
     """Shard ``model`` (a single-device MambaLMHeadModel with real weights) over the 1-D ``tp_mesh``, in place.
+
+    ``overlap_comm``: the SP entry projections (Mamba / Mamba-2 in_proj, MLP fc1) ring-gather their input behind
+    per-shard matmuls (opt-in, off by default; MAMBA_PARALLEL_TP_OVERLAP=1 turns it on at run time too).
 
     Returns the model. tp = 1 leaves it untouched. Raises ParallelConfigError naming the size tp does not divide.
     """
@@ -204,9 +212,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         _replicated(block.norm, tp_mesh, grad_sum=sp)
         mixer = block.mixer
         if isinstance(mixer, Mamba2):
-            _plan_mamba2(mixer, tp_mesh, sp)
+            _plan_mamba2(mixer, tp_mesh, sp, overlap_comm)
         elif isinstance(mixer, Mamba):
-            _plan_mamba1(mixer, tp_mesh, sp)
+            _plan_mamba1(mixer, tp_mesh, sp, overlap_comm)
         elif isinstance(mixer, MHA):
             _plan_mha(mixer, tp_mesh, sp)
         else:
@@ -215,7 +223,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             _enter_parallel_region(mixer, group, sp)
         if block.mlp is not None:
             _replicated(block.norm2, tp_mesh, grad_sum=sp)
-            _plan_mlp(block.mlp, tp_mesh, sp)
+            _plan_mlp(block.mlp, tp_mesh, sp, overlap_comm)
     _replicated(backbone.norm_f, tp_mesh, grad_sum=sp)
     _leave_backbone(backbone, group, sp)
 
