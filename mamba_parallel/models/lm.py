@@ -160,11 +160,12 @@ class MambaLMHeadModel(nn.Module):
         return cache
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 0.0, eos_token_id: int | None = None, generator: torch.Generator | None = None,
-                 **kwargs) -> torch.Tensor:
-        """input_ids (b, L) -> token ids (b, L + n), n <= max_new_tokens (see inference/generate.py; ``kwargs``:
-        ``cache_dtype``, ``cuda_graph``)."""
+    def generate(self, input_ids: torch.Tensor | list[torch.Tensor], max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 0.0, eos_token_id: int | None = None,
+                 generator: torch.Generator | None = None, **kwargs) -> torch.Tensor | list[torch.Tensor]:
+        """input_ids (b, L) -> token ids (b, L + n), n <= max_new_tokens; or a list of 1-D prompts (L_i,) of any
+        lengths (ragged requests, pure Mamba / Mamba2 models) -> a list of (L_i + n_i,), each ending at its eos, in
+        input order (see inference/generate.py; ``kwargs``: ``cache_dtype``, ``cuda_graph``)."""
         from mamba_parallel.inference.generate import generate
 
         return generate(self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
