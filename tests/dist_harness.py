@@ -7,6 +7,7 @@ processes and a process group costs seconds on the 2-core CI machine.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import torch
@@ -23,8 +24,14 @@ def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn, args) -
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears down while a peer still has collectives in flight
     finally:
         dist.destroy_process_group()
+    # Skip the interpreter's teardown: gloo / profiler threads still being destroyed there can abort the process
+    # ("terminate called without an active exception") after the work is done and saved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn, world_size: int, *args):
