@@ -178,6 +178,8 @@ def _write_token_folder(source: str, out_dir: str, tmp: str, tokenizer, dtype, v
               "val_fraction": val_fraction}
     with open(os.path.join(tmp, HEADER), "w") as fh:
         json.dump(header, fh, indent=2)
+    if tokenizer.spec != "byte":  # the folder carries its own copy: moving the original breaks nothing
+        tokenizer.save(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return header
@@ -197,6 +199,15 @@ def read_header(folder: str) -> dict:
     if header.get("format") != FORMAT:
         raise DataError(f"{path}: format {header.get('format')!r} is not {FORMAT!r}")
     return header
+
+
+def folder_tokenizer(folder: str, header: dict) -> str:
+    """The tokenizer spec of a token folder: "byte", its own tokenizer.json copy, or (older folders) the path
+    recorded when it was prepared."""
+    if header["tokenizer"] == "byte":
+        return "byte"
+    own = os.path.join(folder, "tokenizer.json")
+    return own if os.path.isfile(own) else header["tokenizer"]
 
 
 def open_split(folder: str, split: str) -> np.ndarray:

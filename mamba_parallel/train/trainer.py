@@ -25,8 +25,8 @@ from mamba_parallel.distributed.parallel_dims import ParallelConfigError, Parall
 from mamba_parallel.distributed.parallelize import parallelize
 from mamba_parallel.train import checkpoint as ckpt
 from mamba_parallel.train.config import TrainConfig
-from mamba_parallel.train.data import DataError, RankBatches, TokenWindows, is_prepared, open_split, prepare_data, \
-    read_header
+from mamba_parallel.train.data import DataError, RankBatches, TokenWindows, folder_tokenizer, is_prepared, open_split, \
+    prepare_data, read_header
 from mamba_parallel.train.flops import peak_flops, train_flops_per_token
 from mamba_parallel.train.metrics import GpuMonitor, MetricsLogger, Progress, Throughput, peak_memory_gib
 from mamba_parallel.train.optim import build_optimizer, build_scheduler, restart_schedule
@@ -50,15 +50,24 @@ def _barrier() -> None:
 
 
 # ---- data --------------------------------------------------------------------------------------------------------
+def _same_tokenizer(a: str, b: str) -> bool:
+    """Two tokenizer specs ("byte" or tokenizer.json paths) name the same tokenizer (same file contents)."""
+    if a == b or "byte" in (a, b):
+        return a == b
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
 def resolve_data(cfg: TrainConfig, env: DistEnv) -> tuple[str, dict, object]:
     """(token folder, header, tokenizer): a prepared folder as is, anything else tokenized into <out>/data."""
     if cfg.data and is_prepared(cfg.data):
         folder = cfg.data
         header = read_header(folder)
-        if cfg.tokenizer and load_tokenizer(cfg.tokenizer).spec != header["tokenizer"]:
+        spec = folder_tokenizer(folder, header)
+        if cfg.tokenizer and not _same_tokenizer(load_tokenizer(cfg.tokenizer).spec, spec):
             raise DataError(f"--tokenizer {cfg.tokenizer!r} differs from the tokenizer of the token folder "
-                            f"{folder!r} ({header['tokenizer']!r})")
-        return folder, header, load_tokenizer(header["tokenizer"])
+                            f"{folder!r} ({spec!r})")
+        return folder, header, load_tokenizer(spec)
     tokenizer = load_tokenizer(cfg.tokenizer)
     source = cfg.data or "stdlib"
     if source != "stdlib" and not os.path.exists(source):

@@ -73,6 +73,22 @@ def test_hf_tokenizer_json(tmp_path):
     header = read_header(out)
     assert header["dtype"] == "uint16" and header["tokenizer"] == hf.spec
     assert hf.decode(_all_tokens(out).tolist()).startswith(DOCS[0])
+    # The token folder carries its own tokenizer copy: training from it works after the original is gone.
+    (tmp_path / "tokenizer.json").rename(tmp_path / "moved.json")
+    run = tmp_path / "run"
+    assert cli.main(["train", "--data", out, "--out", str(run), "--steps", "2", "--seq-len", "16", "--batch-size",
+                     "2", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
+                     "--no-progress"]) == 0
+    assert (run / "final" / "tokenizer.json").read_bytes() == (tmp_path / "moved.json").read_bytes()
+    # Naming the same tokenizer (same contents, another path) is accepted; a different one is refused.
+    assert cli.main(["train", "--data", out, "--out", str(tmp_path / "run2"), "--tokenizer",
+                     str(tmp_path / "moved.json"), "--steps", "1", "--seq-len", "16", "--batch-size", "2",
+                     "--warmup", "1", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
+                     "--no-progress"]) == 0
+    other = tmp_path / "other.json"
+    other.write_text((tmp_path / "moved.json").read_text() + "\n")  # another file: not the folder's tokenizer
+    assert cli.main(["train", "--data", out, "--out", str(tmp_path / "run3"), "--tokenizer", str(other),
+                     "--steps", "1", "--seq-len", "16", "--batch-size", "2", "--no-progress"]) == 2
 
 
 def test_missing_inputs_are_named(tmp_path):
