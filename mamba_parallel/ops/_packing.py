@@ -48,9 +48,24 @@ def scatter_seq(y: torch.Tensor, valid: torch.Tensor, dim: int) -> torch.Tensor:
     return flat.index_select(dim, keep).unsqueeze(0)
 
 
-def segments(L: int, row_seq: list | None) -> list[tuple[int, int]]:
-    """[start, end) spans of equal ``seq_idx`` values in one row (the whole row when ``row_seq`` is None)."""
-    if row_seq is None:
+def row_segments(L: int, r: int, seq_idx, cu_seqlens) -> list[tuple[int, int]]:
+    """[start, end) spans of the sequences in batch row ``r``: from ``cu_seqlens`` (packed, b == 1), else where
+    ``seq_idx`` changes, else the whole row. Used by the token-by-token references."""
+    if cu_seqlens is not None:
+        cu = cu_seqlens.tolist()
+        return list(zip(cu[:-1], cu[1:]))
+    if seq_idx is None:
         return [(0, L)]
-    cuts = [0] + [t for t in range(1, L) if row_seq[t] != row_seq[t - 1]] + [L]
+    row = seq_idx[r].tolist()
+    cuts = [0] + [t for t in range(1, L) if row[t] != row[t - 1]] + [L]
     return list(zip(cuts[:-1], cuts[1:]))
+
+
+def segment_start_state(initial, r: int, k: int, packed: bool, zero: torch.Tensor) -> torch.Tensor:
+    """The state entering segment ``k`` of row ``r``: per sequence when packed, else row ``r``'s initial state for
+    the first segment only (seq_idx boundaries reset to zero)."""
+    if initial is None:
+        return zero
+    if packed:
+        return initial[k].to(zero.dtype)
+    return initial[r].to(zero.dtype) if k == 0 else zero

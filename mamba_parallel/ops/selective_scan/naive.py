@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from mamba_parallel.ops._common import compute_dtype, fp32_math, process_dt
-from mamba_parallel.ops._packing import gather_seq, scatter_seq, segments, unpack_index
+from mamba_parallel.ops._packing import gather_seq, row_segments, scatter_seq, segment_start_state, \
+    unpack_index
 
 
 def _finish(y, u, D, z, ct):
@@ -86,24 +87,18 @@ def selective_scan_sequential(u, delta, A, B, C, D=None, z=None, delta_bias=None
     zero = u.new_zeros(d, n, dtype=ct)
     outs = [[None] * L for _ in range(b)]
     lasts = []
+    packed = cu_seqlens is not None
     for r in range(b):
-        if cu_seqlens is not None:
-            cu = cu_seqlens.tolist()
-            segs = list(zip(cu[:-1], cu[1:]))
-        else:
-            segs = segments(L, None if seq_idx is None else seq_idx[r].tolist())
+        segs = row_segments(L, r, seq_idx, cu_seqlens)
         for k, (s, e) in enumerate(segs):
-            if cu_seqlens is not None:
-                h = zero if initial_state is None else initial_state[k].to(ct)
-            else:
-                h = initial_state[r].to(ct) if (initial_state is not None and k == 0) else zero
+            h = segment_start_state(initial_state, r, k, packed, zero)
             for t in range(s, e):
                 h = torch.exp(dl[r, :, t, None] * Af) * h + (dl[r, :, t] * uf[r, :, t])[:, None] * Bd[r, :, :, t]
                 outs[r][t] = (h * Cd[r, :, :, t]).sum(-1)
-            if cu_seqlens is not None:
+            if packed:
                 lasts.append(h)
-        if cu_seqlens is None:
-            lasts.append(h if segs else (zero if initial_state is None else initial_state[r].to(ct)))
+        if not packed:
+            lasts.append(h if segs else segment_start_state(initial_state, r, 0, False, zero))
     y = torch.stack([torch.stack(row, -1) if L else u.new_zeros(d, 0, dtype=ct) for row in outs])
     y = _finish(y, u, D, z, ct).to(u.dtype)
     return (y, torch.stack(lasts)) if return_last_state else y

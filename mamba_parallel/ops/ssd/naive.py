@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from mamba_parallel.ops._common import compute_dtype, fp32_math, process_dt
-from mamba_parallel.ops._packing import gather_seq, scatter_seq, segments, unpack_index
+from mamba_parallel.ops._packing import gather_seq, row_segments, scatter_seq, segment_start_state, \
+    unpack_index
 
 
 def segsum(a: torch.Tensor) -> torch.Tensor:
@@ -132,25 +133,19 @@ def ssd_sequential(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None
     zero = x.new_zeros(h, p, n, dtype=ct)
     outs = [[None] * L for _ in range(b)]
     finals = []
+    packed = cu_seqlens is not None
     for r in range(b):
-        if cu_seqlens is not None:
-            cu = cu_seqlens.tolist()
-            segs = list(zip(cu[:-1], cu[1:]))
-        else:
-            segs = segments(L, None if seq_idx is None else seq_idx[r].tolist())
-        s = zero if initial_states is None or cu_seqlens is not None else initial_states[r].to(ct)
+        segs = row_segments(L, r, seq_idx, cu_seqlens)
+        s = segment_start_state(initial_states, r, 0, False, zero) if not packed else zero
         for k, (start, end) in enumerate(segs):
-            if cu_seqlens is not None:
-                s = zero if initial_states is None else initial_states[k].to(ct)
-            elif k > 0:
-                s = zero
+            s = segment_start_state(initial_states, r, k, packed, zero)
             for t in range(start, end):
                 a = torch.exp(dtp[r, t] * Af)[:, None, None]
                 s = a * s + (dtp[r, t, :, None] * xf[r, t])[..., None] * Bh[r, t, :, None, :]
                 outs[r][t] = (s * Ch[r, t, :, None, :]).sum(-1)
-            if cu_seqlens is not None:
+            if packed:
                 finals.append(s)
-        if cu_seqlens is None:
+        if not packed:
             finals.append(s)
     y = torch.stack([torch.stack(row, 0) if L else x.new_zeros(0, h, p, dtype=ct) for row in outs])
     y = _finish(y, x, D, z, ct).to(x.dtype)
