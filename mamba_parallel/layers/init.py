@@ -65,6 +65,13 @@ def linear_default_(weight: torch.Tensor, bias: torch.Tensor | None = None) -> N
         uniform_(bias, -bound, bound)
 
 
+def linear_zero_bias_(linear: torch.nn.Linear) -> None:
+    """A projection as mamba_ssm initialises it: PyTorch's default weight init, a zero bias when there is one."""
+    linear_default_(linear.weight)
+    if linear.bias is not None:
+        constant_(linear.bias, 0.0)
+
+
 def dt_bias_(param: torch.Tensor, dt_min: float, dt_max: float, dt_init_floor: float) -> None:
     """Bias whose softplus is log-uniform in [dt_min, dt_max] (floored at dt_init_floor), as in the papers.
 

@@ -79,9 +79,7 @@ class Mamba(nn.Module):
         A = torch.arange(1, n + 1, dtype=torch.float32, device=self.A_log.device).expand(self.A_log.shape[0], n)
         init.assign_(self.A_log, torch.log(A))
         init.constant_(self.D, 1.0)
-        init.linear_default_(self.out_proj.weight)
-        if self.out_proj.bias is not None:
-            init.constant_(self.out_proj.bias, 0.0)
+        init.linear_zero_bias_(self.out_proj)
         init.mark_no_weight_decay(self)
 
     # ---- overridable sub-steps (context parallelism replaces them per instance) ---------------------------------

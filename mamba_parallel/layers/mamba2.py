@@ -64,9 +64,7 @@ class Mamba2(nn.Module):
         """The paper's init: A = -U(A_init_range) per head, D = 1, softplus(dt_bias) log-uniform in
         [dt_min, dt_max]; projections and conv as PyTorch's default, norm weight 1. The model's ``init_weights``
         then re-scales out_proj (see models/lm.py)."""
-        init.linear_default_(self.in_proj.weight)
-        if self.in_proj.bias is not None:
-            init.constant_(self.in_proj.bias, 0.0)
+        init.linear_zero_bias_(self.in_proj)
         init.linear_default_(self.conv1d.weight, self.conv1d.bias)
         init.dt_bias_(self.dt_bias, self.dt_min, self.dt_max, self.dt_init_floor)
         lo, hi = self.A_init_range
@@ -75,9 +73,7 @@ class Mamba2(nn.Module):
         init.constant_(self.D, 1.0)
         if self.rmsnorm:
             self.norm.reset_parameters()
-        init.linear_default_(self.out_proj.weight)
-        if self.out_proj.bias is not None:
-            init.constant_(self.out_proj.bias, 0.0)
+        init.linear_zero_bias_(self.out_proj)
         init.mark_no_weight_decay(self)
 
     # ---- overridable sub-steps (context parallelism replaces them per instance) ---------------------------------
