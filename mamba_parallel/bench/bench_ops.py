@@ -5,10 +5,14 @@
 
 Forward and forward+backward times at mamba2-2.7b training shapes (b8 L2048 = 16384 tokens): conv over
 d = 2*2560 + 2*128 channels (x | B | C), width 4, channels-last input; norms on (16384, 2560) and (16384, 5120);
-cross-entropy with d 2560 and vocab 50288. Times are medians of CUDA-event timed runs (triton.testing.do_bench)
-after warm-up. "naive" is the reference op (naive.py), "compiled" the same under torch.compile (conv and norms),
-"plain" for the loss is F.linear + F.cross_entropy on full logits (what an unfused model does). Achieved bandwidth
-counts the fewest bytes a pass must move, against the H200's measured 4.3 TB/s copy rate.
+cross-entropy with d 2560 and vocab 50288. fwd_ms / fwd_bwd_ms are GPU kernel time per call: the summed durations
+of every kernel, memcpy and memset one call launches (torch.profiler, mean over back-to-back calls after warm-up).
+fwd_wall_ms / fwd_bwd_wall_ms are the CUDA-event time of one call issued alone (triton.testing.do_bench, median):
+that includes the host's time to issue the call whenever the host is slower than the kernels (custom-op dispatch,
+autograd, Triton launches), which for the norms at these shapes is most of it. "naive" is the reference op
+(naive.py), "compiled" the same under torch.compile (conv and norms), "plain" for the loss is F.linear +
+F.cross_entropy on full logits (what an unfused model does). Achieved bandwidth (from kernel time) counts the
+fewest bytes a pass must move, against the H200's measured 4.3 TB/s copy rate.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -32,18 +37,54 @@ def _median_ms(fn, rep_ms: float = 200.0) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
 
 
-def _fwd_and_fb(fn, inputs, grads_out) -> tuple[float, float]:
-    """(fwd ms under no_grad, fwd+bwd ms) of fn(*inputs) -> tensor or tuple; inputs that require grad get grads."""
+def _kernel_ms(fn, calls: int = 20) -> tuple[float, float]:
+    """(GPU kernel ms per call, launches per call) of ``calls`` back-to-back calls of fn, profiled after warm-up.
+
+    Kernel time, not elapsed time: the sum of the durations of the kernels, memcpys and memsets fn launches, so
+    host overhead between launches (which CUDA-event timing of a host-bound call measures instead) is left out.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from mamba_parallel.bench.profile_train import _gpu_kernels
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # as profile_train does
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        per_name, _ = _gpu_kernels(path)
+    finally:
+        os.remove(path)
+    total_us = sum(sum(d) for d in per_name.values())
+    if total_us <= 0:
+        raise RuntimeError("bench_ops: the profiler recorded no GPU kernels (is CUPTI available?)")
+    return total_us / calls / 1e3, sum(len(d) for d in per_name.values()) / calls
+
+
+def _fwd_and_fb(fn, inputs, grads_out) -> dict:
+    """Forward (under no_grad) and forward+backward of fn(*inputs) -> tensor or tuple; the inputs that require
+    grad get gradients (torch.autograd.grad, so nothing accumulates). -> kernel ms, launches and wall ms of each."""
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    with torch.no_grad():
-        fwd = _median_ms(lambda: fn(*inputs))
+
+    def fwd():
+        with torch.no_grad():
+            fn(*inputs)
 
     def fb():
         out = fn(*inputs)
         out = out if isinstance(out, tuple) else (out,)
         torch.autograd.grad([o for o in out], leaves, grads_out[:len(out)])
 
-    return fwd, _median_ms(fb)
+    res = {}
+    for key, f in (("fwd", fwd), ("fwd_bwd", fb)):
+        res[f"{key}_ms"], res[f"{key}_launches"] = _kernel_ms(f)
+        res[f"{key}_wall_ms"] = _median_ms(f)
+    return res
 
 
 class Recorder:
@@ -68,8 +109,9 @@ def _variants(triton_fn, naive_fn, impls):
 
 def _record(rec, op, shape, impl, fn, inputs, grads_out, nbytes_fwd, nbytes_fb):
     try:
-        fwd, fb = _fwd_and_fb(fn, inputs, grads_out)
-        rec.add(op=op, shape=shape, impl=impl, fwd_ms=fwd, fwd_bwd_ms=fb,
+        t = _fwd_and_fb(fn, inputs, grads_out)
+        fwd, fb = t["fwd_ms"], t["fwd_bwd_ms"]
+        rec.add(op=op, shape=shape, impl=impl, **t,
                 fwd_TBps=nbytes_fwd / fwd / 1e9, fwd_bwd_TBps=nbytes_fb / fb / 1e9,
                 fwd_bw_frac=nbytes_fwd / fwd / 1e9 / COPY_TBPS, fwd_bwd_bw_frac=nbytes_fb / fb / 1e9 / COPY_TBPS)
     except Exception as e:  # one failing variant (e.g. out of memory) must not lose the others
@@ -156,10 +198,10 @@ def bench_ce(rec, dtype):
         try:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            fwd, fb = _fwd_and_fb(lambda h, w, f=f: f(h, w, labels), [h, wt], [one])
+            t = _fwd_and_fb(lambda h, w, f=f: f(h, w, labels), [h, wt], [one])
             peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-            rec.add(op="linear_cross_entropy", shape=f"N{n} d{d} V{v}", impl=impl, fwd_ms=fwd, fwd_bwd_ms=fb,
-                    fwd_bwd_TFLOPs=3 * flops / fb / 1e9, extra_peak_GiB=peak)
+            rec.add(op="linear_cross_entropy", shape=f"N{n} d{d} V{v}", impl=impl, **t,
+                    fwd_bwd_TFLOPs=3 * flops / t["fwd_bwd_ms"] / 1e9, extra_peak_GiB=peak)
         except Exception as e:
             rec.add(op="linear_cross_entropy", shape=f"N{n} d{d} V{v}", impl=impl,
                     error=f"{type(e).__name__}: {str(e)[:300]}")

@@ -2,7 +2,7 @@
 
 ``rms_norm``, ``add_rms_norm`` and ``gated_rms_norm`` take the public functions' arguments (docs/API.md) and all
 run the same kernels (triton_norm_fwd.py / triton_norm_bwd.py): fp32 statistics, rstd saved for the backward,
-the weight gradient reduced down columns into per-program partial sums.
+one backward pass that writes dx (dz, dresidual) and per-program weight-gradient partials, summed here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import triton
 
 from mamba_parallel.ops.norm import naive
-from mamba_parallel.ops.norm.triton_norm_bwd import norm_bwd_dw_kernel, norm_bwd_dx_kernel
+from mamba_parallel.ops.norm.triton_norm_bwd import norm_bwd_kernel
 from mamba_parallel.ops.norm.triton_norm_fwd import norm_fwd_kernel
 
 # One group of channels lives in registers: 64 KiB of fp32 per row is the most a program holds.
@@ -26,17 +26,6 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Weight-gradient reduction: tiles of BLOCK_R rows x BLOCK_C channels, about _DW_PROGRAMS_PER_SM programs per SM.
-_DW_BLOCK_R, _DW_BLOCK_C, _DW_PROGRAMS_PER_SM = 16, 128, 8
-
-
-def _dw_row_split(x: torch.Tensor, rows: int, col_blocks: int) -> int:
-    """Rows per weight-gradient program (a multiple of the row tile), so the grid fills the GPU."""
-    target = _DW_PROGRAMS_PER_SM * (_sm_count(x.device.index or 0) if x.is_cuda else 1)
-    n_row_programs = max(1, min(triton.cdiv(rows, _DW_BLOCK_R), triton.cdiv(target, col_blocks)))
-    return triton.cdiv(triton.cdiv(rows, n_row_programs), _DW_BLOCK_R) * _DW_BLOCK_R
-
-
 def _launch_shape(group_size: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps): a row group over enough threads for ~16 elements each (no spills on sm_90)."""
     if group_size > _MAX_GROUP:
@@ -44,6 +33,41 @@ def _launch_shape(group_size: int) -> tuple[int, int]:
                          "use a smaller group_size or MAMBA_PARALLEL_BACKEND=naive")
     block = triton.next_power_of_2(group_size)
     return block, max(4, min(16, block // (32 * 16)))
+
+
+# Backward grid: one wave of resident programs, so every SM keeps as many rows in flight as its register file
+# holds. Registers per thread of norm_bwd_kernel by kind and BLOCK_N, as ptxas reports them for sm_90 (Triton
+# 3.9, the largest over fp32 / fp16 / bf16, channel counts and strides divisible by 16; plain = rms_norm and
+# add_rms_norm). Wider groups run one program per SM; a kernel that needs more registers than listed (odd
+# channel counts: scalar loads) only gets a second, partial wave.
+_BWD_REGS = {"plain": {512: 40, 1024: 64, 2048: 100, 4096: 128},
+             "gate_in_norm": {512: 62, 1024: 92, 2048: 165, 4096: 170},
+             "gate_after_norm": {512: 48, 1024: 72, 2048: 127, 4096: 136}}
+_SM_REGS, _SM_WARPS, _CPU_BWD_PROGRAMS = 65536, 64, 4
+
+
+def _bwd_launch_shape(group_size: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the backward: 16 values per thread like the forward, up to 32 warps (ptxas: no
+    spills up to 8192 channels but 12-44 bytes for gate_in_norm at 8192; 64-500 bytes at 16384)."""
+    block, _ = _launch_shape(group_size)
+    return block, max(4, min(32, block // (32 * 16)))
+
+
+def _bwd_programs_per_sm(block: int, warps: int, has_z: bool, norm_before_gate: bool) -> int:
+    """Resident programs of the backward per SM, from its register use (at least one)."""
+    if block > 4096:
+        return 1
+    kind = "plain" if not has_z else ("gate_after_norm" if norm_before_gate else "gate_in_norm")
+    regs = -(-_BWD_REGS[kind][max(block, 512)] // 8) * 8  # registers are allocated in units of 8 per thread
+    return max(1, min(_SM_WARPS // warps, _SM_REGS // (regs * 32 * warps)))
+
+
+def _bwd_row_split(x: torch.Tensor, rows: int, groups: int, per_sm: int) -> tuple[int, int]:
+    """(row programs, rows per program) of the backward: ~``per_sm`` programs per SM over all groups, none empty
+    (the CPU interpreter gets a handful)."""
+    target = per_sm * _sm_count(x.device.index or 0) if x.is_cuda else _CPU_BWD_PROGRAMS
+    rows_per_program = max(1, triton.cdiv(rows, max(1, min(rows, triton.cdiv(target, groups)))))
+    return max(1, triton.cdiv(rows, rows_per_program)), rows_per_program
 
 
 def _rows(t: Optional[torch.Tensor], d: int) -> Optional[torch.Tensor]:
@@ -106,25 +130,19 @@ def _norm_bwd(dy: torch.Tensor, dres_out: Optional[torch.Tensor], xin: torch.Ten
                      device=xin.device)
     if m == 0:
         return dx, dres, dz, torch.zeros_like(weight)
-    block, warps = _launch_shape(group_size)
-    norm_bwd_dx_kernel[(m, groups)](
+    block, warps = _bwd_launch_shape(group_size)
+    per_sm = _bwd_programs_per_sm(block, warps, z is not None, norm_before_gate)
+    n_programs, rows_per_program = _bwd_row_split(xin, m, groups, per_sm)
+    dw_part = torch.empty((n_programs, d), dtype=torch.float32, device=xin.device)
+    norm_bwd_kernel[(n_programs, groups)](
         xin, z, weight, dy, dres_out, rstd,
-        dx, dres, dz,
-        m, group_size,
+        dx, dres, dz, dw_part,
+        m, group_size, rows_per_program,
         xin.stride(0), z.stride(0) if z is not None else 0, dy.stride(0),
         dres_out.stride(0) if dres_out is not None else 0, dx.stride(0), dres.stride(0), dz.stride(0),
+        dw_part.stride(0),
         HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate, HAS_DRES_OUT=dres_out is not None,
-        STORE_DX2=dres_dtype is not None, BLOCK_N=block, num_warps=warps,
-    )
-    col_blocks = triton.cdiv(d, _DW_BLOCK_C)
-    rows_per_program = _dw_row_split(xin, m, col_blocks)
-    n_row_programs = triton.cdiv(m, rows_per_program)
-    dw_part = torch.empty((n_row_programs, d), dtype=torch.float32, device=xin.device)
-    norm_bwd_dw_kernel[(n_row_programs, col_blocks)](
-        xin, z, dy, rstd, dw_part,
-        m, d, group_size, rows_per_program,
-        xin.stride(0), z.stride(0) if z is not None else 0, dy.stride(0),
-        HAS_Z=z is not None, BLOCK_R=_DW_BLOCK_R, BLOCK_C=_DW_BLOCK_C, num_warps=4,
+        STORE_DX2=dres_dtype is not None, BLOCK_N=block, num_warps=warps, num_stages=1,
     )
     return dx, dres, dz, dw_part.sum(0).to(weight.dtype)
 
