@@ -110,7 +110,10 @@ def cp_ssd_chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ch
     y, S_loc = ops.ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                   dt_limit=dt_limit, seq_idx=seq_idx, return_final_states=True)
     with _NoAutocast(x):
-        dA_cum = torch.cumsum(process_dt(dt, dt_bias, dt_softplus, dt_limit) * A.float(), dim=1)  # (b, L, h)
+        # (b, L, h). Scanned along the innermost dim of a (b, h, L) copy: torch's scan along an outer dim runs one
+        # thread per column (h of them) and took 13 ms per layer at L = 131072 on an H200, this form ~0.1 ms.
+        dA = (process_dt(dt, dt_bias, dt_softplus, dt_limit) * A.float()).transpose(1, 2).contiguous()
+        dA_cum = torch.cumsum(dA, dim=-1).transpose(1, 2)
         S_all, a_all, gathered = gather_states(S_loc.float(), torch.exp(dA_cum[:, -1]), group)
         S_in, final = combine_states(S_all, a_all[..., None, None], rank, meta, initial_states, return_final_states)
         if S_in is not None:
