@@ -60,6 +60,22 @@ def check_ndim(op: str, name: str, t: torch.Tensor, ndims: tuple[int, ...], layo
         raise ValueError(f"{op}: {name} must be {layout}, got shape {tuple(t.shape)}")
 
 
+_INT32_SPAN = 2 ** 31
+
+
+def check_int32_span(op: str, **tensors: torch.Tensor | None) -> None:
+    """Raise ValueError when a tensor's farthest element lies 2^31 or more elements from its start: the Triton
+    kernels index one batch row's positions x strides in int32, which would silently wrap."""
+    for name, t in tensors.items():
+        if t is None or t.numel() == 0:
+            continue
+        span = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+        if span >= _INT32_SPAN:
+            raise ValueError(f"{op}: {name} of shape {tuple(t.shape)} (strides {tuple(t.stride())}) spans {span} "
+                             f"elements, over the Triton kernels' int32 indexing limit of 2^31; use a smaller "
+                             f"batch or a shorter sequence per rank (context parallelism, --cp, splits it)")
+
+
 def check_int(op: str, name: str, t: torch.Tensor | None) -> None:
     if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
         raise ValueError(f"{op}: {name} must be an integer tensor, got {t.dtype}")

@@ -58,3 +58,12 @@ def test_public_op_routes_by_backend(monkeypatch):
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
     assert not torch.equal(rms_norm(x, w), torch.full_like(x, 3.0))
     assert len(fake.calls) == 1
+
+
+def test_int32_span_guard_names_the_tensor():
+    from mamba_parallel.ops._common import check_int32_span
+
+    big = torch.empty(1, 2 ** 20, 2049, dtype=torch.int8)[:, :, :2048]  # a channels slice of a wide row
+    with pytest.raises(ValueError, match=r"ssd_chunk_scan: x of shape \(1, 1048576, 2048\).*int32"):
+        check_int32_span("ssd_chunk_scan", x=big)
+    check_int32_span("ssd_chunk_scan", x=big[:, :1000], z=None)  # within the limit: no error

@@ -67,7 +67,8 @@ def conv1d_fwd_kernel(
     pid_l = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    t = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+    # int64 positions: position x stride overflows int32 for long channels-last inputs (L 256k x 8512 channels)
+    t = (pid_l * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)
     c = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_c = c < D
     mask = (t < L)[:, None] & mask_c[None, :]

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from mamba_parallel.ops._common import (check_cu_seqlens, check_divides, check_int, check_ndim, check_shape,
-                                        kernel_module)
+from mamba_parallel.ops._common import (check_cu_seqlens, check_divides, check_int, check_int32_span, check_ndim,
+                                        check_shape, kernel_module)
 from mamba_parallel.ops.backend import use_triton
 from mamba_parallel.ops.ssd import naive
 
@@ -67,6 +67,7 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     check_ssd_args("ssd_chunk_scan", x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_limit, initial_states, seq_idx,
                    cu_seqlens)
     if use_triton(x, op="ssd_chunk_scan", has_kernel=_kernel() is not None):
+        check_int32_span("ssd_chunk_scan", x=x, dt=dt, B=B, C=C, z=z)
         return _kernel().ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit,
                                         initial_states, seq_idx, cu_seqlens, return_final_states)
     return naive.ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
