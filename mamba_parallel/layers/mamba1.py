@@ -2,9 +2,14 @@
 
 Data flow for hidden (b, L, d_model):
   in_proj -> [x | z] (b, L, 2 d_inner); x -> causal depthwise conv + silu -> x_proj -> [dt_low | B | C];
-  dt = dt_proj.weight @ dt_low; y = selective_scan(x, softplus(dt + dt_proj.bias), A = -exp(A_log), B, C, D, z)
-  -> out_proj -> (b, L, d_model). As in mamba_ssm, the Δ bias is added in fp32 inside the scan (under bf16
-  autocast a bf16 linear output would round Δ before the softplus), so dt_proj's weight and bias are read directly.
+  dt = dt_proj.weight @ dt_low; y = selective_scan(x, softplus(dt + dt_proj.bias), A = -exp(A_log), B, C, D)
+  -> y * silu(z) -> out_proj -> (b, L, d_model). As in mamba_ssm, the Δ bias is added in fp32 inside the scan
+  (under bf16 autocast a bf16 linear output would round Δ before the softplus), so dt_proj's weight and bias are
+  read directly.
+Layouts (layers/mamba1_layout.py): x and z stay channels-last views of in_proj's output; the conv's output is
+made token-major once for x_proj and the scan; the gate writes out_proj's (b, L, d_inner) input. In backward the
+gate writes dz straight into in_proj's output gradient and the conv's dx is copied into its other half: nothing
+is concatenated or transposed by torch.
 Local sizes come from the attributes ``d_inner``, ``d_state``, ``dt_rank`` (tensor parallelism rewrites them).
 """
 
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 
 from mamba_parallel import ops
 from mamba_parallel.layers import init
+from mamba_parallel.layers.mamba1_layout import gate_to_token_last, split_xz, token_major
 from mamba_parallel.layers.packing import resolve_seq_idx
 
 
@@ -84,7 +90,8 @@ class Mamba(nn.Module):
 
     # ---- overridable sub-steps (context parallelism replaces them per instance) ---------------------------------
     def run_conv(self, x: torch.Tensor, seq_idx: torch.Tensor | None = None, **state_kwargs):
-        """x (b, d_inner, L) -> silu(causal depthwise conv(x)) (b, d_inner, L).
+        """x (b, d_inner, L) any strides (the layer passes a channels-last view of in_proj's output)
+        -> silu(causal depthwise conv(x)) (b, d_inner, L), any layout.
 
         ``state_kwargs`` (inference only): ``initial_state``, ``return_final_state`` of ops.causal_conv1d.
         """
@@ -94,7 +101,8 @@ class Mamba(nn.Module):
     def run_scan(self, u, delta, A, B, C, D=None, z=None, delta_bias=None, seq_idx=None, **state_kwargs):
         """u/delta/z (b, d_inner, L), A (d_inner, n), B/C (b, n, L), D (d_inner,) -> y (b, d_inner, L).
 
-        delta is softplus'ed inside (after adding delta_bias). ``state_kwargs`` (inference only):
+        delta is softplus'ed inside (after adding delta_bias). The layer passes z=None (it gates outside the
+        scan); z is kept for callers of the op's full signature. ``state_kwargs`` (inference only):
         ``initial_state``, ``return_last_state`` of ops.selective_scan.
         """
         return ops.selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=True,
@@ -132,31 +140,30 @@ class Mamba(nn.Module):
         xz = self.in_proj(hidden_states)
         if xz.shape[-1] != 2 * d_inner:
             raise ValueError(f"Mamba: in_proj gives {xz.shape[-1]} features, expected 2 * d_inner = {2 * d_inner}")
-        # Token-major (b, d_inner, L) with unit token stride for the conv and scan kernels (they stream along L and
-        # load transposed views slowly): one copy each of x and z. Splitting on the feature axis first makes the
-        # backward concatenate dx | dz straight into in_proj's (b, L, 2 d_inner) layout.
-        x, z = (t.transpose(1, 2).contiguous() for t in xz.split([d_inner, d_inner], dim=-1))
+        x, z, xz_grad = split_xz(xz, d_inner)  # channels-last (b, d_inner, L) views of xz
 
         conv_kwargs, scan_kwargs = {}, {}
         if conv_state is not None:
             resume = inference_params.seqlen_offset > 0  # chunked prefill continues from the cached states
             conv_kwargs = dict(initial_state=conv_state[:b] if resume else None, return_final_state=True)
             scan_kwargs = dict(initial_state=ssm_state[:b] if resume else None, return_last_state=True)
-        x = self.run_conv(x, seq_idx, **conv_kwargs)  # keeps its input's layout: token-contiguous
+        x = self.run_conv(x, seq_idx, **conv_kwargs)  # reads the strided view; may keep its layout
         if conv_state is not None:
             x, final_conv = x
             conv_state[:b].copy_(final_conv)
+        x = token_major(x)  # unit token stride for x_proj and the scan, which stream along L
 
         x_dbl = self._x_proj_token_major(x)  # (b, r + 2n, L)
         dt, B, C = x_dbl.split([r, n, n], dim=1)
         dt = _token_major_linear(self.dt_proj.weight, dt)  # (b, d_inner, L); bias added in the scan
         A = -torch.exp(self.A_log.float())
-        y = self.run_scan(x, dt, A, B, C, D=self.D.float(), z=z, delta_bias=self.dt_proj.bias.float(),
+        y = self.run_scan(x, dt, A, B, C, D=self.D.float(), delta_bias=self.dt_proj.bias.float(),
                           seq_idx=seq_idx, **scan_kwargs)
         if ssm_state is not None:
             y, last_state = y
             ssm_state[:b].copy_(last_state)
-        return self.out_proj(y.transpose(1, 2))
+        # the gate outside the scan: it reads z in place and writes out_proj's input (b, L, d_inner) contiguous
+        return self.out_proj(gate_to_token_last(y, z, xz_grad))
 
     def step(self, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
         """One decode token: hidden_states (b, 1, d_model) -> (b, 1, d_model); states updated in place."""
