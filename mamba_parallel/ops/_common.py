@@ -63,13 +63,15 @@ def check_ndim(op: str, name: str, t: torch.Tensor, ndims: tuple[int, ...], layo
 _INT32_SPAN = 2 ** 31
 
 
-def check_int32_span(op: str, **tensors: torch.Tensor | None) -> None:
-    """Raise ValueError when a tensor's farthest element lies 2^31 or more elements from its start: the Triton
-    kernels index one batch row's positions x strides in int32, which would silently wrap."""
+def check_int32_span(op: str, per_row: bool = False, **tensors: torch.Tensor | None) -> None:
+    """Raise ValueError when a tensor's farthest element lies 2^31 or more elements from its start (``per_row``:
+    from the start of its batch row, for kernels that offset the batch in int64): the Triton kernels index
+    positions x strides in int32, which would silently wrap."""
     for name, t in tensors.items():
         if t is None or t.numel() == 0:
             continue
-        span = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+        dims = list(zip(t.shape, t.stride()))[1 if per_row else 0:]
+        span = sum((s - 1) * abs(st) for s, st in dims)
         if span >= _INT32_SPAN:
             raise ValueError(f"{op}: {name} of shape {tuple(t.shape)} (strides {tuple(t.stride())}) spans {span} "
                              f"elements, over the Triton kernels' int32 indexing limit of 2^31; use a smaller "

@@ -63,7 +63,16 @@ def test_public_op_routes_by_backend(monkeypatch):
 def test_int32_span_guard_names_the_tensor():
     from mamba_parallel.ops._common import check_int32_span
 
-    big = torch.empty(1, 2 ** 20, 2049, dtype=torch.int8)[:, :, :2048]  # a channels slice of a wide row
+    big = torch.empty(1, 2 ** 20, 2049, dtype=torch.int8, device="meta")[:, :, :2048]  # a channels slice of a wide row
     with pytest.raises(ValueError, match=r"ssd_chunk_scan: x of shape \(1, 1048576, 2048\).*int32"):
         check_int32_span("ssd_chunk_scan", x=big)
     check_int32_span("ssd_chunk_scan", x=big[:, :1000], z=None)  # within the limit: no error
+
+
+def test_int32_span_guard_per_row_skips_the_batch_stride():
+    from mamba_parallel.ops._common import check_int32_span
+
+    rows = torch.empty(2 ** 12, 1, 2 ** 20, dtype=torch.int8, device="meta")  # 4096 rows of 2^20
+    check_int32_span("selective_scan", per_row=True, u=rows)  # each row is small: fine
+    with pytest.raises(ValueError, match="selective_scan: u"):
+        check_int32_span("selective_scan", u=rows)

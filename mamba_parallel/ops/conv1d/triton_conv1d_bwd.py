@@ -51,7 +51,8 @@ def conv1d_bwd_kernel(
     dw_acc = tl.zeros((BLOCK_W, BLOCK_L, BLOCK_D), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
     for it in range(tiles_per_program):
-        q = (pid_l * tiles_per_program + it) * BLOCK_L + tl.arange(0, BLOCK_L)
+        # int64 positions: position x stride overflows int32 for long channels-last inputs
+        q = ((pid_l * tiles_per_program + it) * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)
         if HAS_SEQ:
             s_q = seq_at(seq_base, q, L, stride_s_l, seq0)
         dx = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)

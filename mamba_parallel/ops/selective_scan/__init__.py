@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mamba_parallel.ops._common import (check_cu_seqlens, check_divides, check_int, check_ndim, check_shape,
-                                        kernel_module)
+from mamba_parallel.ops._common import (check_cu_seqlens, check_divides, check_int, check_int32_span, check_ndim,
+                                        check_shape, kernel_module)
 from mamba_parallel.ops.backend import use_triton
 from mamba_parallel.ops.selective_scan import naive
 
@@ -57,6 +57,7 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
         raise ValueError(f"{op}: pass seq_idx or cu_seqlens, not both")
     check_shape(op, "initial_state", initial_state, ("nseq" if nseq else "b", nseq or b), ("d", d), ("n", n))
     if use_triton(u, op=op, has_kernel=_kernel() is not None):
+        check_int32_span(op, per_row=True, u=u, delta=delta, z=z, B=B, C=C)  # the kernels offset rows in int64
         return _kernel().selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
                                         return_last_state, seq_idx, cu_seqlens)
     return naive.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
