@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite: tests and benchmarks in one batched call on a GPU machine. Usage:
 #   OUT=results scripts/device_suite.sh STAGE [STAGE ...]
-# stages: tests kernels train1 dp tp cp long gen scaling. Each stage has its own time limit so one hang does not
+# stages: tests kernels train1 profile dp tp cp long gen scaling. Each stage has its own time limit so one hang does not
 # take the rest down; JSON records go to $OUT/*.json(l), the combined log to $OUT/log.txt.
 set -u
 OUT=${OUT:-results}; mkdir -p "$OUT"
@@ -27,6 +27,10 @@ for stage in "$@"; do case $stage in
     for p in ${PRESETS:-mamba2-130m mamba2-370m mamba2-1.3b mamba2-2.7b mamba-130m mamba-1.4b}; do
       run 150 python3 -m mamba_parallel.bench.bench_train --preset "$p" --steps 5 --warmup-steps 2 --json "$OUT/train1_$p.json"
     done ;;
+  profile) # where one step's time goes: kernel table by category, host issue time (Markdown + JSON)
+    for p in ${PROFILE_PRESETS:-mamba2-1.3b mamba-130m}; do
+      run 150 python3 -m mamba_parallel.bench.profile_train --preset "$p" --steps 3 --warmup-steps 2 --out "$OUT/profile_$p"
+    done ;;
   dp)      # data parallel over 2 GPUs (FSDP2 and DDP), 8 sequences per GPU
     for p in ${DP_PRESETS:-mamba2-370m mamba2-1.3b}; do
       run 200 $TR --nproc_per_node 2 -m mamba_parallel.bench.bench_train --preset "$p" --steps 5 --warmup-steps 2 --json "$OUT/dp2_$p.json"
@@ -48,7 +52,8 @@ for stage in "$@"; do case $stage in
       run 200 python3 -m mamba_parallel.bench.bench_long_context --preset mamba2-1.3b --seq-len "$L" --activation-checkpointing --steps 2 --warmup 1 --json "$OUT/long.jsonl"
     done ;;
   gen)
-    run 300 python3 -m mamba_parallel.bench.bench_generate --json "$OUT/generate.json" ;;
+    # CUDA-graph decode (the eager mode takes seconds per setting and is not what ANCHORS compares)
+    run 300 python3 -m mamba_parallel.bench.bench_generate --modes graph --repeats 2 --json "$OUT/generate.json" ;;
   scaling)
     for p in ${SCALING_PRESETS:-mamba2-1.3b}; do
       run 550 python3 -m mamba_parallel.bench.bench_scaling --models "$p" --timeout 250 --out "$OUT/scaling_$p"
