@@ -27,8 +27,10 @@ from mamba_parallel.inference.cache import InferenceParams
 _ATTR = "_mp_graphed_decoders"
 
 
-def _param_ptrs(model: torch.nn.Module) -> tuple[int, ...]:
-    return tuple(p.data_ptr() for p in model.parameters())
+def _param_state(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """Storage and version of every parameter: a captured step also holds constants derived from them
+    (layers/decode_constants.py), so an in-place update (a training step between generations) recaptures."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
 def _attention_layers(model: torch.nn.Module) -> list[int]:
@@ -55,7 +57,7 @@ class GraphedDecoder:
             raise ValueError(f"GraphedDecoder: need batch_size >= 1 and max_seqlen >= 2, got {batch_size}, "
                              f"{max_seqlen}")
         self.model, self.batch_size, self.max_seqlen, self.dtype = model, batch_size, max_seqlen, dtype
-        self.param_ptrs = _param_ptrs(model)
+        self.param_state = _param_state(model)
         with torch.inference_mode():
             self.cache = model.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype)
             self.input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
@@ -79,8 +81,9 @@ class GraphedDecoder:
         return self.cache
 
     def matches(self, model: torch.nn.Module, max_seqlen: int) -> bool:
-        """True when this graph still serves ``model`` (same parameter storage) for ``max_seqlen`` positions."""
-        return model is self.model and max_seqlen <= self.max_seqlen and _param_ptrs(model) == self.param_ptrs
+        """True when this graph still serves ``model`` (same parameter storage and versions) for ``max_seqlen``
+        positions."""
+        return model is self.model and max_seqlen <= self.max_seqlen and _param_state(model) == self.param_state
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, inference_params: InferenceParams | None = None,

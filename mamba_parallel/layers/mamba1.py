@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from mamba_parallel import ops
 from mamba_parallel.layers import init
+from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
 from mamba_parallel.layers.mamba1_layout import gate_to_token_last, split_xz, token_major
 from mamba_parallel.layers.packing import resolve_seq_idx
 
@@ -174,9 +175,10 @@ class Mamba(nn.Module):
                                      activation="silu")
         dt, B, C = self.x_proj(x).split([r, n, n], dim=-1)
         dt = F.linear(dt, self.dt_proj.weight)
-        A = -torch.exp(self.A_log.float())
-        y = ops.selective_state_update(ssm_state[:b], x, dt, A, B, C, D=self.D.float(), z=z,
-                                       dt_bias=self.dt_proj.bias.float(), dt_softplus=True)
+        A = derived(self, "A_log", neg_exp_fp32)
+        # D and the dt bias go in their own dtype: the step computes in fp32 either way (no per-token casts)
+        y = ops.selective_state_update(ssm_state[:b], x, dt, A, B, C, D=self.D, z=z, dt_bias=self.dt_proj.bias,
+                                       dt_softplus=True)
         return self.out_proj(y)[:, None]
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None):

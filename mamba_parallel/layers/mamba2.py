@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from mamba_parallel import ops
 from mamba_parallel.layers import init
+from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.norm import RMSNormGated
 
@@ -162,9 +163,10 @@ class Mamba2(nn.Module):
         xBC = ops.causal_conv1d_update(xBC, conv_state[:b], self.conv1d.weight[:, 0, :], self.conv1d.bias,
                                        activation="silu")
         x, B, C = xBC.split([self.d_inner, g * n, g * n], dim=-1)
-        A = -torch.exp(self.A_log.float())
+        A = derived(self, "A_log", neg_exp_fp32)
+        D = self.D.view(h, p) if self.D_has_hdim else self.D  # own dtype: the step computes in fp32
         y = ops.ssd_state_update(ssm_state[:b], x.unflatten(-1, (h, p)), dt, A, B.unflatten(-1, (g, n)),
-                                 C.unflatten(-1, (g, n)), D=self._D(),
+                                 C.unflatten(-1, (g, n)), D=D,
                                  z=None if self.rmsnorm else z.unflatten(-1, (h, p)), dt_bias=self.dt_bias,
                                  dt_softplus=True, dt_limit=self.dt_limit)
         y = y.flatten(-2)

@@ -87,3 +87,47 @@ def test_gpu_bf16_decode_matches_full_forward(name):
                  name=f"{name} bf16 recurrent logits")
     out = model.generate(ids[:, :5], 20, temperature=0.0)
     assert out.shape == (2, 25) and out.is_cuda
+
+
+@pytest.mark.parametrize("name", ["tiny-mamba", "tiny-mamba2"])
+def test_decode_constants_follow_in_place_updates(name):
+    """-exp(A_log) is derived once per parameter version: a step after an in-place update (an optimizer step
+    between generations) uses the new value, and with autograd on the parameter gets its gradient."""
+    model = _model(name)
+    b, L = 2, 9
+    ids = torch.randint(0, model.config.vocab_size, (b, L), generator=torch.Generator().manual_seed(2))
+    mixers = [layer.mixer for layer in model.backbone.layers]
+
+    def decode_last():
+        cache = model.allocate_inference_cache(b, L)
+        model(ids[:, :-1], inference_params=cache)
+        cache.seqlen_offset = L - 1
+        return model(ids[:, -1:], inference_params=cache)
+
+    with torch.no_grad():
+        decode_last()
+        cached = [m.__dict__["_decode_A_log"][1] for m in mixers]
+        decode_last()
+        assert all(m.__dict__["_decode_A_log"][1] is c for m, c in zip(mixers, cached))  # reused, not recomputed
+        for m in mixers:
+            m.A_log.add_(0.25)
+        stepped = decode_last()
+        assert_close(stepped, model(ids)[:, -1:], name=f"{name} step after an in-place update")
+    assert all(m.__dict__["_decode_A_log"][1] is not c for m, c in zip(mixers, cached))
+
+    from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
+
+    A = derived(mixers[0], "A_log", neg_exp_fp32)  # grad enabled: a fresh, differentiable value, not the cache
+    assert A.requires_grad and A is not mixers[0].__dict__["_decode_A_log"][1]
+    A.sum().backward()
+    assert_close(mixers[0].A_log.grad, -torch.exp(mixers[0].A_log.detach()), name="d sum(-exp(A_log))")
+
+
+def test_graph_key_tracks_parameter_versions():
+    from mamba_parallel.inference.cuda_graph import _param_state
+
+    model = _model("tiny-mamba2")
+    before = _param_state(model)
+    with torch.no_grad():
+        model.backbone.layers[0].mixer.A_log.mul_(1.0)
+    assert _param_state(model) != before  # a captured decode step would be recaptured

@@ -1,0 +1,33 @@
+"""Parameter-derived constants of the one-token decode step, computed once per parameter version.
+
+At batch 1 a decode step is a handful of tiny kernels per layer, so deriving ``-exp(A_log)`` in fp32 at every
+token (a cast, an exp and a negation: three launches per layer) is a visible share of it. The value only changes
+when the parameter does: it is cached on the module, keyed by the parameter's storage and version counter (every
+in-place update, e.g. an optimizer step, bumps it). Not cached when autograd must reach the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+
+def derived(module: nn.Module, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """fn(module.<name>), recomputed only when that parameter's storage or version changed."""
+    p = getattr(module, name)
+    if (torch.is_grad_enabled() and p.requires_grad) or hasattr(p, "device_mesh"):
+        return fn(p)  # gradients must flow / DTensor versions do not track their shards' updates
+    key = (p.data_ptr(), p._version, p.dtype, p.device)
+    slot = "_decode_" + name
+    hit = module.__dict__.get(slot)
+    if hit is None or hit[0] != key:
+        hit = (key, fn(p.detach()))
+        module.__dict__[slot] = hit  # a plain attribute: not a buffer, not in the state dict
+    return hit[1]
+
+
+def neg_exp_fp32(t: torch.Tensor) -> torch.Tensor:
+    """A = -exp(A_log) in fp32."""
+    return -torch.exp(t.float())
