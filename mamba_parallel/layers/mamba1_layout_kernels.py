@@ -19,7 +19,7 @@ from mamba_parallel.ops.backend import interpret_mode
 @triton.jit
 def _tile(pid_d, pid_l, d, L, BD: tl.constexpr, BL: tl.constexpr):
     offs_d = pid_d * BD + tl.arange(0, BD)
-    offs_l = pid_l * BL + tl.arange(0, BL)
+    offs_l = (pid_l * BL + tl.arange(0, BL)).to(tl.int64)  # token x stride can pass 2^31 (channels-last)
     return offs_d[:, None], offs_l[None, :], (offs_d < d)[:, None] & (offs_l < L)[None, :]
 
 
