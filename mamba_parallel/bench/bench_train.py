@@ -23,6 +23,24 @@ import torch
 import torch.distributed as dist
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def dp_options(a: argparse.Namespace) -> dict:
+    """The data-parallel speed flags as ``parallelize`` keyword arguments (build_parallel_model's ``options``)."""
+    return {"param_dtype": torch.bfloat16 if a.fsdp_param_dtype == "bf16" else None,
+            "reshard_after_forward": not a.no_reshard_after_forward,
+            "ddp_bucket_cap_mb": a.ddp_bucket_mb, "ddp_bf16_grads": a.ddp_bf16_grads,
+            "fsdp_blocks_per_unit": a.fsdp_blocks_per_unit}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mamba-parallel bench train", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="mamba2-130m", help="model preset (default: mamba2-130m)")
@@ -42,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "fp32 gradient reduction either way; default: fp32)")
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="FSDP2: keep blocks gathered from forward to backward (one all-gather per step, not two)")
+    p.add_argument("--fsdp-blocks-per-unit", type=_positive_int, default=1, metavar="K",
+                   help="FSDP2: shard K consecutive blocks as one unit (one all-gather / reduce-scatter and one set "
+                        "of hooks per K blocks; same checkpoint names; default: 1)")
     p.add_argument("--ddp-bucket-mb", type=float, default=None, help="DDP bucket size in MB (default: torch's 25)")
     p.add_argument("--ddp-bf16-grads", action="store_true", help="DDP: all-reduce gradients in bf16")
     p.add_argument("--profile", action="store_true",
@@ -86,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     dims = choose_dims(cfg, config, env, print)
     if env.world_size > 1:
         dims.build_mesh(env.device.type)
-    options = {"param_dtype": torch.bfloat16 if a.fsdp_param_dtype == "bf16" else None,
-                  "reshard_after_forward": not a.no_reshard_after_forward,
-                  "ddp_bucket_cap_mb": a.ddp_bucket_mb, "ddp_bf16_grads": a.ddp_bf16_grads}
-    model, _ = build_parallel_model(config, cfg, env, dims, resuming=False, options=options)
+    model, _ = build_parallel_model(config, cfg, env, dims, resuming=False, options=dp_options(a))
     optimizer = build_optimizer(model, 1e-4, 0.1, fused=env.device.type == "cuda")
     with torch.device("meta"):
         flops_per_token = train_flops_per_token(_model_class()(config), config, cfg.seq_len)
@@ -178,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "activation_checkpointing": a.activation_checkpointing, "compile": a.compile,
         "fsdp_param_dtype": a.fsdp_param_dtype, "reshard_after_forward": not a.no_reshard_after_forward,
         "ddp_bucket_mb": a.ddp_bucket_mb, "ddp_bf16_grads": a.ddp_bf16_grads,
+        "fsdp_blocks_per_unit": a.fsdp_blocks_per_unit,
         "step_ms_median": round(step_s * 1e3, 2), "tokens_per_s": round(tps, 1),
         "tokens_per_s_per_gpu": round(tps / env.world_size, 1), "peak_mem_gib": round(peak.item(), 2),
         "mfu": round(tps * flops_per_token / (pf * env.world_size), 4) if pf else None,

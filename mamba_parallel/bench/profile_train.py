@@ -69,9 +69,9 @@ def _dp_options(a: argparse.Namespace) -> dict:
     """bench_train's data-parallel speed flags, when its parser has them, as build_parallel_model's ``options``."""
     if not hasattr(a, "fsdp_param_dtype"):
         return {}
-    return {"options": {"param_dtype": torch.bfloat16 if a.fsdp_param_dtype == "bf16" else None,
-                        "reshard_after_forward": not a.no_reshard_after_forward,
-                        "ddp_bucket_cap_mb": a.ddp_bucket_mb, "ddp_bf16_grads": a.ddp_bf16_grads}}
+    from mamba_parallel.bench.bench_train import dp_options
+
+    return {"options": dp_options(a)}
 
 
 class _Setup:

@@ -4,8 +4,8 @@
 2. context parallel over the ``cp`` mesh dim                 (mamba_parallel.distributed.context_parallel)
 3. per-block activation checkpointing                        (torch's checkpoint_wrapper, non-reentrant)
 4. per-block torch.compile
-5. data parallel: FSDP2 ``fully_shard`` per block + root over the flattened (dp_shard, cp) mesh, HSDP when
-   dp_replicate > 1; or DDP over the dp_replicate mesh.
+5. data parallel: FSDP2 ``fully_shard`` per block (or per unit of k consecutive blocks) + root over the flattened
+   (dp_shard, cp) mesh, HSDP when dp_replicate > 1; or DDP over the dp_replicate mesh.
 
 Works on a model built on the meta device (FSDP / TP / CP shard meta params; materialise afterwards with
 ``to_empty`` + ``init_weights``); DDP needs materialised params.
@@ -52,17 +52,23 @@ def dp_mesh(dims: ParallelDims):
 def parallelize(model: torch.nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp",
                 activation_checkpointing: bool = False, compile: bool = False,
                 param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
-                ddp_bucket_cap_mb: float | None = None, ddp_bf16_grads: bool = False) -> torch.nn.Module:
+                ddp_bucket_cap_mb: float | None = None, ddp_bf16_grads: bool = False,
+                fsdp_blocks_per_unit: int = 1) -> torch.nn.Module:
     """Apply TP/SP, CP, activation checkpointing, compile and FSDP2/DDP (in that order); return the model.
 
     ``dp_mode="ddp"`` returns a DistributedDataParallel wrapper (``.module`` is the model); otherwise the model
     itself (modified in place). FSDP only: ``param_dtype`` is FSDP's compute dtype (None keeps fp32 params;
     bf16 all-gathers half the bytes, gradients still reduced in fp32); ``reshard_after_forward=False`` keeps
     each block gathered from forward to backward (one all-gather per block and step instead of two, for the
-    memory of the full params). DDP only: ``ddp_bucket_cap_mb`` and ``ddp_bf16_grads`` (see ``apply_ddp``).
+    memory of the full params); ``fsdp_blocks_per_unit`` k > 1 shards k consecutive blocks as one FSDP unit (one
+    all-gather / reduce-scatter per unit, same state-dict names; see ``apply_fsdp``). DDP only:
+    ``ddp_bucket_cap_mb`` and ``ddp_bf16_grads`` (see ``apply_ddp``).
     """
     if dp_mode not in ("fsdp", "ddp"):
         raise ParallelConfigError(f"--dp-mode must be fsdp or ddp, got {dp_mode!r}")
+    if isinstance(fsdp_blocks_per_unit, bool) or not isinstance(fsdp_blocks_per_unit, int) \
+            or fsdp_blocks_per_unit < 1:
+        raise ParallelConfigError(f"--fsdp-blocks-per-unit must be an integer >= 1, got {fsdp_blocks_per_unit!r}")
     if dims.tp > 1:
         apply_tp = _optional("mamba_parallel.distributed.tp_plan", "apply_tensor_parallel", "--tp > 1")
         apply_tp(model, dims.submesh("tp"), sequence_parallel=True)
@@ -90,5 +96,5 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, dp_mode: str = "f
         return model
     if dims.fsdp_enabled or dims.dp_replicate > 1:
         apply_fsdp(model, dp_mesh(dims), layers, param_dtype=param_dtype,
-                   reshard_after_forward=reshard_after_forward)
+                   reshard_after_forward=reshard_after_forward, blocks_per_unit=fsdp_blocks_per_unit)
     return model

@@ -65,6 +65,8 @@ class TrainConfig:
                                choices=["fp32", "bf16"])
     reshard_after_forward: bool = _f(True, "FSDP2: free gathered block weights after forward (off: keep them "
                                            "until backward, more memory, fewer all-gathers)")
+    fsdp_blocks_per_unit: int = _f(1, "FSDP2: shard this many consecutive blocks as one unit (fewer, larger "
+                                      "all-gathers and less host time per step; more memory)")
     ddp_bucket_mb: float | None = _f(None, "DDP gradient bucket size in MB (default: torch's 25)", flag_type=float)
     ddp_bf16_grads: bool = _f(False, "DDP: all-reduce gradients in bf16 (half the traffic)")
     # ---- output, checkpoints, monitoring -------------------------------------------------------------------------
@@ -92,7 +94,7 @@ class TrainConfig:
         if self.preset not in PRESETS:
             raise ConfigError(f"--preset: unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
         for name in ("steps", "batch_size", "grad_accum", "seq_len", "tp", "cp", "dp_replicate", "keep",
-                     "eval_batches"):
+                     "eval_batches", "fsdp_blocks_per_unit"):
             need(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("warmup", "log_every", "eval_every", "save_every", "sample_tokens"):
             need(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
@@ -143,8 +145,8 @@ def _toml_value(v: Any) -> str:
 # Settings of the machine a run happens to be on, not of the run: `--resume` does not take them from the run's
 # config.toml (a checkpoint resumes at any layout).
 MACHINE_FIELDS = frozenset({"device", "dp_mode", "dp_replicate", "tp", "cp", "parallel", "activation_checkpointing",
-                            "compile", "fsdp_param_dtype", "reshard_after_forward", "ddp_bucket_mb",
-                            "ddp_bf16_grads", "progress", "resume"})
+                            "compile", "fsdp_param_dtype", "reshard_after_forward", "fsdp_blocks_per_unit",
+                            "ddp_bucket_mb", "ddp_bf16_grads", "progress", "resume"})
 
 
 # ---- flags and TOML --------------------------------------------------------------------------------------------

@@ -113,6 +113,7 @@ def dp_options(cfg: TrainConfig) -> dict:
     """The data-parallel speed options of ``parallelize`` from the config (torch's defaults unless set)."""
     return {"param_dtype": torch.bfloat16 if cfg.fsdp_param_dtype == "bf16" else None,
             "reshard_after_forward": cfg.reshard_after_forward,
+            "fsdp_blocks_per_unit": cfg.fsdp_blocks_per_unit,
             "ddp_bucket_cap_mb": cfg.ddp_bucket_mb,
             "ddp_bf16_grads": cfg.ddp_bf16_grads}
 

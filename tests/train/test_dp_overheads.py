@@ -180,8 +180,9 @@ def test_dp_options_from_config():
     from mamba_parallel.train.trainer import dp_options
 
     assert dp_options(resolve_config(preset="tiny-mamba2", out="unused")) == {
-        "param_dtype": None, "reshard_after_forward": True, "ddp_bucket_cap_mb": None, "ddp_bf16_grads": False}
-    cfg = SimpleNamespace(fsdp_param_dtype="bf16", reshard_after_forward=False, ddp_bucket_mb=100.0,
-                          ddp_bf16_grads=True)
+        "param_dtype": None, "reshard_after_forward": True, "fsdp_blocks_per_unit": 1, "ddp_bucket_cap_mb": None,
+        "ddp_bf16_grads": False}
+    cfg = SimpleNamespace(fsdp_param_dtype="bf16", reshard_after_forward=False, fsdp_blocks_per_unit=4,
+                          ddp_bucket_mb=100.0, ddp_bf16_grads=True)
     assert dp_options(cfg) == {"param_dtype": torch.bfloat16, "reshard_after_forward": False,
-                               "ddp_bucket_cap_mb": 100.0, "ddp_bf16_grads": True}
+                               "fsdp_blocks_per_unit": 4, "ddp_bucket_cap_mb": 100.0, "ddp_bf16_grads": True}
