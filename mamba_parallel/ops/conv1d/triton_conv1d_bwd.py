@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.conv1d.triton_conv1d_fwd import seq_at
+from mamba_parallel.ops.conv1d.triton_conv1d_fwd import row_bases, seq_at
 
 
 @triton.jit
@@ -37,16 +37,9 @@ def conv1d_bwd_kernel(
     c = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_c = c < D
     kk = tl.arange(0, BLOCK_W)
-    x_base = X + b * stride_x_b
+    x_base, init_base, seq_base, seq0 = row_bases(X, INIT, SEQ, b, stride_x_b, stride_i_b, stride_s_b, HAS_INIT,
+                                                  HAS_SEQ)
     g_base = DPRE + b * stride_g_b
-    init_base = INIT
-    if HAS_INIT:
-        init_base = INIT + b * stride_i_b
-    seq_base = SEQ
-    seq0 = 0
-    if HAS_SEQ:
-        seq_base = SEQ + b * stride_s_b
-        seq0 = tl.load(seq_base)
 
     dw_acc = tl.zeros((BLOCK_W, BLOCK_L, BLOCK_D), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)

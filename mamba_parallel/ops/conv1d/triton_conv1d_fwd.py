@@ -22,6 +22,20 @@ def seq_at(seq_base, pos, L, stride_s_l, seq0):
 
 
 @triton.jit
+def row_bases(X, INIT, SEQ, b, stride_x_b, stride_i_b, stride_s_b, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """Batch row b: (x base, initial-state base, seq_idx base, seq_idx[b, 0] or 0), shared by both passes."""
+    init_base = INIT
+    if HAS_INIT:
+        init_base = INIT + b * stride_i_b
+    seq_base = SEQ
+    seq0 = 0
+    if HAS_SEQ:
+        seq_base = SEQ + b * stride_s_b
+        seq0 = tl.load(seq_base)
+    return X + b * stride_x_b, init_base, seq_base, seq0
+
+
+@triton.jit
 def conv_preact(
     x_base, init_base, seq_base, w_ptr, b_ptr,
     pos, c, mask_c, L,
@@ -72,15 +86,8 @@ def conv1d_fwd_kernel(
     c = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_c = c < D
     mask = (t < L)[:, None] & mask_c[None, :]
-    x_base = X + b * stride_x_b
-    init_base = INIT
-    if HAS_INIT:
-        init_base = INIT + b * stride_i_b
-    seq_base = SEQ
-    seq0 = 0
-    if HAS_SEQ:
-        seq_base = SEQ + b * stride_s_b
-        seq0 = tl.load(seq_base)
+    x_base, init_base, seq_base, seq0 = row_bases(X, INIT, SEQ, b, stride_x_b, stride_i_b, stride_s_b, HAS_INIT,
+                                                  HAS_SEQ)
 
     acc = conv_preact(x_base, init_base, seq_base, WEIGHT, BIAS, t, c, mask_c, L,
                       stride_x_d, stride_x_l, stride_i_d, stride_i_k, stride_s_l, stride_w_d, stride_w_k, seq0,
