@@ -34,13 +34,7 @@ def cp_mha_forward(mha, group, rank: int, size: int, hidden_states: Tensor, infe
     if (lengths != L).any():
         raise ValueError(f"context parallel: attention layers need equal slices on every cp rank, got lengths "
                          f"{lengths.tolist()}")
-    h, hkv, d = mha.num_heads, mha.num_heads_kv, mha.head_dim
-    qkv = mha.in_proj(hidden_states)
-    if qkv.shape[-1] != d * (h + 2 * hkv):
-        raise ValueError(f"MHA: in_proj gives {qkv.shape[-1]} features, expected head_dim * (num_heads + "
-                         f"2 * num_heads_kv) = {d * (h + 2 * hkv)}")
-    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
-    q, k, v = q.unflatten(-1, (h, d)), k.unflatten(-1, (hkv, d)), v.unflatten(-1, (hkv, d))
+    q, k, v = mha.project_qkv(hidden_states)
     offset = rank * L
     full_seq = None
     if seq_idx is not None:  # (b, L * cp): the global packing, for positions and the mask
@@ -63,5 +57,5 @@ def cp_mha_forward(mha, group, rank: int, size: int, hidden_states: Tensor, infe
         same = (seq_idx[:, :, None] == full_seq[:, None, :])[:, None]  # (b, 1, L, L * cp)
         mask = same if mask is None else mask & same
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                         scale=mha.softmax_scale, enable_gqa=h != hkv)
+                                         scale=mha.softmax_scale, enable_gqa=mha.num_heads != mha.num_heads_kv)
     return mha.out_proj(out.transpose(1, 2).flatten(-2))

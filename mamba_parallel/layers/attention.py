@@ -50,6 +50,17 @@ class MHA(nn.Module):
             if lin.bias is not None:
                 init.constant_(lin.bias, 0.0)
 
+    def project_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states (b, L, d_model) -> q (b, L, h, d), k and v (b, L, h_kv, d), from this module's (local)
+        head counts."""
+        h, hkv, d = self.num_heads, self.num_heads_kv, self.head_dim
+        qkv = self.in_proj(hidden_states)
+        if qkv.shape[-1] != d * (h + 2 * hkv):
+            raise ValueError(f"MHA: in_proj gives {qkv.shape[-1]} features, expected head_dim * (num_heads + "
+                             f"2 * num_heads_kv) = {d * (h + 2 * hkv)}")
+        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+        return q.unflatten(-1, (h, d)), k.unflatten(-1, (hkv, d)), v.unflatten(-1, (hkv, d))
+
     def forward(self, hidden_states: torch.Tensor, inference_params=None, seq_idx: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """hidden_states (b, L, d_model) -> (b, L, d_model).
@@ -60,13 +71,7 @@ class MHA(nn.Module):
         """
         b, L, _ = hidden_states.shape
         seq_idx = resolve_seq_idx(seq_idx, cu_seqlens, L)
-        h, hkv, d = self.num_heads, self.num_heads_kv, self.head_dim
-        qkv = self.in_proj(hidden_states)
-        if qkv.shape[-1] != d * (h + 2 * hkv):
-            raise ValueError(f"MHA: in_proj gives {qkv.shape[-1]} features, expected head_dim * (num_heads + "
-                             f"2 * num_heads_kv) = {d * (h + 2 * hkv)}")
-        q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
-        q, k, v = q.unflatten(-1, (h, d)), k.unflatten(-1, (hkv, d)), v.unflatten(-1, (hkv, d))
+        q, k, v = self.project_qkv(hidden_states)
 
         offset = 0 if inference_params is None else inference_params.seqlen_offset
         if inference_params is not None and offset > 0 and L == 1:
