@@ -1,8 +1,12 @@
-"""Shared test helpers: per-dtype tolerances, written once, and a relative error measure."""
+"""Shared test helpers: per-dtype tolerances, written once, a relative error measure, and a stand-in model for
+the generation loop."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from mamba_parallel.inference.cache import InferenceParams
 
 # Relative-RMS error bounds per dtype (kernel vs reference computed in fp32 / fp64).
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -22,3 +26,20 @@ def assert_close(actual, expected, dtype=torch.float32, grad=False, name="tensor
     tol = (GRAD_RTOL if grad else RTOL)[dtype] * factor
     err = rel_err(actual, expected)
     assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e} ({dtype})"
+
+
+class CountingLM:
+    """A stand-in model for generate(): the greedy next token is (token + 1) % V; ``calls`` records (batch, length,
+    seqlen_offset) of every forward, to test the decode loop's bookkeeping exactly."""
+
+    def __init__(self, vocab=16):
+        self.config = type("Cfg", (), {"vocab_size": vocab})()
+        self.calls = []
+
+    def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None):
+        return InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch_size)
+
+    def __call__(self, input_ids, inference_params=None, num_last_tokens=0):
+        self.calls.append((*input_ids.shape, inference_params.seqlen_offset))
+        nxt = (input_ids + 1) % self.config.vocab_size
+        return F.one_hot(nxt, self.config.vocab_size + 4).float()  # 4 padding logits past the vocab

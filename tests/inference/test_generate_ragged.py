@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import CountingLM
 
 from mamba_parallel import get_preset
-from mamba_parallel.inference import InferenceParams, generate
+from mamba_parallel.inference import generate
 from mamba_parallel.models import MambaLMHeadModel
 
 _MODELS = {}
@@ -64,23 +64,8 @@ def test_eos_ends_each_row_on_its_own():
     assert out[1].numel() <= 7 + 3 and int(out[1][-1]) == eos
 
 
-class _CountingLM:
-    """Greedy next token is (token + 1) % V; records (batch, length, offset) of every call."""
-
-    def __init__(self, vocab=16):
-        self.config = type("Cfg", (), {"vocab_size": vocab})()
-        self.calls = []
-
-    def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None):
-        return InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch_size)
-
-    def __call__(self, input_ids, inference_params=None, num_last_tokens=0):
-        self.calls.append((*input_ids.shape, inference_params.seqlen_offset))
-        return F.one_hot((input_ids + 1) % self.config.vocab_size, self.config.vocab_size + 4).float()
-
-
 def test_ragged_bookkeeping_order_and_eos_with_a_counting_model():
-    lm = _CountingLM()
+    lm = CountingLM()
     prompts = [torch.tensor([0, 3]), torch.tensor([7, 1, 1]), torch.tensor([2]), torch.tensor([9, 4])]
     out = generate(lm, prompts, 6, temperature=0.0, eos_token_id=5)
     assert [o.tolist() for o in out] == [[0, 3, 4, 5], [7, 1, 1, 2, 3, 4, 5], [2, 3, 4, 5], [9, 4, 5]]
@@ -94,7 +79,7 @@ def test_ragged_bookkeeping_order_and_eos_with_a_counting_model():
 def test_ragged_errors_name_the_reason():
     with pytest.raises(ValueError, match=r"attention.*KV cache has one position for the whole batch"):
         _model("tiny-hybrid").generate(_prompts([3, 5]), 2)
-    lm = _CountingLM()
+    lm = CountingLM()
     with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty 1-D integer tensor"):
         generate(lm, [torch.tensor([1]), torch.tensor([[1, 2]])], 2)
     with pytest.raises(ValueError, match=r"prompts\[0\]"):

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import CountingLM
 
 from mamba_parallel import get_preset
-from mamba_parallel.inference import InferenceParams, generate, sample, top_k_filter, top_p_filter
+from mamba_parallel.inference import generate, sample, top_k_filter, top_p_filter
 from mamba_parallel.models import MambaLMHeadModel
 
 
@@ -71,30 +71,14 @@ def test_eos_pads_finished_rows_and_stops_when_all_are_done(model):
                        greedy[:1, :6])
 
 
-class _CountingLM:
-    """A stand-in model whose greedy next token is (last token + 1) % V, to test the loop's bookkeeping exactly."""
-
-    def __init__(self, vocab=16):
-        self.config = type("Cfg", (), {"vocab_size": vocab})()
-        self.calls = []
-
-    def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None):
-        return InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch_size)
-
-    def __call__(self, input_ids, inference_params=None, num_last_tokens=0):
-        self.calls.append((input_ids.shape[1], inference_params.seqlen_offset))
-        nxt = (input_ids + 1) % self.config.vocab_size
-        return F.one_hot(nxt, self.config.vocab_size + 4).float()  # 4 padding logits past the vocab
-
-
 def test_generate_loop_bookkeeping_with_a_counting_model():
-    lm = _CountingLM()
+    lm = CountingLM()
     prompt = torch.tensor([[0, 3], [7, 1], [2, 2]])
     out = generate(lm, prompt, 6, temperature=0.0, eos_token_id=5)
     # Row 0 reaches 5 at step 2, row 1 at step 4, row 2 at step 3: all done after 4 steps, finished rows padded.
     assert out.tolist() == [[0, 3, 4, 5, 5, 5], [7, 1, 2, 3, 4, 5], [2, 2, 3, 4, 5, 5]]
     # Prefill of the prompt at offset 0, then one token per step at the advancing offset, no step after the end.
-    assert lm.calls == [(2, 0), (1, 2), (1, 3), (1, 4)]
+    assert [(length, offset) for _, length, offset in lm.calls] == [(2, 0), (1, 2), (1, 3), (1, 4)]
     no_eos = generate(lm, prompt[:1], 20, temperature=0.0)  # wraps past the vocab, never past 15
     assert no_eos.shape == (1, 22) and int(no_eos.max()) == 15
     assert torch.equal(generate(lm, prompt, 0), prompt)
