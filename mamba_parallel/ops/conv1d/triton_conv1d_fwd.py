@@ -24,10 +24,12 @@ def seq_at(seq_base, pos, L, stride_s_l, seq0):
 @triton.jit
 def row_bases(X, INIT, SEQ, b, stride_x_b, stride_i_b, stride_s_b, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr):
     """Batch row b: (x base, initial-state base, seq_idx base, seq_idx[b, 0] or 0), shared by both passes."""
-    init_base = INIT
+    # absent inputs get X as a placeholder base (never read: their loads are compiled out); Triton 3.6 cannot
+    # return a None pointer from a jit function
+    init_base = X
     if HAS_INIT:
         init_base = INIT + b * stride_i_b
-    seq_base = SEQ
+    seq_base = X
     seq0 = 0
     if HAS_SEQ:
         seq_base = SEQ + b * stride_s_b
