@@ -2,6 +2,7 @@
 
     python -m mamba_parallel.bench.bench_ops [--json PATH] [--dtype bf16] [--impls triton,naive,compiled]
         [--only conv,norm,ce] [--conv-sweep 'BLf,BDf,NWf,BLb,BDb,NWb' ...]
+        [--conv-bwd-sweep 'VARIANT[:BL,BD,NW,TILES_PER_PROGRAM]' ...]
 
 Forward and forward+backward times at mamba2-2.7b training shapes (b8 L2048 = 16384 tokens): conv over
 d = 2*2560 + 2*128 channels (x | B | C), width 4, channels-last input; norms on (16384, 2560) and (16384, 5120);
@@ -13,6 +14,11 @@ autograd, Triton launches), which for the norms at these shapes is most of it. "
 (naive.py), "compiled" the same under torch.compile (conv and norms), "plain" for the loss is F.linear +
 F.cross_entropy on full logits (what an unfused model does). Achieved bandwidth (from kernel time) counts the
 fewest bytes a pass must move, against the H200's measured 4.3 TB/s copy rate.
+
+The conv backward alone (op causal_conv1d_bwd) is timed per variant (MAMBA_PARALLEL_CONV_BWD: fused_scan, fused,
+fused_xreuse, fused_gather, twopass) and tile (MAMBA_PARALLEL_CONV_BWD_TILES) at mamba2-1.3b's profiled shape
+(b8 L2048 d4352 w4 silu, channels-last), one row each, with its error against the twopass result (max_rel_err:
+the largest |difference| of dx, dweight, dbias over that tensor's largest |value|).
 """
 
 from __future__ import annotations
@@ -119,7 +125,7 @@ def _record(rec, op, shape, impl, fn, inputs, grads_out, nbytes_fwd, nbytes_fb):
     torch.cuda.empty_cache()
 
 
-def bench_conv(rec, dtype, impls, sweep):
+def bench_conv(rec, dtype, impls, sweep, bwd_sweep):
     from mamba_parallel.ops.conv1d import naive
     from mamba_parallel.ops.conv1d import triton_impl as tri
 
@@ -141,6 +147,7 @@ def bench_conv(rec, dtype, impls, sweep):
         os.environ.pop("MAMBA_PARALLEL_CONV_TILES")
     if "triton" not in impls:
         return
+    bench_conv_bwd(rec, dtype, bwd_sweep)
     # decode step: mamba2-2.7b, batch 64
     xs = torch.randn(64, d, device="cuda", dtype=dtype)
     state = torch.randn(64, d, w - 1, device="cuda", dtype=dtype)
@@ -150,6 +157,84 @@ def bench_conv(rec, dtype, impls, sweep):
             nbytes = (2 * state.numel() + 2 * xs.numel()) * es
             rec.add(op="causal_conv1d_update", shape=f"b64 d{d} w{w}", impl=impl, fwd_ms=ms,
                     fwd_TBps=nbytes / ms / 1e9)
+
+
+CONV_BWD_ENV = ("MAMBA_PARALLEL_CONV_BWD", "MAMBA_PARALLEL_CONV_BWD_TILES")
+# Default --conv-bwd-sweep: every variant at its default tiles, then mostly fused_scan around its tiles (rows per
+# step, channels per program and per thread, chunk length, fast sigmoid, register cap).
+CONV_BWD_SWEEP = [
+    "twopass", "fused", "fused_xreuse", "fused_gather", "fused_scan",
+    "fused_scan:8,256,2,16,pf", "fused_scan:4,256,2,16,f", "fused_scan:4,256,2,32,pf", "fused_scan:8,256,2,16,",
+    "fused_scan:8,512,4,16,f", "fused_scan:8,128,1,16,f", "fused_scan:8,256,4,16,f", "fused_scan:8,512,2,16,f",
+    "fused_scan:8,256,2,4,f", "fused_scan:8,256,2,8,f", "fused_scan:8,256,2,32,f", "fused_scan:8,256,2,16,pf,128",
+    "fused_gather:16,128,8,16,dpf", "fused_gather:16,128,8,16,dpf,128", "fused_xreuse:8,64,4,16,pf",
+]
+
+
+def _parse_bwd_sweep(items: list[str]) -> list[tuple[str, str | None]]:
+    """'VARIANT[:BL,BD,NW,TILES_PER_PROGRAM]' -> (variant, tiles or None); checked before any GPU work."""
+    from mamba_parallel.ops.conv1d import triton_impl as tri
+
+    out = []
+    for item in items:
+        variant, _, tiles = item.partition(":")
+        if variant not in tri.BWD_VARIANTS:
+            raise SystemExit(f"bench_ops: --conv-bwd-sweep {item!r}: variant must be one of {tri.BWD_VARIANTS}")
+        if tiles:
+            os.environ["MAMBA_PARALLEL_CONV_BWD_TILES"] = tiles
+            try:
+                tri._bwd_tile_override()
+            except ValueError as e:
+                raise SystemExit(f"bench_ops: --conv-bwd-sweep {item!r}: {e}") from None
+            finally:
+                os.environ.pop("MAMBA_PARALLEL_CONV_BWD_TILES")
+        out.append((variant, tiles or None))
+    return out
+
+
+def bench_conv_bwd(rec, dtype, sweep: list[tuple[str, str | None]], b=8, L=2048, d=2 * 2048 + 2 * 128,
+                   device="cuda"):
+    """The conv backward alone, one row per (variant, tiles), at mamba2-1.3b's shape (the profiled step)."""
+    from mamba_parallel.ops.conv1d import triton_impl as tri
+
+    w = 4
+    es = torch.finfo(dtype).bits // 8
+    x = torch.randn(b, L, d, device=device, dtype=dtype).transpose(1, 2)  # channels-last
+    weight = torch.randn(d, w, device=device, dtype=dtype) * 0.3
+    bias = torch.randn(d, device=device, dtype=dtype)
+    dy = torch.randn(b, L, d, device=device, dtype=dtype).transpose(1, 2)
+    nbytes = 3 * b * d * L * es  # read x and dy, write dx
+    shape = f"b{b} d{d} L{L} w{w} silu ch-last"
+    saved = {k: os.environ.pop(k, None) for k in CONV_BWD_ENV}
+
+    def call():
+        return tri._conv_bwd(x, weight, bias, None, None, dy, None, True, None)
+
+    try:
+        os.environ["MAMBA_PARALLEL_CONV_BWD"] = "twopass"
+        ref = [t.float() for t in call()[:3]]
+        for variant, tiles in sweep:
+            os.environ["MAMBA_PARALLEL_CONV_BWD"] = variant
+            if tiles:
+                os.environ["MAMBA_PARALLEL_CONV_BWD_TILES"] = tiles
+            impl = f"{variant}[{tiles or 'default ' + ','.join(map(str, tri._bwd_tiles(x, w, variant)))}]"
+            try:
+                err = max((a.float() - r).abs().max().item() / r.abs().max().clamp_min(1e-30).item()
+                          for a, r in zip(call()[:3], ref))
+                ms, launches = _kernel_ms(call)
+                wall = _median_ms(call, rep_ms=50.0)
+                rec.add(op="causal_conv1d_bwd", shape=shape, impl=impl, bwd_ms=ms, bwd_launches=launches,
+                        bwd_wall_ms=wall, bwd_TBps=nbytes / ms / 1e9, bwd_bw_frac=nbytes / ms / 1e9 / COPY_TBPS,
+                        max_rel_err=err)
+            except Exception as e:  # one failing variant (a compile error, out of resources) must not lose the others
+                rec.add(op="causal_conv1d_bwd", shape=shape, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
+            os.environ.pop("MAMBA_PARALLEL_CONV_BWD_TILES", None)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+    torch.cuda.empty_cache()
 
 
 def bench_norm(rec, dtype, impls):
@@ -217,6 +302,11 @@ def main(argv=None) -> None:
                          "(torch.compile of naive); the loss always times triton, naive and plain")
     ap.add_argument("--conv-sweep", nargs="*", default=[], metavar="CFG",
                     help="extra conv tiles 'BLf,BDf,NWf,BLb,BDb,NWb' (forward then backward) to time")
+    ap.add_argument("--conv-bwd-sweep", nargs="*", metavar="VARIANT[:TILES]", default=CONV_BWD_SWEEP,
+                    help="conv backward rows: a variant (fused_scan, fused, fused_xreuse, fused_gather, twopass), "
+                         "optionally "
+                         "with tiles ':BLOCK_L,BLOCK_D,num_warps,tiles_per_program[,flags[,maxnreg]]' "
+                         "(MAMBA_PARALLEL_CONV_BWD_TILES); default: each variant's tiles and a sweep around them")
     ap.add_argument("--only", default="conv,norm,ce", help="comma-separated subset of conv, norm, ce")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -230,9 +320,10 @@ def main(argv=None) -> None:
     bad = set(impls) - {"triton", "naive", "compiled"}
     if bad:
         raise SystemExit(f"bench_ops: --impls got unknown implementations {sorted(bad)}")
+    bwd_sweep = _parse_bwd_sweep(args.conv_bwd_sweep)
     rec = Recorder(args.json)
     if "conv" in only:
-        bench_conv(rec, dtype, impls, args.conv_sweep)
+        bench_conv(rec, dtype, impls, args.conv_sweep, bwd_sweep)
     if "norm" in only:
         bench_norm(rec, dtype, impls)
     if "ce" in only:

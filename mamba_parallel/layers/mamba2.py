@@ -7,6 +7,8 @@ Data flow for hidden (b, L, d_model):
   -> out_proj -> (b, L, d_model).
 Local sizes come from the attributes ``d_inner, nheads, headdim, ngroups, d_state`` (tensor parallelism rewrites
 them); packed sequences are handled through ``seq_idx`` / ``cu_seqlens`` in both the conv and the scan.
+Both splits (zxbcdt -> z / xBC / dt, conv output -> x / B / C) go through ``ops.grad_arena``: the conv, scan
+and norm kernels write their input gradients into one buffer per split, so the backward concatenates nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from mamba_parallel.layers import init
 from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.norm import RMSNormGated
+from mamba_parallel.ops.grad_arena import split_with_grad_arena, tag_view
+
+
+def _tagged(piece: torch.Tensor, view):
+    """view(piece), carrying piece's gradient-arena slot through the same view (ops/grad_arena.py)."""
+    return tag_view(view(piece), piece, view)
 
 
 class Mamba2(nn.Module):
@@ -106,7 +114,8 @@ class Mamba2(nn.Module):
             raise ValueError(f"Mamba2: in_proj gives {zxbcdt.shape[-1]} features, expected 2 * d_inner + "
                              f"2 * ngroups * d_state + nheads = {2 * d_inner + 2 * gn + h} (d_inner={d_inner}, "
                              f"ngroups={self.ngroups}, d_state={self.d_state}, nheads={h})")
-        return zxbcdt.split([d_inner, d_inner + 2 * gn, h], dim=-1)
+        # The ops consuming the pieces write their gradients into one buffer: no concatenation in the backward
+        return split_with_grad_arena(zxbcdt, [d_inner, d_inner + 2 * gn, h], dim=-1)
 
     def _D(self) -> torch.Tensor:
         return self.D.float().view(self.nheads, self.headdim) if self.D_has_hdim else self.D.float()
@@ -137,16 +146,17 @@ class Mamba2(nn.Module):
             resume = inference_params.seqlen_offset > 0  # chunked prefill continues from the cached states
             conv_kwargs = dict(initial_state=conv_state[:b] if resume else None, return_final_state=True)
             scan_kwargs = dict(initial_states=ssm_state[:b] if resume else None, return_final_states=True)
-        xBC = self.run_conv(xBC.transpose(1, 2), seq_idx, **conv_kwargs)
+        xBC = self.run_conv(_tagged(xBC, lambda t: t.transpose(1, 2)), seq_idx, **conv_kwargs)
         if conv_state is not None:
             xBC, final_conv = xBC
             conv_state[:b].copy_(final_conv)
-        x, B, C = xBC.transpose(1, 2).split([self.d_inner, g * n, g * n], dim=-1)
+        x, B, C = split_with_grad_arena(xBC.transpose(1, 2), [self.d_inner, g * n, g * n], dim=-1)
 
         A = -torch.exp(self.A_log.float())
-        y = self.run_scan(x.unflatten(-1, (h, p)), dt, A, B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),
-                          D=self._D(), z=None if self.rmsnorm else z.unflatten(-1, (h, p)), dt_bias=self.dt_bias,
-                          seq_idx=seq_idx, cu_seqlens=cu_seqlens, **scan_kwargs)
+        heads, groups = (lambda t: t.unflatten(-1, (h, p))), (lambda t: t.unflatten(-1, (g, n)))
+        y = self.run_scan(_tagged(x, heads), dt, A, _tagged(B, groups), _tagged(C, groups), D=self._D(),
+                          z=None if self.rmsnorm else _tagged(z, heads), dt_bias=self.dt_bias, seq_idx=seq_idx,
+                          cu_seqlens=cu_seqlens, **scan_kwargs)
         if ssm_state is not None:
             y, final_ssm = y
             ssm_state[:b].copy_(final_ssm)

@@ -1,5 +1,6 @@
 """Triton causal conv1d and its decode update vs the PyTorch reference (naive.py): outputs, final states and
-every gradient, in both memory layouts, with initial states, seq_idx and odd lengths."""
+every gradient, in both memory layouts, with initial states, seq_idx and odd lengths, for every backward variant
+(MAMBA_PARALLEL_CONV_BWD); the gradient arena (dx written into the split's buffer)."""
 
 import pytest
 import torch
@@ -7,8 +8,19 @@ import torch
 from helpers import assert_close
 from mamba_parallel.ops.conv1d import naive
 from mamba_parallel.ops.conv1d import triton_impl as tri
+from mamba_parallel.ops.grad_arena import split_with_grad_arena, tag_view
 
 DTYPES = [torch.float32, torch.float16]
+VARIANTS = list(tri.BWD_VARIANTS)
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request, monkeypatch):
+    """Runs the test once per backward variant."""
+    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD", request.param)
+    monkeypatch.delenv("MAMBA_PARALLEL_CONV_BWD_TILES", raising=False)
+    monkeypatch.delenv("MAMBA_PARALLEL_CONV_TILES", raising=False)
+    return request.param
 
 
 def _dev():
@@ -75,33 +87,112 @@ def _check(b, d, L, w, dtype, channels_last=True, bias=True, act="silu", init=Fa
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("channels_last", [True, False])
 @pytest.mark.parametrize("act", [None, "silu"])
-def test_conv1d_layouts(dtype, channels_last, act):
-    _check(2, 20, 37, 4, dtype, channels_last=channels_last, act=act)
+def test_conv1d_layouts(dtype, channels_last, act, variant):
+    _check(2, 12, 23, 4, dtype, channels_last=channels_last, act=act)
 
 
 @pytest.mark.parametrize("w", [2, 3, 4])
-@pytest.mark.parametrize("L", [1, 2, 45])
-def test_conv1d_init_and_final_state(w, L):
+@pytest.mark.parametrize("L", [1, 29])  # L = 1 < w - 1: the final state keeps initial-state inputs
+def test_conv1d_init_and_final_state(w, L, variant):
     _check(2, 12, L, w, torch.float32, init=True, final=True, seed=w + L)
 
 
-def test_conv1d_no_bias_final_without_init():
+def test_conv1d_no_bias_final_without_init(variant):
     _check(1, 8, 2, 4, torch.float32, bias=False, final=True)
 
 
-@pytest.mark.parametrize("channels_last", [True, False])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_conv1d_seq_idx(channels_last, dtype):
-    # sequence boundaries at 1, 2 (a length-1 sequence) and 30; the initial state feeds only the first sequence
-    _check(2, 10, 40, 4, dtype, channels_last=channels_last, init=True, seq_cuts=[1, 2, 30], final=True)
+@pytest.mark.parametrize("channels_last, dtype", [(True, torch.float32), (True, torch.float16),
+                                                  (False, torch.float32)])
+def test_conv1d_seq_idx(channels_last, dtype, variant):
+    # sequence boundaries at 1, 2 (a length-1 sequence) and 20; the initial state feeds only the first sequence
+    _check(2, 10, 26, 4, dtype, channels_last=channels_last, init=True, seq_cuts=[1, 2, 20], final=True)
 
 
 @pytest.mark.parametrize("channels_last", [True, False])
-def test_conv1d_long_backward_tiles(channels_last, monkeypatch):
-    """More positions than one backward program covers, so weight-gradient partials are summed."""
-    monkeypatch.setattr(tri, "BWD_TILES_PER_PROGRAM", 2)
-    L = 3 * 2 * tri.TILES[("bwd", "channels_last" if channels_last else "contiguous")][0] - 5
-    _check(2, 4, L, 4, torch.float32, channels_last=channels_last, init=True, seq_cuts=[L // 2])
+def test_conv1d_long_backward_tiles(channels_last, variant, monkeypatch):
+    """Several tiles per program, several programs and channel blocks: weight-gradient partials are summed, tile
+    edges (and fused_gather's overlaps) fall inside sequences and at a sequence boundary."""
+    L = 2 * 3 * 4 - 3  # two programs of three 4-position tiles (fused_gather: 8-position tiles, steps of 5)
+    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "4,4,1,3")
+    _check(1, 6, L, 4, torch.float32, channels_last=channels_last, init=True, seq_cuts=[L // 2, 13])
+    if variant == "twopass" or not channels_last:
+        return
+    # the flags each variant's default tiles do not set: weight-gradient products reduced once per program (d,
+    # not fused_scan's), the next tile's x and dy prefetched (p)
+    flags = "" if "d" in tri.BWD_TILES[(variant, "channels_last")][4] else "dp"
+    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", f"4,4,1,3,{flags},64")  # maxnreg: a GPU-only cap
+    _check(1, 5, L, 3, torch.float16, init=True, seq_cuts=[9], final=True)
+
+
+@pytest.mark.parametrize("w", [1, 5])
+def test_conv1d_width_outside_fused_taps(w, variant):
+    """w = 1 (no neighbours) and w = 5 (wider than the fused kernel's taps: falls back to the two-pass path)."""
+    assert tri.bwd_variant(w) == ("twopass" if w > tri.MAX_WIDTH else variant)
+    _check(2, 6, 13, w, torch.float32, init=w > 1, final=w > 1, seq_cuts=[6])
+
+
+def test_conv1d_bwd_env_errors(monkeypatch):
+    x = _make_x(1, 4, 5, torch.float32, True)
+    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD", "fast")
+    with pytest.raises(ValueError, match="MAMBA_PARALLEL_CONV_BWD='fast'"):
+        tri.bwd_variant(4)
+    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD", "fused")
+    for bad in ("16,64,4", "16,64,3,2", "16,64,4,0", "a,b,c,d", "16,64,4,2,1", "16,64,4,2,dd", "16,64,4,2,d,p",
+                "16,64,4,2,d,8", "16,64,4,2,d,128,1"):
+        monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", bad)
+        with pytest.raises(ValueError, match="MAMBA_PARALLEL_CONV_BWD_TILES"):
+            tri._bwd_tiles(x, 4, "fused")
+    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "32,256,8,5")
+    assert tri._bwd_tiles(x, 4, "fused") == (8, 4, 8, 5, "", 0)  # clipped to next_power_of_2 of L and d
+    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "32,256,8,5,pd")
+    assert tri._bwd_tiles(x, 4, "fused_xreuse") == (8, 4, 8, 5, "pd", 0)
+    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "32,256,8,5,,96")
+    assert tri._bwd_tiles(x, 4, "fused_xreuse") == (8, 4, 8, 5, "", 96)
+    assert tri._bwd_tiles(x, 4, "fused_gather")[0] == 8  # owns at least one position per tile
+    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "16,64,2,4")
+    with pytest.raises(ValueError, match="fused_scan.*at most 8"):
+        tri._bwd_tiles(_make_x(1, 4, 40, torch.float32, True), 4, "fused_scan")
+    monkeypatch.delenv("MAMBA_PARALLEL_CONV_BWD_TILES")
+    monkeypatch.setenv("MAMBA_PARALLEL_CONV_TILES", "16,64,4,2,2,2,2")
+    with pytest.raises(ValueError, match="MAMBA_PARALLEL_CONV_TILES"):
+        tri._bwd_tiles(x, 4, "fused")
+
+
+def _arena_chain(arena: bool, final: bool, dtype, seed=0):
+    """A Mamba-2-like chain: h = u (b, L, 5 + d + 3) * 1 -> split -> transpose -> conv (+ final state) and two
+    side pieces. -> (loss, h, [the conv's dx, captured by a hook])."""
+    b, L, d, w = 2, 11, 6, 4
+    u = _rand((b, L, 5 + d + 3), dtype, seed).requires_grad_()
+    weight, bias = _rand((d, w), dtype, seed + 1, 0.5), _rand((d,), dtype, seed + 2)
+    g = torch.Generator(device="cpu").manual_seed(seed + 3)
+    gz, gy = torch.randn((b, L, 5), generator=g).to(_dev()), torch.randn((b, d, L), generator=g).to(_dev())
+    gf = torch.randn((b, d, w - 1), generator=g).to(_dev())
+    h = u * 1.0  # a non-leaf: its gradient is the split's returned buffer
+    if arena:
+        z, xbc, dt = split_with_grad_arena(h, [5, d, 3], dim=-1)
+        xt = tag_view(xbc.transpose(1, 2), xbc, lambda t: t.transpose(1, 2))
+    else:
+        z, xbc, dt = h.split([5, d, 3], dim=-1)
+        xt = xbc.transpose(1, 2)
+    seen = []
+    xt.register_hook(lambda gr: seen.append(gr))
+    y, fs = tri.causal_conv1d(xt, weight, bias, "silu", return_final_state=True)
+    loss = (y.float() * gy).sum() + (z.float() * gz).sum() + dt.float().square().sum()
+    if final:
+        loss = loss + (fs.float() * gf).sum()
+    return loss, h, seen
+
+
+@pytest.mark.parametrize("final", [False, True])
+def test_conv1d_writes_dx_into_grad_arena(final, variant):
+    ref_loss, ref_h, _ = _arena_chain(False, final, torch.float32)
+    (ref_grad,) = torch.autograd.grad(ref_loss, [ref_h])
+    loss, h, seen = _arena_chain(True, final, torch.float32)
+    (grad,) = torch.autograd.grad(loss, [h])
+    assert torch.equal(grad, ref_grad), "arena gradient differs from the plain split's"
+    (dx,) = seen
+    assert dx.data_ptr() == grad[:, :, 5:].data_ptr() and dx.stride() == grad[:, :, 5:].transpose(1, 2).stride(), \
+        "the conv's dx must be the arena slice itself"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -150,9 +241,17 @@ def test_compile_keeps_custom_op():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [True, False])
-def test_conv1d_gpu(dtype, channels_last, nan_poison):
+def test_conv1d_gpu(dtype, channels_last, variant, nan_poison):
     _check(4, 2 * 768 + 2 * 128, 1000, 4, dtype, channels_last=channels_last, init=True, seq_cuts=[300, 301],
            final=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extras", [False, True])
+def test_conv1d_gpu_mamba2_shape(extras, variant, nan_poison):
+    """mamba2-1.3b's conv (d 4352 = x | B | C) at L 2048, bf16, channels-last; with initial state and seq_idx."""
+    _check(2, 4352, 2048, 4, torch.bfloat16, channels_last=True, init=extras, final=extras,
+           seq_cuts=[700, 701, 1500] if extras else None)
 
 
 @pytest.mark.gpu

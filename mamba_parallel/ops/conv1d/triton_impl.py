@@ -3,6 +3,16 @@
 ``causal_conv1d`` and ``causal_conv1d_update`` take the public functions' arguments (docs/API.md). The output
 keeps the input's layout: a channels-last x (b, d, L) = (b, L, d).transpose(1, 2) gives a channels-last y, so the
 Mamba-2 layer never copies to transpose.
+
+Backward variants (MAMBA_PARALLEL_CONV_BWD, default fused_scan; widths w > 4 always take twopass):
+  fused_scan    one pass, each thread walks positions with sliding windows of x and dpre (triton_conv1d_bwd_scan.py)
+  fused_gather  one pass, dpre once per position, shifted with tl.gather (triton_conv1d_bwd_fused.py, MODE_GATHER)
+  fused_xreuse  one pass, shifted x tiles loaded once, dpre recomputed per shift (MODE_XREUSE)
+  fused         one pass, dpre recomputed per shift by conv_preact (MODE_RECOMPUTE)
+  twopass       dpre = dy * silu'(pre) written in fp32 by the forward kernel, then triton_conv1d_bwd.py
+Backward tiles: MAMBA_PARALLEL_CONV_BWD_TILES='BLOCK_L,BLOCK_D,num_warps,tiles_per_program[,flags[,maxnreg]]'
+(see BWD_TILES); MAMBA_PARALLEL_CONV_TILES='BLf,BDf,NWf,BLb,BDb,NWb' still sets forward and backward tiles.
+When the input x carries a gradient-arena slot (ops/grad_arena.py), the backward writes dx into it.
 """
 
 from __future__ import annotations
@@ -15,8 +25,12 @@ import triton
 
 from mamba_parallel.ops.conv1d import naive
 from mamba_parallel.ops.conv1d.triton_conv1d_bwd import conv1d_bwd_kernel
+from mamba_parallel.ops.conv1d.triton_conv1d_bwd_fused import (MAX_WIDTH, MODE_GATHER, MODE_RECOMPUTE, MODE_XREUSE,
+                                                               conv1d_bwd_fused_kernel)
+from mamba_parallel.ops.conv1d.triton_conv1d_bwd_scan import conv1d_bwd_scan_kernel
 from mamba_parallel.ops.conv1d.triton_conv1d_fwd import conv1d_fwd_kernel
 from mamba_parallel.ops.conv1d.triton_conv1d_update import conv1d_update_kernel
+from mamba_parallel.ops.grad_arena import grad_slot
 
 
 def _channels_last(x: torch.Tensor) -> bool:
@@ -31,37 +45,132 @@ def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty((b, d, L), dtype=dtype, device=x.device)
 
 
-# Tiles (BLOCK_L, BLOCK_D, num_warps) per pass and layout. Forward: measured on an H200 at b8 d5376 L2048 bf16
-# (channels-last 16x128: 0.14 ms, 2.5 TB/s). Backward: small enough that the w-tap weight-gradient accumulators fit
-# without spilling on sm_90 (72 registers; 126 with initial state and seq_idx). One backward program walks
-# BWD_TILES_PER_PROGRAM tiles, so few weight-gradient partials remain to sum.
-TILES = {
-    ("fwd", "channels_last"): (16, 128, 4), ("fwd", "contiguous"): (128, 16, 4),
-    ("bwd", "channels_last"): (8, 64, 4), ("bwd", "contiguous"): (64, 8, 4),
+# Forward tiles (BLOCK_L, BLOCK_D, num_warps) per layout, measured on an H200 at b8 d5376 L2048 bf16 (channels-last
+# 16x128: 0.14 ms, 2.5 TB/s). The two-pass backward's DPRE step uses them too.
+TILES = {"channels_last": (16, 128, 4), "contiguous": (128, 16, 4)}
+# Backward tiles (BLOCK_L, BLOCK_D, num_warps, tiles_per_program, flags, maxnreg) per variant and layout. One
+# program walks tiles_per_program tiles of BLOCK_L positions (fused_scan: rows per unrolled step) along L, so few
+# weight-gradient partials remain to sum. Flags: "d" (fused, fused_xreuse, fused_gather) accumulates
+# weight-gradient products elementwise and reduces once per program instead of once per tile, "p" (all fused)
+# loads the next tile's x and dy before computing the current one, "f" (all fused) computes the sigmoid with
+# approximate flush-to-zero ex2 / rcp (inline PTX, ~2 ulp; ignored off CUDA, e.g. in the interpreter). maxnreg
+# (0: none) caps registers per thread: ptxas otherwise takes ~230 for 8 elements per thread in fused_gather, one
+# 8-warp program per SM, too few loads in flight (16 warps cap it at 128). twopass: small enough that its w-tap
+# weight-gradient accumulators fit without spilling on sm_90. fused_*: first guesses from sm_90 register and
+# instruction counts (compiled offline, never timed), to be swept on a GPU (bench_ops --only conv); fused_gather
+# tiles overlap by w-1 positions, so they are longer and need BLOCK_D >= 128 for 16-byte loads; fused_scan at
+# 8x256 with 2 warps: 4 channels per thread, ~1 warp-instruction per element, 128 registers (172 with "p").
+BWD_TILES = {
+    ("twopass", "channels_last"): (8, 64, 4, 16, "", 0), ("twopass", "contiguous"): (64, 8, 4, 16, "", 0),
+    ("fused", "channels_last"): (8, 64, 8, 16, "f", 0), ("fused", "contiguous"): (64, 8, 8, 16, "f", 0),
+    ("fused_xreuse", "channels_last"): (8, 128, 8, 16, "pf", 128),
+    ("fused_xreuse", "contiguous"): (64, 8, 4, 16, "pf", 0),
+    ("fused_gather", "channels_last"): (16, 128, 16, 16, "dpf", 0),
+    ("fused_gather", "contiguous"): (64, 8, 4, 16, "dpf", 0),
+    ("fused_scan", "channels_last"): (4, 256, 2, 32, "pf", 0),
+    ("fused_scan", "contiguous"): (8, 64, 2, 16, "f", 0),
 }
-BWD_TILES_PER_PROGRAM = 16
+BWD_FLAGS = "dpf"
+FUSED_MODES = {"fused": MODE_RECOMPUTE, "fused_xreuse": MODE_XREUSE, "fused_gather": MODE_GATHER,
+               "fused_scan": None}  # fused_scan: its own kernel (triton_conv1d_bwd_scan.py)
+BWD_VARIANTS = ("twopass", *FUSED_MODES)
+DEFAULT_BWD = "fused_scan"
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def _int_list(name: str, spec: str, n: int, expected: str) -> list[int]:
+    try:
+        vals = [int(v) for v in spec.split(",")]
+    except ValueError:
+        vals = []
+    if len(vals) != n:
+        raise ValueError(f"{name}={spec!r}: expected {expected}")
+    return vals
 
 
 def _tile_override(pass_: str) -> tuple[int, int, int] | None:
     """MAMBA_PARALLEL_CONV_TILES='BLf,BDf,NWf,BLb,BDb,NWb' overrides the tiles (benchmark sweeps)."""
-    spec = os.environ.get("MAMBA_PARALLEL_CONV_TILES")
+    name = "MAMBA_PARALLEL_CONV_TILES"
+    spec = os.environ.get(name)
     if not spec:
         return None
-    try:
-        vals = [int(v) for v in spec.split(",")]
-        assert len(vals) == 6 and all(v > 0 and v & (v - 1) == 0 for v in vals)
-    except (ValueError, AssertionError):
-        raise ValueError(f"MAMBA_PARALLEL_CONV_TILES={spec!r}: expected six powers of two "
-                         "'BLOCK_L,BLOCK_D,num_warps' for the forward then the backward") from None
+    expected = "six powers of two 'BLOCK_L,BLOCK_D,num_warps' for the forward then the backward"
+    vals = _int_list(name, spec, 6, expected)
+    if not all(_pow2(v) for v in vals):
+        raise ValueError(f"{name}={spec!r}: expected {expected}")
     return tuple(vals[:3]) if pass_ == "fwd" else tuple(vals[3:])
 
 
-def _tiles(x: torch.Tensor, pass_: str) -> tuple[int, int, int]:
-    """(BLOCK_L, BLOCK_D, num_warps): wide in the unit-stride axis so loads coalesce, clipped to the shape."""
+def _bwd_tile_override() -> tuple[int, int, int, int, str, int] | None:
+    """MAMBA_PARALLEL_CONV_BWD_TILES='BL,BD,NW,TILES_PER_PROGRAM[,FLAGS[,MAXNREG]]' overrides the backward's
+    tiles (any variant; flags and maxnreg only affect the fused ones)."""
+    name = "MAMBA_PARALLEL_CONV_BWD_TILES"
+    spec = os.environ.get(name)
+    if not spec:
+        return None
+    expected = ("'BLOCK_L,BLOCK_D,num_warps,tiles_per_program[,flags[,maxnreg]]': three powers of two, a positive "
+                f"integer, optionally flags from {BWD_FLAGS!r} (d: deferred weight-gradient reduction, p: prefetch, "
+                "f: fast sigmoid) "
+                "and a register cap per thread (0: none, else 24..255)")
+    fields = spec.split(",")
+    flags, maxnreg = "", "0"
+    if len(fields) == 6:
+        maxnreg = fields.pop()
+    if len(fields) == 5:
+        flags = fields.pop().strip()
+    vals = _int_list(name, ",".join(fields + [maxnreg]), 5, expected)
+    ok = (all(_pow2(v) for v in vals[:3]) and vals[3] > 0 and (vals[4] == 0 or 24 <= vals[4] <= 255)
+          and set(flags) <= set(BWD_FLAGS) and len(set(flags)) == len(flags))
+    if not ok:
+        raise ValueError(f"{name}={spec!r}: expected {expected}")
+    return (*vals[:4], flags, vals[4])
+
+
+def bwd_variant(w: int) -> str:
+    """The backward for filter width w: MAMBA_PARALLEL_CONV_BWD (one of BWD_VARIANTS).
+
+    The fused kernels write the taps out for w <= 4; wider filters always take the two-pass backward.
+    """
+    name = "MAMBA_PARALLEL_CONV_BWD"
+    variant = os.environ.get(name) or DEFAULT_BWD
+    if variant not in BWD_VARIANTS:
+        raise ValueError(f"{name}={variant!r}: expected one of {', '.join(BWD_VARIANTS)}")
+    return "twopass" if w > MAX_WIDTH else variant
+
+
+def _layout(x: torch.Tensor) -> str:
+    return "channels_last" if _channels_last(x) else "contiguous"
+
+
+def _tiles(x: torch.Tensor) -> tuple[int, int, int]:
+    """Forward (BLOCK_L, BLOCK_D, num_warps): wide in the unit-stride axis so loads coalesce, clipped to the shape."""
     _, d, L = x.shape
-    layout = "channels_last" if _channels_last(x) else "contiguous"
-    block_l, block_d, warps = _tile_override(pass_) or TILES[(pass_, layout)]
+    block_l, block_d, warps = _tile_override("fwd") or TILES[_layout(x)]
     return min(block_l, triton.next_power_of_2(L)), min(block_d, triton.next_power_of_2(d)), warps
+
+
+def _bwd_tiles(x: torch.Tensor, w: int, variant: str) -> tuple[int, int, int, int, str, int]:
+    """Backward (BLOCK_L, BLOCK_D, num_warps, tiles_per_program, flags, maxnreg) of ``variant``, clipped to the
+    shape."""
+    _, d, L = x.shape
+    block_l, block_d, warps, per_prog, flags, maxnreg = BWD_TILES[(variant, _layout(x))]
+    override = _tile_override("bwd")
+    if override:
+        block_l, block_d, warps = override
+    block_l, block_d, warps, per_prog, flags, maxnreg = (_bwd_tile_override()
+                                                         or (block_l, block_d, warps, per_prog, flags, maxnreg))
+    if variant == "fused_scan" and block_l > 8:
+        raise ValueError(f"fused_scan backward: BLOCK_L (rows per step) must be at most 8, got {block_l} "
+                         "(MAMBA_PARALLEL_CONV_BWD_TILES / MAMBA_PARALLEL_CONV_TILES)")
+    if variant == "fused_gather":
+        # a tile owns block_l - (w-1) positions: keep that >= 1 and cover L plus the overlap
+        block_l = max(min(block_l, triton.next_power_of_2(L + w - 1)), 2 * triton.next_power_of_2(w))
+    else:
+        block_l = min(block_l, triton.next_power_of_2(L))
+    return block_l, min(block_d, triton.next_power_of_2(d)), warps, per_prog, flags, maxnreg
 
 
 def _strides(t: Optional[torch.Tensor], n: int) -> tuple[int, ...]:
@@ -109,7 +218,7 @@ def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
 def _launch_fwd(x, weight, bias, initial_state, seq_idx, dy, out, silu):
     """out = act(conv(x)); with dy given, out = dy * silu'(conv(x)) (the gradient at the pre-activation)."""
     b, d, L = x.shape
-    block_l, block_d, warps = _tiles(x, "fwd")
+    block_l, block_d, warps = _tiles(x)
     conv1d_fwd_kernel[(triton.cdiv(L, block_l), triton.cdiv(d, block_d), b)](
         x, weight, bias, initial_state, seq_idx, dy, out,
         d, L,
@@ -130,36 +239,27 @@ def _(x, weight, bias, initial_state, seq_idx, silu, return_final_state):
 
 # --------------------------------------------------------------------------------------------------- backward op
 
-@torch.library.custom_op("mamba_parallel::causal_conv1d_bwd", mutates_args=())
+@torch.library.custom_op("mamba_parallel::causal_conv1d_bwd", mutates_args=("dx_out",))
 def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
               initial_state: Optional[torch.Tensor], seq_idx: Optional[torch.Tensor], dy: torch.Tensor,
-              dfinal: Optional[torch.Tensor], silu: bool
+              dfinal: Optional[torch.Tensor], silu: bool, dx_out: Optional[torch.Tensor]
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dx (b, d, L) x's layout, dweight (d, w), dbias (d,) or empty, dinitial_state (b, d, w-1) or empty."""
+    """-> dx (b, d, L) x's layout, dweight (d, w), dbias (d,) or empty, dinitial_state (b, d, w-1) or empty.
+
+    With dx_out (b, d, L) given (a gradient-arena slice, any strides), dx is written there and the returned dx is
+    an empty placeholder (a custom op may not return an alias of its input).
+    """
     b, d, L = x.shape
     w = weight.shape[1]
-    dx = _empty_like_layout(x, x.dtype)
+    if dx_out is not None and (dx_out.shape != x.shape or dx_out.dtype != x.dtype):
+        raise ValueError(f"causal_conv1d backward: dx_out {tuple(dx_out.shape)} {dx_out.dtype} must match x "
+                         f"{tuple(x.shape)} {x.dtype}")
+    dx = dx_out if dx_out is not None else _empty_like_layout(x, x.dtype)
     dinit = torch.empty_like(initial_state) if initial_state is not None else x.new_empty((0,))
-    block_l, block_d, warps = _tiles(x, "bwd")
-    n_tiles = triton.cdiv(L, block_l)
-    tiles_per_program = min(n_tiles, BWD_TILES_PER_PROGRAM)
-    n_lprog = triton.cdiv(n_tiles, tiles_per_program)
-    dw_part = torch.empty((b * n_lprog, d, w), dtype=torch.float32, device=x.device)
-    db_part = torch.empty((b * n_lprog, d) if bias is not None else (0,), dtype=torch.float32, device=x.device)
     if b * d * L > 0:
-        dpre = dy
-        if silu:  # fp32 gradient at the pre-activation, laid out like x
-            dpre = _empty_like_layout(x, torch.float32)
-            _launch_fwd(x, weight, bias, initial_state, seq_idx, dy, dpre, silu)
-        conv1d_bwd_kernel[(n_lprog, triton.cdiv(d, block_d), b)](
-            x, weight, initial_state, seq_idx, dpre,
-            dx, dinit, dw_part, db_part,
-            d, L, tiles_per_program,
-            *x.stride(), *weight.stride(), *_strides(initial_state, 3), *_strides(seq_idx, 2), *dpre.stride(),
-            *dx.stride(), *_strides(dinit if initial_state is not None else None, 3),
-            W=w, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, HAS_SEQ=seq_idx is not None,
-            BLOCK_L=block_l, BLOCK_D=block_d, BLOCK_W=triton.next_power_of_2(w), num_warps=warps,
-        )
+        variant = bwd_variant(w)
+        launch = _launch_bwd_twopass if variant == "twopass" else _launch_bwd_fused
+        dw_part, db_part = launch(x, weight, bias, initial_state, seq_idx, dy, dx, dinit, silu, variant)
         dweight = dw_part.sum(0).to(weight.dtype)
         dbias = db_part.sum(0).to(bias.dtype) if bias is not None else x.new_empty((0,))
     else:
@@ -177,12 +277,85 @@ def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
             dx[:, :, L - (w - 1) + first:] += g[:, :, first:].to(dx.dtype)
         if initial_state is not None and first > 0:
             dinit[:, :, L:L + first] += g[:, :, :first].to(dinit.dtype)
+    if dx_out is not None:
+        dx = x.new_empty((0,))
     return dx, dweight, dbias, dinit
 
 
+def _bwd_grid(x, w: int, variant: str):
+    """-> (grid, tiles (BLOCK_L, BLOCK_D, num_warps), tiles_per_program, (flags, maxnreg), number of partial
+    rows)."""
+    b, d, L = x.shape
+    block_l, block_d, warps, per_prog, flags, maxnreg = _bwd_tiles(x, w, variant)
+    step = block_l - (w - 1) if variant == "fused_gather" else block_l
+    n_tiles = triton.cdiv(L, step)
+    per_prog = min(n_tiles, per_prog)
+    n_lprog = triton.cdiv(n_tiles, per_prog)
+    return (n_lprog, triton.cdiv(d, block_d), b), (block_l, block_d, warps), per_prog, (flags, maxnreg), b * n_lprog
+
+
+def _partials(x, d: int, w: int, n_parts: int, has_bias: bool):
+    dw_part = torch.empty((n_parts, d, w), dtype=torch.float32, device=x.device)
+    db_part = torch.empty((n_parts, d) if has_bias else (0,), dtype=torch.float32, device=x.device)
+    return dw_part, db_part
+
+
+def _launch_bwd_fused(x, weight, bias, initial_state, seq_idx, dy, dx, dinit, silu, variant):
+    """One pass: dpre recomputed in the kernel (triton_conv1d_bwd_fused.py). -> (dweight, dbias) partials."""
+    d, L, w = x.shape[1], x.shape[2], weight.shape[1]
+    grid, (block_l, block_d, warps), per_prog, (flags, maxnreg), n_parts = _bwd_grid(x, w, variant)
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
+    dw_part, db_part = _partials(x, d, w, n_parts, bias is not None)
+    if variant == "fused_scan":
+        conv1d_bwd_scan_kernel[grid](
+            x, weight, bias, initial_state, seq_idx, dy,
+            dx, dinit, dw_part, db_part,
+            d, L, per_prog,
+            *x.stride(), *weight.stride(), *_strides(initial_state, 3), *_strides(seq_idx, 2), *dy.stride(),
+            *dx.stride(), *_strides(dinit if initial_state is not None else None, 3),
+            W=w, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, HAS_SEQ=seq_idx is not None,
+            SILU=silu, FAST_SIGMOID="f" in flags and x.is_cuda, PREFETCH="p" in flags, BLOCK_L=block_l,
+            BLOCK_D=block_d, num_warps=warps, **extra,
+        )
+        return dw_part, db_part
+    conv1d_bwd_fused_kernel[grid](
+        x, weight, bias, initial_state, seq_idx, dy,
+        dx, dinit, dw_part, db_part,
+        d, L, per_prog,
+        *x.stride(), *weight.stride(), *_strides(initial_state, 3), *_strides(seq_idx, 2), *dy.stride(),
+        *dx.stride(), *_strides(dinit if initial_state is not None else None, 3),
+        W=w, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, HAS_SEQ=seq_idx is not None,
+        SILU=silu, MODE=FUSED_MODES[variant], DW_DEFER="d" in flags,
+        PREFETCH="p" in flags, FAST_SIGMOID="f" in flags and x.is_cuda, BLOCK_L=block_l, BLOCK_D=block_d,
+        BLOCK_W=triton.next_power_of_2(w), num_warps=warps, **extra,
+    )
+    return dw_part, db_part
+
+
+def _launch_bwd_twopass(x, weight, bias, initial_state, seq_idx, dy, dx, dinit, silu, variant):
+    """dpre = dy * silu'(pre) written in fp32 by the forward kernel, then the backward kernel reads it."""
+    d, L, w = x.shape[1], x.shape[2], weight.shape[1]
+    grid, (block_l, block_d, warps), per_prog, _, n_parts = _bwd_grid(x, w, variant)
+    dw_part, db_part = _partials(x, d, w, n_parts, bias is not None)
+    dpre = dy
+    if silu:  # fp32 gradient at the pre-activation, laid out like x
+        dpre = _empty_like_layout(x, torch.float32)
+        _launch_fwd(x, weight, bias, initial_state, seq_idx, dy, dpre, silu)
+    conv1d_bwd_kernel[grid](
+        x, weight, initial_state, seq_idx, dpre,
+        dx, dinit, dw_part, db_part,
+        d, L, per_prog,
+        *x.stride(), *weight.stride(), *_strides(initial_state, 3), *_strides(seq_idx, 2), *dpre.stride(),
+        *dx.stride(), *_strides(dinit if initial_state is not None else None, 3),
+        W=w, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, HAS_SEQ=seq_idx is not None,
+        BLOCK_L=block_l, BLOCK_D=block_d, BLOCK_W=triton.next_power_of_2(w), num_warps=warps,
+    )
+    return dw_part, db_part
+
+
 @_conv_bwd.register_fake
-def _(x, weight, bias, initial_state, seq_idx, dy, dfinal, silu):
-    return (_empty_like_layout(x, x.dtype), torch.empty_like(weight),
+def _(x, weight, bias, initial_state, seq_idx, dy, dfinal, silu, dx_out):
+    return (_empty_like_layout(x, x.dtype) if dx_out is None else x.new_empty((0,)), torch.empty_like(weight),
             torch.empty_like(bias) if bias is not None else x.new_empty((0,)),
             torch.empty_like(initial_state) if initial_state is not None else x.new_empty((0,)))
 
@@ -191,13 +364,17 @@ def _setup_context(ctx, inputs, output):
     x, weight, bias, initial_state, seq_idx, silu, return_final_state = inputs
     ctx.save_for_backward(x, weight, bias, initial_state, seq_idx)
     ctx.silu, ctx.return_final_state = silu, return_final_state
+    ctx.x_slot = grad_slot(x)  # a gradient-arena slice to write dx into (split_with_grad_arena), or None
 
 
 def _backward(ctx, dy, dfinal):
     x, weight, bias, initial_state, seq_idx = ctx.saved_tensors
     if not ctx.return_final_state:
         dfinal = None
-    dx, dweight, dbias, dinit = _conv_bwd(x, weight, bias, initial_state, seq_idx, dy, dfinal, ctx.silu)
+    dx_out = ctx.x_slot.get() if ctx.x_slot is not None else None
+    dx, dweight, dbias, dinit = _conv_bwd(x, weight, bias, initial_state, seq_idx, dy, dfinal, ctx.silu, dx_out)
+    if dx_out is not None:
+        dx = dx_out
     return (dx, dweight, dbias if bias is not None else None, dinit if initial_state is not None else None,
             None, None, None)
 

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import triton
 
+from mamba_parallel.ops.grad_arena import grad_slot, tag_view
 from mamba_parallel.ops.norm import naive
 from mamba_parallel.ops.norm.triton_norm_bwd import norm_bwd_kernel
 from mamba_parallel.ops.norm.triton_norm_fwd import norm_fwd_kernel
@@ -79,6 +80,13 @@ def _rows(t: Optional[torch.Tensor], d: int) -> Optional[torch.Tensor]:
     return t.reshape(-1, d)
 
 
+def _tagged_rows(t: Optional[torch.Tensor], d: int) -> Optional[torch.Tensor]:
+    """``_rows`` that keeps t's gradient-arena slot: its gradient buffer is viewed as rows the same way (a slice
+    of a wider last dimension stays a view; where the reshape must copy, the split copies the gradient back)."""
+    rows = _rows(t, d)
+    return tag_view(rows, t, lambda g: _rows(g, d)) if rows is not None else None
+
+
 # ---------------------------------------------------------------------------------------------------- forward op
 
 @torch.library.custom_op("mamba_parallel::rms_norm_fwd", mutates_args=())
@@ -115,21 +123,14 @@ def _(x, z, residual, weight, eps, group_size, norm_before_gate, store_residual,
 
 # --------------------------------------------------------------------------------------------------- backward op
 
-@torch.library.custom_op("mamba_parallel::rms_norm_bwd", mutates_args=())
-def _norm_bwd(dy: torch.Tensor, dres_out: Optional[torch.Tensor], xin: torch.Tensor, z: Optional[torch.Tensor],
-              weight: torch.Tensor, rstd: torch.Tensor, group_size: int, norm_before_gate: bool,
-              dx_dtype: torch.dtype, dres_dtype: Optional[torch.dtype]
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dx (M, d) dx_dtype, dresidual (M, d) dres_dtype (or empty), dz (M, d) (or empty), dweight (d,)."""
+def _launch_bwd(dy: torch.Tensor, dres_out: Optional[torch.Tensor], xin: torch.Tensor, z: Optional[torch.Tensor],
+                weight: torch.Tensor, rstd: torch.Tensor, group_size: int, norm_before_gate: bool,
+                dx: torch.Tensor, dres: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
+    """Runs the backward kernel into dx / dres / dz (M, d), any row stride, unit channel stride -> dweight (d,)."""
     m, d = xin.shape
-    groups = d // group_size
-    dx = torch.empty((m, d), dtype=dx_dtype, device=xin.device)
-    dres = torch.empty((m, d) if dres_dtype is not None else (0, d), dtype=dres_dtype or dx_dtype,
-                       device=xin.device)
-    dz = torch.empty((m, d) if z is not None else (0, d), dtype=z.dtype if z is not None else dx_dtype,
-                     device=xin.device)
     if m == 0:
-        return dx, dres, dz, torch.zeros_like(weight)
+        return torch.zeros_like(weight)
+    groups = d // group_size
     block, warps = _bwd_launch_shape(group_size)
     per_sm = _bwd_programs_per_sm(block, warps, z is not None, norm_before_gate)
     n_programs, rows_per_program = _bwd_row_split(xin, m, groups, per_sm)
@@ -142,9 +143,25 @@ def _norm_bwd(dy: torch.Tensor, dres_out: Optional[torch.Tensor], xin: torch.Ten
         dres_out.stride(0) if dres_out is not None else 0, dx.stride(0), dres.stride(0), dz.stride(0),
         dw_part.stride(0),
         HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate, HAS_DRES_OUT=dres_out is not None,
-        STORE_DX2=dres_dtype is not None, BLOCK_N=block, num_warps=warps, num_stages=1,
+        STORE_DX2=dres.shape[0] != 0, BLOCK_N=block, num_warps=warps, num_stages=1,
     )
-    return dx, dres, dz, dw_part.sum(0).to(weight.dtype)
+    return dw_part.sum(0).to(weight.dtype)
+
+
+@torch.library.custom_op("mamba_parallel::rms_norm_bwd", mutates_args=())
+def _norm_bwd(dy: torch.Tensor, dres_out: Optional[torch.Tensor], xin: torch.Tensor, z: Optional[torch.Tensor],
+              weight: torch.Tensor, rstd: torch.Tensor, group_size: int, norm_before_gate: bool,
+              dx_dtype: torch.dtype, dres_dtype: Optional[torch.dtype]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dx (M, d) dx_dtype, dresidual (M, d) dres_dtype (or empty), dz (M, d) (or empty), dweight (d,)."""
+    m, d = xin.shape
+    dx = torch.empty((m, d), dtype=dx_dtype, device=xin.device)
+    dres = torch.empty((m, d) if dres_dtype is not None else (0, d), dtype=dres_dtype or dx_dtype,
+                       device=xin.device)
+    dz = torch.empty((m, d) if z is not None else (0, d), dtype=z.dtype if z is not None else dx_dtype,
+                     device=xin.device)
+    dw = _launch_bwd(dy, dres_out, xin, z, weight, rstd, group_size, norm_before_gate, dx, dres, dz)
+    return dx, dres, dz, dw
 
 
 @_norm_bwd.register_fake
@@ -165,16 +182,35 @@ def _setup_context(ctx, inputs, output):
     ctx.x_dtype = x.dtype
     ctx.res_dtype = residual.dtype if residual is not None else None
     ctx.store_residual = store_residual
+    # Gradient-arena slots (ops/grad_arena.py): dx / dz written straight into a split's gradient buffer
+    ctx.x_slot = grad_slot(x) if not store_residual else None
+    ctx.z_slot = grad_slot(z) if z is not None else None
 
 
 def _backward(ctx, dy, dres_out, _drstd):
     xin, z, weight, rstd = ctx.saved_tensors
     if not ctx.store_residual:
         dres_out = None
+    if ctx.x_slot is not None or ctx.z_slot is not None:
+        return _backward_into_slots(ctx, dy, xin, z, weight, rstd)  # never with a residual: no slot then
     dx, dres, dz, dw = _norm_bwd(dy.contiguous(), None if dres_out is None else dres_out.contiguous(), xin, z,
                                  weight, rstd, ctx.group_size, ctx.norm_before_gate, ctx.x_dtype, ctx.res_dtype)
     return (dx, dz if z is not None else None, dres if ctx.res_dtype is not None else None, dw,
             None, None, None, None, None)
+
+
+def _backward_into_slots(ctx, dy, xin, z, weight, rstd):
+    """Eager only (slots are never made while compiling): the kernel writes dx / dz where the slots say (rows of
+    unit channel stride: ``_tagged_rows`` maps the slot through ``_rows``)."""
+    m, d = xin.shape
+    dx = ctx.x_slot.get() if ctx.x_slot is not None else torch.empty((m, d), dtype=ctx.x_dtype, device=xin.device)
+    dz = None
+    if z is not None:
+        dz = ctx.z_slot.get() if ctx.z_slot is not None else torch.empty((m, d), dtype=z.dtype, device=z.device)
+    dres = dx.new_empty((0, d))
+    dw = _launch_bwd(dy.contiguous(), None, xin, z, weight, rstd, ctx.group_size, ctx.norm_before_gate, dx, dres,
+                     dz if dz is not None else dx.new_empty((0, d)))
+    return dx, dz, None, dw, None, None, None, None, None
 
 
 _norm_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -214,8 +250,8 @@ def gated_rms_norm(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Ten
         return naive.gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate)
     d = x.shape[-1]
     gs = d if group_size is None else int(group_size)
-    y, _, _ = _norm_fwd(_rows(x, d), _rows(z, d), None, weight, float(eps), gs, bool(norm_before_gate), False,
-                        x.dtype)
+    y, _, _ = _norm_fwd(_tagged_rows(x, d), _tagged_rows(z, d), None, weight, float(eps), gs,
+                        bool(norm_before_gate), False, x.dtype)
     return y.view(x.shape)
 
 

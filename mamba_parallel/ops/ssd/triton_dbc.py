@@ -145,11 +145,12 @@ def _chunked(t, nc, chunk):
     return out.view(b, nc, chunk, G, N).transpose(2, 3)
 
 
-def dbc_bwd(x, dy, B, C, hin, ds, dtp, acs, hpg):
+def dbc_bwd(x, dy, B, C, hin, ds, dtp, acs, hpg, dB_out=None, dC_out=None):
     """x, dy (b, L, h, p); B, C (b, L, g, n); hin, ds (b, nc, h, p, n); dtp, acs (b, h, nc, chunk)
     -> dB, dC (b, L, g, n) in B.dtype / C.dtype, da (b, h, nc, chunk) fp32 = C_t . dC_t - B_t . dB_t of each
     head (the dA_cs gradient but for the state pass's last-slot term), cb (b, nc, g, chunk, chunk) fp32 = C_t . B_s
-    (lower block triangle only)."""
+    (lower block triangle only). dB_out / dC_out: where to write dB / dC (any strides, B's / C's shape and
+    dtype), else fresh tensors."""
     b, L, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
     nc, chunk = acs.shape[2], acs.shape[3]
@@ -181,14 +182,18 @@ def dbc_bwd(x, dy, B, C, hin, ds, dtp, acs, hpg):
     hs2 = _head_split(b * nc * G * triton.cdiv(chunk, 64), hpg)
     nsplit2 = triton.cdiv(hpg, hs2)
     grads, da = [], []
-    for reverse, u, sm, me, intra_part in ((False, dy, hin, C, dC_in), (True, x, ds, B, dB_in)):
+    for reverse, u, sm, me, intra_part, out in ((False, dy, hin, C, dC_in, dC_out), (True, x, ds, B, dB_in, dB_out)):
         part = torch.empty(nsplit2, b, L, G, N, device=dev, dtype=torch.float32)
         da.append(torch.empty_like(acs))
         grid = lambda meta: (triton.cdiv(chunk, meta["BLOCK_M"]), G * nsplit2, b * nc)  # noqa: E731
         carried[grid](u, sm, me, dtp, acs, part, da[-1], b, L, H, nc, P, N, hpg, hs2, *u.stride(), *me.stride(),
                       CHUNK=chunk, BLOCK_P=bp, BLOCK_N=bn, REVERSE=reverse, PREC=prec)
         total = part.sum(0) if nsplit2 > 1 else part[0]
-        total += intra_part.transpose(2, 3).reshape(b, nc * chunk, G, N)[:, :L]
-        grads.append(total)
+        intra_part = intra_part.transpose(2, 3).reshape(b, nc * chunk, G, N)[:, :L]
+        if out is not None:  # one pass: sum, cast to the input dtype and store into the caller's (strided) buffer
+            grads.append(torch.add(total, intra_part, out=out))
+        else:
+            total += intra_part
+            grads.append(total.to(me.dtype))
     dC, dB = grads
-    return dB.to(B.dtype), dC.to(C.dtype), (da[0] - da[1]) + (da_rows.sum(3) - da_cols.sum(3)), cb
+    return dB, dC, (da[0] - da[1]) + (da_rows.sum(3) - da_cols.sum(3)), cb

@@ -121,13 +121,15 @@ def dt_forward(dt, A, dt_bias, softplus, dt_min, dt_max, valid, chunk):
     return dtp, dacs
 
 
-def dt_backward(dt, A, dt_bias, softplus, dt_min, dt_max, valid, dtp, dac, ddir, dlast):
+def dt_backward(dt, A, dt_bias, softplus, dt_min, dt_max, valid, dtp, dac, ddir, dlast, ddt=None):
     """Gradients of dt (b, L, h) raw (dt.dtype), A (h,) fp32 and dt_bias (h,) fp32 (or None).
 
-    dac, ddir: (b, h, nchunks, chunk) fp32; dlast: (b, h, nchunks) fp32 (see ``_dt_bwd_kernel``)."""
+    dac, ddir: (b, h, nchunks, chunk) fp32; dlast: (b, h, nchunks) fp32 (see ``_dt_bwd_kernel``).
+    ddt: where to write dt's gradient (any strides, dt's shape and dtype), else a fresh tensor."""
     b, L, H = dt.shape
     nc, chunk = dtp.shape[2], dtp.shape[3]
-    ddt = torch.empty(b, L, H, device=dt.device, dtype=dt.dtype)
+    if ddt is None:
+        ddt = torch.empty(b, L, H, device=dt.device, dtype=dt.dtype)
     dA_part = torch.empty(b, nc, H, device=dt.device, dtype=torch.float32)
     dbias_part = torch.empty_like(dA_part)
     bh = min(8, triton.next_power_of_2(H))

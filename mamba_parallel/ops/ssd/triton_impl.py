@@ -16,6 +16,7 @@ import torch
 import triton
 from torch import Tensor
 
+from mamba_parallel.ops.grad_arena import grad_slot
 from mamba_parallel.ops.ssd.triton_dt import dt_backward, dt_forward
 from mamba_parallel.ops.ssd.triton_dbc import dbc_bwd
 from mamba_parallel.ops.ssd.triton_scan_bwd import dx_bwd, gate_bwd
@@ -64,13 +65,18 @@ def _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_
 
 
 def _backward(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states,
-              seq_idx, cu_seqlens, ypre, dtp, acs, hin, final):
+              seq_idx, cu_seqlens, ypre, dtp, acs, hin, final, outs=(None,) * 5):
+    """outs: where to write (dx, ddt, dB, dC, dz), each None (a fresh tensor) or a tensor of the input's shape and
+    dtype with any strides (a gradient-arena slice, ops/grad_arena.py)."""
     hpg = x.shape[2] // B.shape[2]
     A, D, dt_bias = _small(A, D, dt_bias)
     pk, Bc, Cc = _prepare(x, dt, B, C, chunk_size, seq_idx, cu_seqlens)
+    dx_out, ddt_out, dB_out, dC_out, dz_out = outs
+    if B.dtype != x.dtype:  # the kernels produce dB / dC in x.dtype (B, C are cast): cast after, no slot
+        dB_out = dC_out = None
     dz = None
     if z is not None:
-        dy, dz = gate_bwd(dy, z, ypre)
+        dy, dz = gate_bwd(dy, z, ypre, dz_out)
     valid = seg = None
     xs, dts, Bs, Cs, dys = x, dt, Bc, Cc, dy
     if pk is not None:
@@ -79,11 +85,15 @@ def _backward(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus
     dfinal = dfinal.float().contiguous() if dfinal is not None else None
     dhy = weighted_outer(dys, Cs, dtp, acs, 1, hpg)
     ds, dinit, dlast = state_pass_bwd(dhy, acs, hin, final, dfinal, seg, initial_states is not None)
-    dB, dC, dac, cb = dbc_bwd(xs, dys, Bs, Cs, hin, ds, dtp, acs, hpg)
-    dx, ddir, dD = dx_bwd(xs, dys, Bs, cb, ds, dtp, acs, D, hpg)
-    ddt, dA, dbias = dt_backward(dts, A, dt_bias, dt_softplus, dt_min, dt_max, valid, dtp, dac, ddir, dlast)
+    direct = pk is None  # packed: the kernels work in the packed layout; the unpacking gather fills the outs
+    dB, dC, dac, cb = dbc_bwd(xs, dys, Bs, Cs, hin, ds, dtp, acs, hpg, dB_out if direct else None,
+                              dC_out if direct else None)
+    dx, ddir, dD = dx_bwd(xs, dys, Bs, cb, ds, dtp, acs, D, hpg, dx_out if direct else None)
+    ddt, dA, dbias = dt_backward(dts, A, dt_bias, dt_softplus, dt_min, dt_max, valid, dtp, dac, ddir, dlast,
+                                 ddt_out if direct else None)
     if pk is not None:
-        dx, ddt, dB, dC = pk.unpack(dx, x), pk.unpack(ddt, dt), pk.unpack(dB, B), pk.unpack(dC, C)
+        dx, ddt = pk.unpack(dx, x, dx_out), pk.unpack(ddt, dt, ddt_out)
+        dB, dC = pk.unpack(dB, B, dB_out), pk.unpack(dC, C, dC_out)
         if dinit is not None and dfinal is not None and pk.empty is not None and pk.empty.numel():
             dinit[pk.empty] += dfinal[pk.empty]
     def cast(g, like):  # custom-op outputs may not alias each other: a fresh empty tensor for each missing grad
@@ -151,6 +161,9 @@ def _setup_context(ctx, inputs, output):
     ctx.has = tuple(t is not None for t in (D, z, dt_bias, initial_states, seq_idx, cu_seqlens))
     ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, ypre, dtp, acs, hin,
                           final)
+    # Gradient-arena slots (ops/grad_arena.py): the backward writes these inputs' gradients into a split's buffer
+    slots = (grad_slot(x), grad_slot(dt), grad_slot(B), grad_slot(C), grad_slot(z) if z is not None else None)
+    ctx.slots = slots if any(s is not None for s in slots) else None
 
 
 def _autograd_backward(ctx, dy, dfinal, *_unused):
@@ -160,9 +173,15 @@ def _autograd_backward(ctx, dy, dfinal, *_unused):
     has_D, has_z, has_bias, has_init, _, _ = ctx.has
     if dy is None:
         dy = torch.zeros_like(x)
-    dx, ddt, dA, dB, dC, dD, dz, dbias, dinit = ssd_bwd_op(
-        dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states,
-        seq_idx, cu_seqlens, ypre, dtp, acs, hin, final)
+    if ctx.slots is not None:  # eager only (no slots while compiling): the custom op may not write into inputs
+        outs = tuple(s.get() if s is not None else None for s in ctx.slots)
+        dx, ddt, dA, dB, dC, dD, dz, dbias, dinit = _backward(
+            dy.contiguous(), dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max,
+            initial_states, seq_idx, cu_seqlens, ypre, dtp, acs, hin, final, outs)
+    else:
+        dx, ddt, dA, dB, dC, dD, dz, dbias, dinit = ssd_bwd_op(
+            dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states,
+            seq_idx, cu_seqlens, ypre, dtp, acs, hin, final)
     return (dx, ddt, dA, dB, dC, None, dD if has_D else None, dz if has_z else None, dbias if has_bias else None,
             None, None, None, dinit if has_init else None, None, None)
 

@@ -22,7 +22,7 @@ from mamba_parallel.ops.ssd.triton_tuning import block_pow2, dot_precision, tune
 @triton.jit
 def _dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, ds_ptr, dtp_ptr, acs_ptr, D_ptr, dx_ptr, ddir_ptr, dD_ptr,
                L, H, NC, P, N, HPG,
-               sx_b, sx_l, sx_h, sx_p, sd_b, sd_l, sd_h, sd_p, sb_b, sb_l, sb_g, sb_n,
+               sx_b, sx_l, sx_h, sx_p, sd_b, sd_l, sd_h, sd_p, sb_b, sb_l, sb_g, sb_n, so_b, so_l, so_h, so_p,
                CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_D: tl.constexpr,
                D_HAS_P: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_h, pid_m, pid_bc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -63,7 +63,6 @@ def _dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, ds_ptr, dtp_ptr, acs_ptr, D_ptr, dx
                        other=0.0)
         acc += tl.dot(bc.to(dy_k.dtype), dy_k, input_precision=PREC)
 
-    # dx is a fresh contiguous (b, L, h, p) tensor
     tile = mm[:, None] & mp[None, :]
     x_m = tl.load(x_ptr + b * sx_b + (c * CHUNK + offs_m[:, None]) * sx_l + pid_h * sx_h + offs_p[None, :] * sx_p,
                   mask=tile, other=0.0).to(tl.float32)
@@ -80,48 +79,62 @@ def _dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, ds_ptr, dtp_ptr, acs_ptr, D_ptr, dx
         n_mb = tl.cdiv(CHUNK, BLOCK_M)
         tl.store(dD_ptr + ((pid_bc * n_mb + pid_m) * H + pid_h) * P + offs_p, tl.sum(dy_m * x_m, axis=0), mask=mp)
 
-    tl.store(dx_ptr + ((b * L + c * CHUNK + offs_m[:, None]) * H + pid_h) * P + offs_p[None, :],
-             dx.to(dx_ptr.dtype.element_ty), mask=tile)
+    # dx may be a strided slice of a wider gradient buffer (ops/grad_arena.py): its own strides so_*
+    tl.store(dx_ptr + b.to(tl.int64) * so_b + (c * CHUNK + offs_m[:, None]) * so_l + pid_h * so_h
+             + offs_p[None, :] * so_p, dx.to(dx_ptr.dtype.element_ty), mask=tile)
     tl.store(ddir_ptr + a_base + offs_m, tl.sum(acc * x_m, axis=1), mask=in_chunk)
 
 
 @triton.jit
-def _gate_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dyp_ptr, dz_ptr, numel, BLOCK: tl.constexpr):
-    """y = ypre * silu(z): dypre = dy * silu(z), dz = dy * ypre * sigmoid(z) * (1 + z * (1 - sigmoid(z)))."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _gate_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dyp_ptr, dz_ptr, numel, L, H, P, sz_b, sz_l, sz_h, sz_p,
+                     BLOCK: tl.constexpr, DZ_CONTIGUOUS: tl.constexpr):
+    """y = ypre * silu(z): dypre = dy * silu(z), dz = dy * ypre * sigmoid(z) * (1 + z * (1 - sigmoid(z))).
+    dy, z, ypre, dypre contiguous (b, L, h, p); dz contiguous or strided (sz_*: a slice of a gradient arena)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
     dy = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + offs, mask=m, other=0.0).to(tl.float32)
     yp = tl.load(ypre_ptr + offs, mask=m, other=0.0).to(tl.float32)
     sg = tl.sigmoid(z)
     tl.store(dyp_ptr + offs, (dy * z * sg).to(dyp_ptr.dtype.element_ty), mask=m)
-    tl.store(dz_ptr + offs, (dy * yp * sg * (1.0 + z * (1.0 - sg))).to(dz_ptr.dtype.element_ty), mask=m)
+    if DZ_CONTIGUOUS:
+        dz_offs = offs
+    else:
+        dz_offs = ((offs // (P * H * L)) * sz_b + (offs // (P * H) % L) * sz_l + (offs // P % H) * sz_h
+                   + (offs % P) * sz_p)
+    tl.store(dz_ptr + dz_offs, (dy * yp * sg * (1.0 + z * (1.0 - sg))).to(dz_ptr.dtype.element_ty), mask=m)
 
 
-def gate_bwd(dy, z, ypre):
-    """dy, z, ypre (b, L, h, p) -> (d ypre, dz), contiguous, in dy.dtype / z.dtype."""
+def gate_bwd(dy, z, ypre, dz=None):
+    """dy, z, ypre (b, L, h, p) -> (d ypre contiguous in dy.dtype, dz in z.dtype). dz: where to write dz (any
+    strides, z's shape and dtype), else a fresh contiguous tensor."""
     dy, z, ypre = dy.contiguous(), z.contiguous(), ypre.contiguous()
     dyp = torch.empty_like(dy)
-    dz = torch.empty_like(z)
+    if dz is None:
+        dz = torch.empty_like(z)
     block = 1024
-    _gate_bwd_kernel[(triton.cdiv(dy.numel(), block),)](dy, z, ypre, dyp, dz, dy.numel(), BLOCK=block, num_warps=4)
+    _gate_bwd_kernel[(triton.cdiv(dy.numel(), block),)](dy, z, ypre, dyp, dz, dy.numel(), *z.shape[1:],
+                                                        *dz.stride(), BLOCK=block,
+                                                        DZ_CONTIGUOUS=dz.is_contiguous(), num_warps=4)
     return dyp, dz
 
 
-def dx_bwd(x, dy, B, cb, ds, dtp, acs, D, hpg):
-    """cb (b, nc, g, chunk, chunk) fp32 from ``dbc_bwd`` -> dx (b, L, h, p) contiguous in x.dtype,
-    ddir (b, h, nc, chunk) fp32 = x_t . G_t, dD (D's shape, fp32) or None."""
+def dx_bwd(x, dy, B, cb, ds, dtp, acs, D, hpg, dx=None):
+    """cb (b, nc, g, chunk, chunk) fp32 from ``dbc_bwd`` -> dx (b, L, h, p) in x.dtype,
+    ddir (b, h, nc, chunk) fp32 = x_t . G_t, dD (D's shape, fp32) or None.
+    dx: where to write dx (any strides, x's shape and dtype), else a fresh contiguous tensor."""
     b, L, H, P = x.shape
     N = B.shape[-1]
     nc, chunk = acs.shape[2], acs.shape[3]
-    dx = torch.empty(b, L, H, P, device=x.device, dtype=x.dtype)
+    if dx is None:
+        dx = torch.empty(b, L, H, P, device=x.device, dtype=x.dtype)
     ddir = torch.empty_like(acs)
     fn = tuned(_dx_kernel, "dx")
     max_mb = triton.cdiv(chunk, 16)
     dD_part = torch.zeros(b * nc, max_mb, H, P, device=x.device, dtype=torch.float32) if D is not None else None
     grid = lambda meta: (H, triton.cdiv(chunk, meta["BLOCK_M"]), b * nc)  # noqa: E731
     fn[grid](x, dy, B, cb, ds, dtp, acs, D if D is not None else x, dx, ddir, dD_part if D is not None else ddir,
-             L, H, nc, P, N, hpg, *x.stride(), *dy.stride(), *B.stride(),
+             L, H, nc, P, N, hpg, *x.stride(), *dy.stride(), *B.stride(), *dx.stride(),
              CHUNK=chunk, BLOCK_P=block_pow2(P), BLOCK_N=block_pow2(N), HAS_D=D is not None,
              D_HAS_P=D is not None and D.dim() == 2, PREC=dot_precision(x.dtype))
     dD = None

@@ -27,11 +27,21 @@ class Packing:
         out[0, self.dst] = t.reshape((-1,) + tuple(t.shape[2:]))
         return out
 
-    def unpack(self, t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-        """(1, Lp, ...) -> the (b, L, ...) layout of ``like``."""
+    def unpack(self, t: torch.Tensor | None, like: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """(1, Lp, ...) -> the (b, L, ...) layout of ``like``; gathered straight into ``out`` (like's shape, any
+        strides whose (b, L) dimensions merge, e.g. a slice of a gradient arena) when given."""
         if t is None:
             return None
-        return t[0, self.dst].reshape(like.shape[:2] + t.shape[2:])
+        shape = like.shape[:2] + t.shape[2:]
+        if out is not None:
+            try:
+                rows = out.view((-1,) + tuple(t.shape[2:]))
+            except RuntimeError:  # (b, L) do not merge in out: gather, then copy
+                return out.copy_(t[0, self.dst].reshape(shape))
+            torch.index_select(t[0], 0, self.dst, out=rows)
+            return out
+        return t[0, self.dst].reshape(shape)
 
 
 def make_packing(batch: int, L: int, chunk: int, seq_idx: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
