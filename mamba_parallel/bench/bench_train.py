@@ -6,6 +6,8 @@ parallelize() path as `mamba-parallel train`. Works under torchrun (dp / tp / cp
     mamba-parallel bench train --preset mamba2-370m
     torchrun --nproc_per_node 2 -m mamba_parallel.cli bench train --preset mamba2-370m --profile
 
+``--cuda-graph`` captures the whole step (forward, backward, clipping, AdamW) in one CUDA graph and times its replays
+(one GPU or --tp); ``--grad-clip 0`` leaves out the gradient norm (the peer's "fwd + bwd + fused AdamW").
 ``--profile`` adds the host time to issue each phase (forward, backward, clip, optimizer; when it nears the step
 time the step is CPU-bound), each phase's time with a device sync around it, and the all-reduce bus bandwidth
 (NVLink-class links give hundreds of GB/s; a host-memory path tens, too slow to hide fp32 gradients).
@@ -21,6 +23,16 @@ import time
 
 import torch
 import torch.distributed as dist
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -55,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=1, help="context parallel degree")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="capture the whole step in one CUDA graph and replay it (one GPU or --tp only)")
+    p.add_argument("--grad-clip", type=_non_negative_float, default=1.0, metavar="F",
+                   help="clip the global gradient norm to F; 0 = no norm and no clipping, i.e. fwd + bwd + fused "
+                        "AdamW as the peer figures of ANCHORS.md (default: 1.0)")
     p.add_argument("--fsdp-param-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="FSDP2 compute/all-gather dtype (MixedPrecisionPolicy.param_dtype; fp32 master shards and "
                         "fp32 gradient reduction either way; default: fp32)")
@@ -93,6 +110,7 @@ def _allreduce_busbw(device: torch.device, sync, mib: int = 256, reps: int = 5) 
 def main(argv: list[str] | None = None) -> int:
     from mamba_parallel.distributed.data_parallel import init_distributed
     from mamba_parallel.train.config import resolve_config
+    from mamba_parallel.train.cuda_graph import GraphedTrainStep, check_graph_layout
     from mamba_parallel.train.flops import peak_flops, train_flops_per_token
     from mamba_parallel.train.optim import build_optimizer
     from mamba_parallel.train.trainer import _autocast, _grad_norm, _model_class, build_parallel_model, \
@@ -105,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed(cfg.device)
     config = cfg.model_config()
     dims = choose_dims(cfg, config, env, print)
+    if a.cuda_graph:
+        check_graph_layout(env.device, dims.dp, dims.cp, a.dp_mode)
     if env.world_size > 1:
         dims.build_mesh(env.device.type)
     model, _ = build_parallel_model(config, cfg, env, dims, resuming=False, options=dp_options(a))
@@ -126,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize(env.device)
 
     phases = ("forward", "backward", "clip", "optimizer")
+    graphed = None
+    if a.cuda_graph:  # captured at the first call (its own warm-up steps first, then undone)
+        phases = ("replay",)
+        graphed = GraphedTrainStep(model, optimizer, grad_clip=a.grad_clip or None,
+                                   autocast_dtype=torch.bfloat16 if a.dtype == "bf16" else None)
 
     def one_step(marks: list, synced: bool) -> torch.Tensor:
         """One training step; appends perf_counter() after each phase (after a device sync when ``synced``)."""
@@ -133,12 +158,17 @@ def main(argv: list[str] | None = None) -> int:
             if synced:
                 sync()
             marks.append(time.perf_counter())
+        if graphed is not None:
+            loss, _ = graphed(inputs, labels)
+            mark()
+            return loss
         with _autocast(cfg, env.device):
             loss = model(inputs, labels=labels)
         mark()
         loss.backward()
         mark()
-        _grad_norm(model, 1.0)
+        if a.grad_clip > 0:
+            _grad_norm(model, a.grad_clip)
         mark()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -147,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
 
     times, host = [], {k: [] for k in phases}
     for i in range(a.warmup_steps + a.steps):
-        if i == a.warmup_steps and env.device.type == "cuda":
+        # a graph allocates only while being captured (first call): its peak is measured there
+        if i == (0 if graphed is not None else a.warmup_steps) and env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         sync()
         t0 = time.perf_counter()
@@ -193,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "train", "preset": a.preset, "device": torch.cuda.get_device_name(env.device)
         if env.device.type == "cuda" else "cpu", "world_size": env.world_size, "dp": dims.dp, "tp": dims.tp,
         "cp": dims.cp, "dp_mode": a.dp_mode, "dtype": a.dtype, "seq_len": a.seq_len, "batch_per_dp_rank": a.batch_size,
-        "activation_checkpointing": a.activation_checkpointing, "compile": a.compile,
+        "activation_checkpointing": a.activation_checkpointing, "compile": a.compile, "cuda_graph": a.cuda_graph,
+        "grad_clip": a.grad_clip,
         "fsdp_param_dtype": a.fsdp_param_dtype, "reshard_after_forward": not a.no_reshard_after_forward,
         "ddp_bucket_mb": a.ddp_bucket_mb, "ddp_bf16_grads": a.ddp_bf16_grads,
         "fsdp_blocks_per_unit": a.fsdp_blocks_per_unit,

@@ -60,6 +60,9 @@ class TrainConfig:
                        choices=["auto", "manual"])
     activation_checkpointing: bool = _f(False, "recompute each block's activations in the backward pass")
     compile: bool = _f(False, "torch.compile each block")
+    cuda_graph: bool = _f(False, "capture the whole training step (forward + backward of every micro-batch, "
+                                 "clipping, fused AdamW) in one CUDA graph and replay it: no per-kernel host "
+                                 "launch cost; one GPU or --tp only (not data / context parallel)")
     fsdp_param_dtype: str = _f("fp32", "FSDP2 compute dtype of the gathered weights (bf16 halves all-gather "
                                        "traffic; master weights and gradient reduction stay fp32)",
                                choices=["fp32", "bf16"])
@@ -109,6 +112,9 @@ class TrainConfig:
             if ch and v is not None and v not in ch:
                 need(False, f.name, f"must be one of {ch}, got {v!r}")
         need(self.seq_len % self.cp == 0, "seq_len", f"{self.seq_len} is not divisible by --cp {self.cp}")
+        if self.cuda_graph:  # the rest of the layout (data parallel ranks) is known at launch: trainer.py
+            need(self.device != "cpu", "cuda_graph", "needs a CUDA device, got --device cpu")
+            need(self.cp == 1, "cuda_graph", f"does not support context parallelism (--cp {self.cp})")
         self.model_config()  # raises ConfigError naming the bad [model] field
 
     def to_toml(self) -> str:
@@ -145,8 +151,8 @@ def _toml_value(v: Any) -> str:
 # Settings of the machine a run happens to be on, not of the run: `--resume` does not take them from the run's
 # config.toml (a checkpoint resumes at any layout).
 MACHINE_FIELDS = frozenset({"device", "dp_mode", "dp_replicate", "tp", "cp", "parallel", "activation_checkpointing",
-                            "compile", "fsdp_param_dtype", "reshard_after_forward", "fsdp_blocks_per_unit",
-                            "ddp_bucket_mb", "ddp_bf16_grads", "progress", "resume"})
+                            "compile", "cuda_graph", "fsdp_param_dtype", "reshard_after_forward",
+                            "fsdp_blocks_per_unit", "ddp_bucket_mb", "ddp_bf16_grads", "progress", "resume"})
 
 
 # ---- flags and TOML --------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 Precision: fp32 master weights (and optimizer state); ``--dtype bf16`` runs forward/backward under
 ``torch.autocast(bf16)`` (FSDP2 gathers and reduces in fp32). Loss: the model's own chunked cross-entropy
 (``model(input_ids, labels=labels)``), mean over the micro-batch; averaged over micro-steps and ranks.
+``--cuda-graph`` replays the whole step (micro-steps, clipping, AdamW) as one CUDA graph (train/cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from mamba_parallel.distributed.parallel_dims import ParallelConfigError, Parall
 from mamba_parallel.distributed.parallelize import parallelize
 from mamba_parallel.train import checkpoint as ckpt
 from mamba_parallel.train.config import TrainConfig
+from mamba_parallel.train.cuda_graph import GraphedTrainStep, check_graph_layout
 from mamba_parallel.train.data import DataError, RankBatches, TokenWindows, folder_tokenizer, is_prepared, open_split, \
     prepare_data, read_header
 from mamba_parallel.train.flops import peak_flops, train_flops_per_token
@@ -274,6 +276,19 @@ def _autocast(cfg: TrainConfig, device: torch.device):
     return contextlib.nullcontext()
 
 
+def _eager_step(model, batches: RankBatches, consumed: int, cfg: TrainConfig, device, ddp: bool) -> torch.Tensor:
+    """Forward + backward of the step's micro-batches (gradients accumulate); -> their mean loss (0-d fp32)."""
+    loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+    for micro in range(cfg.grad_accum):
+        inputs, labels = batches.batch(consumed + micro * batches.global_batch, device)
+        sync = micro == cfg.grad_accum - 1
+        with (model.no_sync() if ddp and not sync else contextlib.nullcontext()), _autocast(cfg, device):
+            loss = model(inputs, labels=labels)
+        (loss / cfg.grad_accum).backward()
+        loss_sum += loss.detach().float()
+    return loss_sum / cfg.grad_accum
+
+
 @torch.no_grad()
 def evaluate(model, batches: RankBatches, n_batches: int, cfg: TrainConfig, device) -> float:
     """Mean loss over the first ``n_batches`` global micro-batches of the validation split (all ranks)."""
@@ -301,6 +316,8 @@ def train(cfg: TrainConfig) -> dict:
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise ConfigError(f"--out {cfg.out!r} is a file, not a folder")
     env = init_distributed(cfg.device)
+    if cfg.cuda_graph:  # before any data preparation: a wrong device fails at once
+        check_graph_layout(env.device, dp=1, cp=1)
     progress = None
     log_lines = []
 
@@ -332,6 +349,8 @@ def train(cfg: TrainConfig) -> dict:
         config = cfg.model_config()
 
     dims = choose_dims(cfg, config, env, log)
+    if cfg.cuda_graph:
+        check_graph_layout(env.device, dims.dp, dims.cp, cfg.dp_mode)
     if env.world_size > 1:
         dims.build_mesh(env.device.type)
     dp_rank = env.rank // (dims.cp * dims.tp)
@@ -366,6 +385,12 @@ def train(cfg: TrainConfig) -> dict:
     if env.is_main:
         with open(os.path.join(cfg.out, "config.toml"), "w") as fh:
             fh.write(cfg.to_toml())
+    # --cuda-graph: built after a resume's load (the lr becomes a device tensor the schedule fills in place);
+    # captured at the first step.
+    graph_step = None
+    if cfg.cuda_graph:
+        graph_step = GraphedTrainStep(model, optimizer, grad_accum=cfg.grad_accum, grad_clip=cfg.grad_clip,
+                                      autocast_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None)
 
     tokens_per_step = cfg.batch_size * dims.dp * cfg.grad_accum * cfg.seq_len
     mode = f" ({cfg.dp_mode})" if dims.dp > 1 else ""
@@ -392,30 +417,40 @@ def train(cfg: TrainConfig) -> dict:
     clock, t_start = Throughput(), time.perf_counter()
     try:
         while step < cfg.steps:
-            loss_sum = torch.zeros((), device=env.device, dtype=torch.float32)
-            for micro in range(cfg.grad_accum):
-                inputs, labels = batches.batch(consumed + micro * batches.global_batch, env.device)
-                sync = micro == cfg.grad_accum - 1
-                with (model.no_sync() if ddp and not sync else contextlib.nullcontext()), _autocast(cfg, env.device):
-                    loss = model(inputs, labels=labels)
-                (loss / cfg.grad_accum).backward()
-                loss_sum += loss.detach().float()
-            grad_norm = _grad_norm(model, cfg.grad_clip)
+            if graph_step is not None:
+                # the whole step (its optimizer update included) in one replay; a non-finite loss or gradient
+                # norm makes the captured fused AdamW skip its update, so the check below still comes first
+                micro = [batches.batch(consumed + m * batches.global_batch)  # CPU: one copy into the graph
+                         for m in range(cfg.grad_accum)]
+                t_capture = time.perf_counter()
+                mean_loss, grad_norm = graph_step(torch.stack([x for x, _ in micro]),
+                                                  torch.stack([y for _, y in micro]))
+                if not losses:  # the first step of this process captured the graph
+                    torch.cuda.synchronize(env.device)
+                    log(f"--cuda-graph: warm-up + capture + first replay took "
+                        f"{time.perf_counter() - t_capture:.1f} s")
+            else:
+                mean_loss = _eager_step(model, batches, consumed, cfg, env.device, ddp)
+                grad_norm = _grad_norm(model, cfg.grad_clip)
             # One all-reduce per step: the mean loss, and the SIGTERM flag (> 0 on any rank stops every rank).
-            red = torch.stack([loss_sum / cfg.grad_accum, torch.tensor(float(_STOP["sigterm"]), device=env.device)])
+            red = torch.stack([mean_loss, torch.tensor(float(_STOP["sigterm"]), device=env.device)])
             if dist.is_initialized():
                 dist.all_reduce(red)
                 red[0] /= dist.get_world_size()
-            stats = torch.stack([red[0], grad_norm.float().to(env.device), red[1]])
-            loss_v, gnorm_v, stop_v = stats.tolist()
+            lr = optimizer.param_groups[0]["lr"]  # a device tensor under --cuda-graph: read with the stats
+            stats = [red[0], grad_norm.float().to(env.device), red[1]]
+            loss_v, gnorm_v, stop_v, *lr_v = torch.stack(stats + ([lr.float()] if torch.is_tensor(lr) else [])
+                                                         ).tolist()
+            lr = lr_v[0] if lr_v else lr
             if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
                 raise TrainingError(f"non-finite {'loss' if not math.isfinite(loss_v) else 'gradient norm'} at "
                                     f"step {step + 1} (loss {loss_v}, grad norm {gnorm_v}): stopped before the "
                                     f"optimizer update; the last complete checkpoint is untouched")
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            if graph_step is None:
+                optimizer.step()
+            scheduler.step()  # under --cuda-graph: fills the lr tensor the next replay reads
+            if graph_step is None:
+                optimizer.zero_grad(set_to_none=True)
             step += 1
             consumed += cfg.grad_accum * batches.global_batch
             losses[step] = loss_v
@@ -445,7 +480,8 @@ def train(cfg: TrainConfig) -> dict:
                 clock.read()
             if stopped or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 if last_saved != step:
-                    path = ckpt.save_checkpoint(cfg.out, step, model, optimizer, scheduler, consumed, cfg.keep)
+                    with graph_step.plain_param_groups(scheduler) if graph_step else contextlib.nullcontext():
+                        path = ckpt.save_checkpoint(cfg.out, step, model, optimizer, scheduler, consumed, cfg.keep)
                     last_saved = step
                     log(f"saved checkpoint {path}")
                 clock.read()
