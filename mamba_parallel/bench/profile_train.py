@@ -95,6 +95,7 @@ class _Setup:
         self.model, _ = build_parallel_model(config, self.cfg, env, dims, resuming=False, **_dp_options(a))
         self.optimizer = build_optimizer(self.model, 1e-4, 0.1, fused=env.device.type == "cuda")
         self._autocast, self._grad_norm = _autocast, _grad_norm
+        self.grad_clip = getattr(a, "grad_clip", 1.0)
         # as bench_train: ranks of one tp / cp group share a batch (their cp slice)
         dp_rank = env.rank // (dims.cp * dims.tp)
         gen = torch.Generator().manual_seed(1000 + dp_rank)
@@ -109,7 +110,8 @@ class _Setup:
         with self._autocast(self.cfg, self.env.device):
             loss = self.model(self.inputs, labels=self.labels)
         loss.backward()
-        self._grad_norm(self.model, 1.0)
+        if self.grad_clip > 0:
+            self._grad_norm(self.model, self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
@@ -232,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {a.steps}")
+    if getattr(a, "cuda_graph", False):
+        raise SystemExit("profile_train: --cuda-graph is not supported (the profiler tables need the eager step's "
+                         "launches); profile without it, time the graphed step with bench_train --cuda-graph")
     s = _Setup(a)
     on_cuda = s.env.device.type == "cuda"
     for _ in range(a.warmup_steps):  # compile / autotune / allocator warm-up
