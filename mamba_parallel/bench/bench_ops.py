@@ -2,7 +2,7 @@
 
     python -m mamba_parallel.bench.bench_ops [--json PATH] [--dtype bf16] [--impls triton,naive,compiled]
         [--only conv,norm,ce] [--conv-sweep 'BLf,BDf,NWf,BLb,BDb,NWb' ...]
-        [--conv-bwd-sweep 'VARIANT[:BL,BD,NW,TILES_PER_PROGRAM]' ...]
+        [--conv-bwd-sweep 'VARIANT[:BL,BD,NW,TILES_PER_PROGRAM[,FLAGS[,MAXNREG]]]' ...]
 
 Forward and forward+backward times at mamba2-2.7b training shapes (b8 L2048 = 16384 tokens): conv over
 d = 2*2560 + 2*128 channels (x | B | C), width 4, channels-last input; norms on (16384, 2560) and (16384, 5120);
@@ -15,8 +15,8 @@ autograd, Triton launches), which for the norms at these shapes is most of it. "
 F.cross_entropy on full logits (what an unfused model does). Achieved bandwidth (from kernel time) counts the
 fewest bytes a pass must move, against the H200's measured 4.3 TB/s copy rate.
 
-The conv backward alone (op causal_conv1d_bwd) is timed per variant (MAMBA_PARALLEL_CONV_BWD: fused_scan, fused,
-fused_xreuse, fused_gather, twopass) and tile (MAMBA_PARALLEL_CONV_BWD_TILES) at mamba2-1.3b's profiled shape
+The conv backward alone (op causal_conv1d_bwd) is timed per variant (MAMBA_PARALLEL_CONV_BWD: fused_scan, twopass)
+and tile (MAMBA_PARALLEL_CONV_BWD_TILES) at mamba2-1.3b's profiled shape
 (b8 L2048 d4352 w4 silu, channels-last), one row each, with its error against the twopass result (max_rel_err:
 the largest |difference| of dx, dweight, dbias over that tensor's largest |value|).
 """
@@ -160,14 +160,13 @@ def bench_conv(rec, dtype, impls, sweep, bwd_sweep):
 
 
 CONV_BWD_ENV = ("MAMBA_PARALLEL_CONV_BWD", "MAMBA_PARALLEL_CONV_BWD_TILES")
-# Default --conv-bwd-sweep: every variant at its default tiles, then mostly fused_scan around its tiles (rows per
-# step, channels per program and per thread, chunk length, fast sigmoid, register cap).
+# Default --conv-bwd-sweep: both variants at their default tiles, then fused_scan around its tiles (rows per step,
+# channels per program and per thread, chunk length, prefetch, fast sigmoid, register cap).
 CONV_BWD_SWEEP = [
-    "twopass", "fused", "fused_xreuse", "fused_gather", "fused_scan",
-    "fused_scan:8,256,2,16,pf", "fused_scan:4,256,2,16,f", "fused_scan:4,256,2,32,pf", "fused_scan:8,256,2,16,",
-    "fused_scan:8,512,4,16,f", "fused_scan:8,128,1,16,f", "fused_scan:8,256,4,16,f", "fused_scan:8,512,2,16,f",
-    "fused_scan:8,256,2,4,f", "fused_scan:8,256,2,8,f", "fused_scan:8,256,2,32,f", "fused_scan:8,256,2,16,pf,128",
-    "fused_gather:16,128,8,16,dpf", "fused_gather:16,128,8,16,dpf,128", "fused_xreuse:8,64,4,16,pf",
+    "twopass", "fused_scan",
+    "fused_scan:8,256,2,16,f", "fused_scan:8,256,2,16,pf", "fused_scan:4,256,2,16,pf", "fused_scan:4,256,2,32,f",
+    "fused_scan:4,256,2,64,pf", "fused_scan:4,128,1,32,pf", "fused_scan:4,512,4,32,pf", "fused_scan:8,128,1,16,f",
+    "fused_scan:8,512,4,16,f", "fused_scan:2,256,2,64,pf", "fused_scan:4,256,2,32,pf,128",
 ]
 
 
@@ -217,7 +216,7 @@ def bench_conv_bwd(rec, dtype, sweep: list[tuple[str, str | None]], b=8, L=2048,
             os.environ["MAMBA_PARALLEL_CONV_BWD"] = variant
             if tiles:
                 os.environ["MAMBA_PARALLEL_CONV_BWD_TILES"] = tiles
-            impl = f"{variant}[{tiles or 'default ' + ','.join(map(str, tri._bwd_tiles(x, w, variant)))}]"
+            impl = f"{variant}[{tiles or 'default ' + ','.join(map(str, tri._bwd_tiles(x, variant)))}]"
             try:
                 err = max((a.float() - r).abs().max().item() / r.abs().max().clamp_min(1e-30).item()
                           for a, r in zip(call()[:3], ref))
@@ -303,9 +302,8 @@ def main(argv=None) -> None:
     ap.add_argument("--conv-sweep", nargs="*", default=[], metavar="CFG",
                     help="extra conv tiles 'BLf,BDf,NWf,BLb,BDb,NWb' (forward then backward) to time")
     ap.add_argument("--conv-bwd-sweep", nargs="*", metavar="VARIANT[:TILES]", default=CONV_BWD_SWEEP,
-                    help="conv backward rows: a variant (fused_scan, fused, fused_xreuse, fused_gather, twopass), "
-                         "optionally "
-                         "with tiles ':BLOCK_L,BLOCK_D,num_warps,tiles_per_program[,flags[,maxnreg]]' "
+                    help="conv backward rows: a variant (fused_scan, twopass), optionally with tiles "
+                         "':BLOCK_L,BLOCK_D,num_warps,tiles_per_program[,flags[,maxnreg]]' "
                          "(MAMBA_PARALLEL_CONV_BWD_TILES); default: each variant's tiles and a sweep around them")
     ap.add_argument("--only", default="conv,norm,ce", help="comma-separated subset of conv, norm, ce")
     args = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """Triton causal conv1d and its decode update vs the PyTorch reference (naive.py): outputs, final states and
-every gradient, in both memory layouts, with initial states, seq_idx and odd lengths, for every backward variant
-(MAMBA_PARALLEL_CONV_BWD); the gradient arena (dx written into the split's buffer)."""
+every gradient, in both memory layouts, with initial states, seq_idx and odd lengths, for both backward variants
+(MAMBA_PARALLEL_CONV_BWD: twopass, fused_scan); the gradient arena (dx written into the split's buffer)."""
 
 import pytest
 import torch
@@ -111,51 +111,59 @@ def test_conv1d_seq_idx(channels_last, dtype, variant):
 @pytest.mark.parametrize("channels_last", [True, False])
 def test_conv1d_long_backward_tiles(channels_last, variant, monkeypatch):
     """Several tiles per program, several programs and channel blocks: weight-gradient partials are summed, tile
-    edges (and fused_gather's overlaps) fall inside sequences and at a sequence boundary."""
-    L = 2 * 3 * 4 - 3  # two programs of three 4-position tiles (fused_gather: 8-position tiles, steps of 5)
+    edges fall inside sequences and at a sequence boundary."""
+    L = 2 * 3 * 4 - 3  # two programs of three 4-position tiles
     monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "4,4,1,3")
     _check(1, 6, L, 4, torch.float32, channels_last=channels_last, init=True, seq_cuts=[L // 2, 13])
     if variant == "twopass" or not channels_last:
         return
-    # the flags each variant's default tiles do not set: weight-gradient products reduced once per program (d,
-    # not fused_scan's), the next tile's x and dy prefetched (p)
-    flags = "" if "d" in tri.BWD_TILES[(variant, "channels_last")][4] else "dp"
-    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", f"4,4,1,3,{flags},64")  # maxnreg: a GPU-only cap
+    # fused_scan with the next step's rows prefetched (p) at 2 rows per step, width 3 (a zero-padded tap)
+    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "2,4,1,3,p,64")  # maxnreg: a GPU-only cap
     _check(1, 5, L, 3, torch.float16, init=True, seq_cuts=[9], final=True)
 
 
 @pytest.mark.parametrize("w", [1, 5])
 def test_conv1d_width_outside_fused_taps(w, variant):
-    """w = 1 (no neighbours) and w = 5 (wider than the fused kernel's taps: falls back to the two-pass path)."""
-    assert tri.bwd_variant(w) == ("twopass" if w > tri.MAX_WIDTH else variant)
+    """w = 1 (no neighbours) and w = 5 (wider than fused_scan's taps: falls back to the two-pass path)."""
+    x = _make_x(1, 4, 5, torch.float32, True)
+    assert tri.bwd_variant(x, w) == ("twopass" if w > tri.MAX_WIDTH else variant)
     _check(2, 6, 13, w, torch.float32, init=w > 1, final=w > 1, seq_cuts=[6])
+
+
+def test_conv1d_bwd_default_variant(monkeypatch):
+    """Without MAMBA_PARALLEL_CONV_BWD: fused_scan for channels-last inputs (timed fastest), twopass otherwise."""
+    monkeypatch.delenv("MAMBA_PARALLEL_CONV_BWD", raising=False)
+    assert tri.bwd_variant(_make_x(1, 4, 5, torch.float32, True), 4) == "fused_scan"
+    assert tri.bwd_variant(_make_x(1, 4, 5, torch.float32, False), 4) == "twopass"
+    assert tri.bwd_variant(_make_x(1, 4, 5, torch.float32, True), 5) == "twopass"
 
 
 def test_conv1d_bwd_env_errors(monkeypatch):
     x = _make_x(1, 4, 5, torch.float32, True)
-    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD", "fast")
-    with pytest.raises(ValueError, match="MAMBA_PARALLEL_CONV_BWD='fast'"):
-        tri.bwd_variant(4)
-    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD", "fused")
-    for bad in ("16,64,4", "16,64,3,2", "16,64,4,0", "a,b,c,d", "16,64,4,2,1", "16,64,4,2,dd", "16,64,4,2,d,p",
-                "16,64,4,2,d,8", "16,64,4,2,d,128,1"):
+    for removed in ("fast", "fused", "fused_gather"):  # fused / fused_gather: variants removed after GPU timing
+        monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD", removed)
+        with pytest.raises(ValueError, match=f"MAMBA_PARALLEL_CONV_BWD='{removed}'"):
+            tri.bwd_variant(x, 4)
+    monkeypatch.delenv("MAMBA_PARALLEL_CONV_BWD")
+    # "d" was the removed variants' flag
+    for bad in ("16,64,4", "16,64,3,2", "16,64,4,0", "a,b,c,d", "16,64,4,2,1", "16,64,4,2,pp", "16,64,4,2,p,f",
+                "16,64,4,2,p,8", "16,64,4,2,p,128,1", "16,64,4,2,d"):
         monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", bad)
         with pytest.raises(ValueError, match="MAMBA_PARALLEL_CONV_BWD_TILES"):
-            tri._bwd_tiles(x, 4, "fused")
+            tri._bwd_tiles(x, "twopass")
     monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "32,256,8,5")
-    assert tri._bwd_tiles(x, 4, "fused") == (8, 4, 8, 5, "", 0)  # clipped to next_power_of_2 of L and d
-    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "32,256,8,5,pd")
-    assert tri._bwd_tiles(x, 4, "fused_xreuse") == (8, 4, 8, 5, "pd", 0)
-    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "32,256,8,5,,96")
-    assert tri._bwd_tiles(x, 4, "fused_xreuse") == (8, 4, 8, 5, "", 96)
-    assert tri._bwd_tiles(x, 4, "fused_gather")[0] == 8  # owns at least one position per tile
+    assert tri._bwd_tiles(x, "twopass") == (8, 4, 8, 5, "", 0)  # clipped to next_power_of_2 of L and d
+    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "8,256,2,5,fp")
+    assert tri._bwd_tiles(x, "fused_scan") == (8, 4, 2, 5, "fp", 0)
+    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "8,256,2,5,,96")
+    assert tri._bwd_tiles(x, "fused_scan") == (8, 4, 2, 5, "", 96)
     monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "16,64,2,4")
     with pytest.raises(ValueError, match="fused_scan.*at most 8"):
-        tri._bwd_tiles(_make_x(1, 4, 40, torch.float32, True), 4, "fused_scan")
+        tri._bwd_tiles(_make_x(1, 4, 40, torch.float32, True), "fused_scan")
     monkeypatch.delenv("MAMBA_PARALLEL_CONV_BWD_TILES")
     monkeypatch.setenv("MAMBA_PARALLEL_CONV_TILES", "16,64,4,2,2,2,2")
     with pytest.raises(ValueError, match="MAMBA_PARALLEL_CONV_TILES"):
-        tri._bwd_tiles(x, 4, "fused")
+        tri._bwd_tiles(x, "twopass")
 
 
 def _arena_chain(arena: bool, final: bool, dtype, seed=0):

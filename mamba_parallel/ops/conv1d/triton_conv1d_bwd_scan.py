@@ -22,8 +22,43 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.conv1d.triton_conv1d_bwd_fused import _dsilu, _tap
 from mamba_parallel.ops.conv1d.triton_conv1d_fwd import row_bases, seq_at
+
+MAX_WIDTH = 4  # the taps are written out below; wider filters take the two-pass backward
+
+
+@triton.jit
+def _tap(k: tl.constexpr, v0, v1, v2, v3):
+    """Value k in 0..3 of four held in named registers (taps, window rows)."""
+    if k == 0:
+        r = v0
+    elif k == 1:
+        r = v1
+    elif k == 2:
+        r = v2
+    else:
+        r = v3
+    return r
+
+
+@triton.jit
+def _sigmoid_ftz(x):
+    """1 / (1 + 2^(-x log2 e)) with the flush-to-zero approximate ex2 / rcp (2 MUFU + 2 ALU, ~2 ulp): tl.sigmoid's
+    denormal and IEEE-division handling costs ~7 more instructions per element. GPU only (inline PTX)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .f32 t; mul.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; add.f32 t, t, 0f3F800000; "
+        "rcp.approx.ftz.f32 $0, t; }",
+        "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _dsilu(dy, pre, FAST: tl.constexpr):
+    """dy * silu'(pre)."""
+    if FAST:
+        sig = _sigmoid_ftz(pre)
+    else:
+        sig = tl.sigmoid(pre)
+    return dy * sig * (1.0 + pre * (1.0 - sig))
 
 
 @triton.jit

@@ -38,35 +38,6 @@ def row_bases(X, INIT, SEQ, b, stride_x_b, stride_i_b, stride_s_b, HAS_INIT: tl.
 
 
 @triton.jit
-def conv_preact(
-    x_base, init_base, seq_base, w_ptr, b_ptr,
-    pos, c, mask_c, L,
-    stride_x_d, stride_x_l, stride_i_d, stride_i_k, stride_s_l, stride_w_d, stride_w_k, seq0,
-    W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Pre-activation bias + sum_k w[:, k] x[pos - (w-1) + k] at positions pos (BLOCK_P,) -> (BLOCK_P, BLOCK_D) fp32."""
-    acc = tl.zeros((BLOCK_P, BLOCK_D), dtype=tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
-    if HAS_SEQ:
-        s_out = seq_at(seq_base, pos, L, stride_s_l, seq0)
-    for k in tl.static_range(W):
-        q = pos + (k - (W - 1))
-        wk = tl.load(w_ptr + c * stride_w_d + k * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)
-        xv = tl.load(x_base + c[None, :] * stride_x_d + q[:, None] * stride_x_l,
-                     mask=((q >= 0) & (q < L))[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        if HAS_INIT:
-            qi = q + (W - 1)
-            xv += tl.load(init_base + c[None, :] * stride_i_d + qi[:, None] * stride_i_k,
-                          mask=((q < 0) & (qi >= 0))[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        if HAS_SEQ:
-            xv = tl.where((seq_at(seq_base, q, L, stride_s_l, seq0) == s_out)[:, None], xv, 0.0)
-        acc += xv * wk[None, :]
-    return acc
-
-
-@triton.jit
 def conv1d_fwd_kernel(
     X, WEIGHT, BIAS, INIT, SEQ, DY, Y,
     D, L,
@@ -91,9 +62,24 @@ def conv1d_fwd_kernel(
     x_base, init_base, seq_base, seq0 = row_bases(X, INIT, SEQ, b, stride_x_b, stride_i_b, stride_s_b, HAS_INIT,
                                                   HAS_SEQ)
 
-    acc = conv_preact(x_base, init_base, seq_base, WEIGHT, BIAS, t, c, mask_c, L,
-                      stride_x_d, stride_x_l, stride_i_d, stride_i_k, stride_s_l, stride_w_d, stride_w_k, seq0,
-                      W, HAS_BIAS, HAS_INIT, HAS_SEQ, BLOCK_L, BLOCK_D)
+    # pre = bias + sum_k w[:, k] x[t - (w-1) + k]
+    acc = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + c, mask=mask_c, other=0.0).to(tl.float32)[None, :]
+    if HAS_SEQ:
+        s_out = seq_at(seq_base, t, L, stride_s_l, seq0)
+    for k in tl.static_range(W):
+        q = t + (k - (W - 1))
+        wk = tl.load(WEIGHT + c * stride_w_d + k * stride_w_k, mask=mask_c, other=0.0).to(tl.float32)
+        xv = tl.load(x_base + c[None, :] * stride_x_d + q[:, None] * stride_x_l,
+                     mask=((q >= 0) & (q < L))[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        if HAS_INIT:
+            qi = q + (W - 1)
+            xv += tl.load(init_base + c[None, :] * stride_i_d + qi[:, None] * stride_i_k,
+                          mask=((q < 0) & (qi >= 0))[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        if HAS_SEQ:
+            xv = tl.where((seq_at(seq_base, q, L, stride_s_l, seq0) == s_out)[:, None], xv, 0.0)
+        acc += xv * wk[None, :]
     if DPRE:
         dy = tl.load(DY + b * stride_dy_b + c[None, :] * stride_dy_d + t[:, None] * stride_dy_l, mask=mask,
                      other=0.0).to(tl.float32)

@@ -4,11 +4,9 @@
 keeps the input's layout: a channels-last x (b, d, L) = (b, L, d).transpose(1, 2) gives a channels-last y, so the
 Mamba-2 layer never copies to transpose.
 
-Backward variants (MAMBA_PARALLEL_CONV_BWD, default fused_scan; widths w > 4 always take twopass):
+Backward variants (MAMBA_PARALLEL_CONV_BWD forces one; default: fused_scan for channels-last x, twopass for the
+contiguous layout; widths w > 4 always take twopass):
   fused_scan    one pass, each thread walks positions with sliding windows of x and dpre (triton_conv1d_bwd_scan.py)
-  fused_gather  one pass, dpre once per position, shifted with tl.gather (triton_conv1d_bwd_fused.py, MODE_GATHER)
-  fused_xreuse  one pass, shifted x tiles loaded once, dpre recomputed per shift (MODE_XREUSE)
-  fused         one pass, dpre recomputed per shift by conv_preact (MODE_RECOMPUTE)
   twopass       dpre = dy * silu'(pre) written in fp32 by the forward kernel, then triton_conv1d_bwd.py
 Backward tiles: MAMBA_PARALLEL_CONV_BWD_TILES='BLOCK_L,BLOCK_D,num_warps,tiles_per_program[,flags[,maxnreg]]'
 (see BWD_TILES); MAMBA_PARALLEL_CONV_TILES='BLf,BDf,NWf,BLb,BDb,NWb' still sets forward and backward tiles.
@@ -25,9 +23,7 @@ import triton
 
 from mamba_parallel.ops.conv1d import naive
 from mamba_parallel.ops.conv1d.triton_conv1d_bwd import conv1d_bwd_kernel
-from mamba_parallel.ops.conv1d.triton_conv1d_bwd_fused import (MAX_WIDTH, MODE_GATHER, MODE_RECOMPUTE, MODE_XREUSE,
-                                                               conv1d_bwd_fused_kernel)
-from mamba_parallel.ops.conv1d.triton_conv1d_bwd_scan import conv1d_bwd_scan_kernel
+from mamba_parallel.ops.conv1d.triton_conv1d_bwd_scan import MAX_WIDTH, conv1d_bwd_scan_kernel
 from mamba_parallel.ops.conv1d.triton_conv1d_fwd import conv1d_fwd_kernel
 from mamba_parallel.ops.conv1d.triton_conv1d_update import conv1d_update_kernel
 from mamba_parallel.ops.grad_arena import grad_slot
@@ -48,33 +44,25 @@ def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # Forward tiles (BLOCK_L, BLOCK_D, num_warps) per layout, measured on an H200 at b8 d5376 L2048 bf16 (channels-last
 # 16x128: 0.14 ms, 2.5 TB/s). The two-pass backward's DPRE step uses them too.
 TILES = {"channels_last": (16, 128, 4), "contiguous": (128, 16, 4)}
-# Backward tiles (BLOCK_L, BLOCK_D, num_warps, tiles_per_program, flags, maxnreg) per variant and layout. One
-# program walks tiles_per_program tiles of BLOCK_L positions (fused_scan: rows per unrolled step) along L, so few
-# weight-gradient partials remain to sum. Flags: "d" (fused, fused_xreuse, fused_gather) accumulates
-# weight-gradient products elementwise and reduces once per program instead of once per tile, "p" (all fused)
-# loads the next tile's x and dy before computing the current one, "f" (all fused) computes the sigmoid with
-# approximate flush-to-zero ex2 / rcp (inline PTX, ~2 ulp; ignored off CUDA, e.g. in the interpreter). maxnreg
-# (0: none) caps registers per thread: ptxas otherwise takes ~230 for 8 elements per thread in fused_gather, one
-# 8-warp program per SM, too few loads in flight (16 warps cap it at 128). twopass: small enough that its w-tap
-# weight-gradient accumulators fit without spilling on sm_90. fused_*: first guesses from sm_90 register and
-# instruction counts (compiled offline, never timed), to be swept on a GPU (bench_ops --only conv); fused_gather
-# tiles overlap by w-1 positions, so they are longer and need BLOCK_D >= 128 for 16-byte loads; fused_scan at
-# 8x256 with 2 warps: 4 channels per thread, ~1 warp-instruction per element, 128 registers (172 with "p").
+# Backward tiles (BLOCK_L, BLOCK_D, num_warps, tiles_per_program, flags, maxnreg) per variant and layout. A program
+# walks tiles_per_program tiles of BLOCK_L positions (fused_scan: rows per unrolled step) along L, so few
+# weight-gradient partials remain to sum. Flags (fused_scan only): "p" loads the next step's x and dy rows before
+# computing the current ones, "f" takes the sigmoid from approximate flush-to-zero ex2 / rcp (inline PTX, ~2 ulp;
+# ignored off CUDA, e.g. in the interpreter); maxnreg (0: none) caps registers per thread. H200 kernel times (bf16,
+# b8 d4352 L2048 w4 silu, channels-last; docs/results/conv_bwd_variants.json): fused_scan 0.153 ms at the tiles
+# below, 0.155 at (8,128,1,16,"f"), 0.157 at (8,512,4,16,"f"), 0.212 at the old (8,256,2,16,"f"); twopass 0.659 ms
+# (three other one-pass variants, 0.46-3.3 ms, were removed); fused_scan vs twopass: max relative error 1.3e-3.
+# twopass's tiles keep its w-tap accumulators unspilled on sm_90; the contiguous rows are untimed.
 BWD_TILES = {
     ("twopass", "channels_last"): (8, 64, 4, 16, "", 0), ("twopass", "contiguous"): (64, 8, 4, 16, "", 0),
-    ("fused", "channels_last"): (8, 64, 8, 16, "f", 0), ("fused", "contiguous"): (64, 8, 8, 16, "f", 0),
-    ("fused_xreuse", "channels_last"): (8, 128, 8, 16, "pf", 128),
-    ("fused_xreuse", "contiguous"): (64, 8, 4, 16, "pf", 0),
-    ("fused_gather", "channels_last"): (16, 128, 16, 16, "dpf", 0),
-    ("fused_gather", "contiguous"): (64, 8, 4, 16, "dpf", 0),
     ("fused_scan", "channels_last"): (4, 256, 2, 32, "pf", 0),
     ("fused_scan", "contiguous"): (8, 64, 2, 16, "f", 0),
 }
-BWD_FLAGS = "dpf"
-FUSED_MODES = {"fused": MODE_RECOMPUTE, "fused_xreuse": MODE_XREUSE, "fused_gather": MODE_GATHER,
-               "fused_scan": None}  # fused_scan: its own kernel (triton_conv1d_bwd_scan.py)
-BWD_VARIANTS = ("twopass", *FUSED_MODES)
-DEFAULT_BWD = "fused_scan"
+BWD_FLAGS = "pf"
+BWD_VARIANTS = ("twopass", "fused_scan")
+# fused_scan reads one row of channels per step: coalesced only channels-last; the contiguous layout keeps twopass
+# (fused_scan was never timed there)
+DEFAULT_BWD = {"channels_last": "fused_scan", "contiguous": "twopass"}
 
 
 def _pow2(v: int) -> bool:
@@ -106,15 +94,14 @@ def _tile_override(pass_: str) -> tuple[int, int, int] | None:
 
 def _bwd_tile_override() -> tuple[int, int, int, int, str, int] | None:
     """MAMBA_PARALLEL_CONV_BWD_TILES='BL,BD,NW,TILES_PER_PROGRAM[,FLAGS[,MAXNREG]]' overrides the backward's
-    tiles (any variant; flags and maxnreg only affect the fused ones)."""
+    tiles (any variant; flags and maxnreg only affect fused_scan)."""
     name = "MAMBA_PARALLEL_CONV_BWD_TILES"
     spec = os.environ.get(name)
     if not spec:
         return None
     expected = ("'BLOCK_L,BLOCK_D,num_warps,tiles_per_program[,flags[,maxnreg]]': three powers of two, a positive "
-                f"integer, optionally flags from {BWD_FLAGS!r} (d: deferred weight-gradient reduction, p: prefetch, "
-                "f: fast sigmoid) "
-                "and a register cap per thread (0: none, else 24..255)")
+                f"integer, optionally flags from {BWD_FLAGS!r} (p: prefetch, f: fast sigmoid) and a register cap "
+                "per thread (0: none, else 24..255)")
     fields = spec.split(",")
     flags, maxnreg = "", "0"
     if len(fields) == 6:
@@ -129,20 +116,18 @@ def _bwd_tile_override() -> tuple[int, int, int, int, str, int] | None:
     return (*vals[:4], flags, vals[4])
 
 
-def bwd_variant(w: int) -> str:
-    """The backward for filter width w: MAMBA_PARALLEL_CONV_BWD (one of BWD_VARIANTS).
+def _layout(x: torch.Tensor) -> str:
+    return "channels_last" if _channels_last(x) else "contiguous"
 
-    The fused kernels write the taps out for w <= 4; wider filters always take the two-pass backward.
-    """
+
+def bwd_variant(x: torch.Tensor, w: int) -> str:
+    """The backward for x (b, d, L) and filter width w: MAMBA_PARALLEL_CONV_BWD (one of BWD_VARIANTS) if set, else
+    DEFAULT_BWD of x's layout. fused_scan writes the taps out for w <= 4; wider filters always take twopass."""
     name = "MAMBA_PARALLEL_CONV_BWD"
-    variant = os.environ.get(name) or DEFAULT_BWD
+    variant = os.environ.get(name) or DEFAULT_BWD[_layout(x)]
     if variant not in BWD_VARIANTS:
         raise ValueError(f"{name}={variant!r}: expected one of {', '.join(BWD_VARIANTS)}")
     return "twopass" if w > MAX_WIDTH else variant
-
-
-def _layout(x: torch.Tensor) -> str:
-    return "channels_last" if _channels_last(x) else "contiguous"
 
 
 def _tiles(x: torch.Tensor) -> tuple[int, int, int]:
@@ -152,7 +137,7 @@ def _tiles(x: torch.Tensor) -> tuple[int, int, int]:
     return min(block_l, triton.next_power_of_2(L)), min(block_d, triton.next_power_of_2(d)), warps
 
 
-def _bwd_tiles(x: torch.Tensor, w: int, variant: str) -> tuple[int, int, int, int, str, int]:
+def _bwd_tiles(x: torch.Tensor, variant: str) -> tuple[int, int, int, int, str, int]:
     """Backward (BLOCK_L, BLOCK_D, num_warps, tiles_per_program, flags, maxnreg) of ``variant``, clipped to the
     shape."""
     _, d, L = x.shape
@@ -165,12 +150,8 @@ def _bwd_tiles(x: torch.Tensor, w: int, variant: str) -> tuple[int, int, int, in
     if variant == "fused_scan" and block_l > 8:
         raise ValueError(f"fused_scan backward: BLOCK_L (rows per step) must be at most 8, got {block_l} "
                          "(MAMBA_PARALLEL_CONV_BWD_TILES / MAMBA_PARALLEL_CONV_TILES)")
-    if variant == "fused_gather":
-        # a tile owns block_l - (w-1) positions: keep that >= 1 and cover L plus the overlap
-        block_l = max(min(block_l, triton.next_power_of_2(L + w - 1)), 2 * triton.next_power_of_2(w))
-    else:
-        block_l = min(block_l, triton.next_power_of_2(L))
-    return block_l, min(block_d, triton.next_power_of_2(d)), warps, per_prog, flags, maxnreg
+    return (min(block_l, triton.next_power_of_2(L)), min(block_d, triton.next_power_of_2(d)), warps, per_prog, flags,
+            maxnreg)
 
 
 def _strides(t: Optional[torch.Tensor], n: int) -> tuple[int, ...]:
@@ -257,9 +238,8 @@ def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     dx = dx_out if dx_out is not None else _empty_like_layout(x, x.dtype)
     dinit = torch.empty_like(initial_state) if initial_state is not None else x.new_empty((0,))
     if b * d * L > 0:
-        variant = bwd_variant(w)
-        launch = _launch_bwd_twopass if variant == "twopass" else _launch_bwd_fused
-        dw_part, db_part = launch(x, weight, bias, initial_state, seq_idx, dy, dx, dinit, silu, variant)
+        launch = _launch_bwd_scan if bwd_variant(x, w) == "fused_scan" else _launch_bwd_twopass
+        dw_part, db_part = launch(x, weight, bias, initial_state, seq_idx, dy, dx, dinit, silu)
         dweight = dw_part.sum(0).to(weight.dtype)
         dbias = db_part.sum(0).to(bias.dtype) if bias is not None else x.new_empty((0,))
     else:
@@ -282,13 +262,12 @@ def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     return dx, dweight, dbias, dinit
 
 
-def _bwd_grid(x, w: int, variant: str):
+def _bwd_grid(x, variant: str):
     """-> (grid, tiles (BLOCK_L, BLOCK_D, num_warps), tiles_per_program, (flags, maxnreg), number of partial
     rows)."""
     b, d, L = x.shape
-    block_l, block_d, warps, per_prog, flags, maxnreg = _bwd_tiles(x, w, variant)
-    step = block_l - (w - 1) if variant == "fused_gather" else block_l
-    n_tiles = triton.cdiv(L, step)
+    block_l, block_d, warps, per_prog, flags, maxnreg = _bwd_tiles(x, variant)
+    n_tiles = triton.cdiv(L, block_l)
     per_prog = min(n_tiles, per_prog)
     n_lprog = triton.cdiv(n_tiles, per_prog)
     return (n_lprog, triton.cdiv(d, block_d), b), (block_l, block_d, warps), per_prog, (flags, maxnreg), b * n_lprog
@@ -300,42 +279,29 @@ def _partials(x, d: int, w: int, n_parts: int, has_bias: bool):
     return dw_part, db_part
 
 
-def _launch_bwd_fused(x, weight, bias, initial_state, seq_idx, dy, dx, dinit, silu, variant):
-    """One pass: dpre recomputed in the kernel (triton_conv1d_bwd_fused.py). -> (dweight, dbias) partials."""
+def _launch_bwd_scan(x, weight, bias, initial_state, seq_idx, dy, dx, dinit, silu):
+    """One pass, dpre recomputed in registers (triton_conv1d_bwd_scan.py). -> (dweight, dbias) partials."""
     d, L, w = x.shape[1], x.shape[2], weight.shape[1]
-    grid, (block_l, block_d, warps), per_prog, (flags, maxnreg), n_parts = _bwd_grid(x, w, variant)
+    grid, (block_l, block_d, warps), per_prog, (flags, maxnreg), n_parts = _bwd_grid(x, "fused_scan")
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     dw_part, db_part = _partials(x, d, w, n_parts, bias is not None)
-    if variant == "fused_scan":
-        conv1d_bwd_scan_kernel[grid](
-            x, weight, bias, initial_state, seq_idx, dy,
-            dx, dinit, dw_part, db_part,
-            d, L, per_prog,
-            *x.stride(), *weight.stride(), *_strides(initial_state, 3), *_strides(seq_idx, 2), *dy.stride(),
-            *dx.stride(), *_strides(dinit if initial_state is not None else None, 3),
-            W=w, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, HAS_SEQ=seq_idx is not None,
-            SILU=silu, FAST_SIGMOID="f" in flags and x.is_cuda, PREFETCH="p" in flags, BLOCK_L=block_l,
-            BLOCK_D=block_d, num_warps=warps, **extra,
-        )
-        return dw_part, db_part
-    conv1d_bwd_fused_kernel[grid](
+    conv1d_bwd_scan_kernel[grid](
         x, weight, bias, initial_state, seq_idx, dy,
         dx, dinit, dw_part, db_part,
         d, L, per_prog,
         *x.stride(), *weight.stride(), *_strides(initial_state, 3), *_strides(seq_idx, 2), *dy.stride(),
         *dx.stride(), *_strides(dinit if initial_state is not None else None, 3),
         W=w, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None, HAS_SEQ=seq_idx is not None,
-        SILU=silu, MODE=FUSED_MODES[variant], DW_DEFER="d" in flags,
-        PREFETCH="p" in flags, FAST_SIGMOID="f" in flags and x.is_cuda, BLOCK_L=block_l, BLOCK_D=block_d,
-        BLOCK_W=triton.next_power_of_2(w), num_warps=warps, **extra,
+        SILU=silu, FAST_SIGMOID="f" in flags and x.is_cuda, PREFETCH="p" in flags, BLOCK_L=block_l,
+        BLOCK_D=block_d, num_warps=warps, **extra,
     )
     return dw_part, db_part
 
 
-def _launch_bwd_twopass(x, weight, bias, initial_state, seq_idx, dy, dx, dinit, silu, variant):
+def _launch_bwd_twopass(x, weight, bias, initial_state, seq_idx, dy, dx, dinit, silu):
     """dpre = dy * silu'(pre) written in fp32 by the forward kernel, then the backward kernel reads it."""
     d, L, w = x.shape[1], x.shape[2], weight.shape[1]
-    grid, (block_l, block_d, warps), per_prog, _, n_parts = _bwd_grid(x, w, variant)
+    grid, (block_l, block_d, warps), per_prog, _, n_parts = _bwd_grid(x, "twopass")
     dw_part, db_part = _partials(x, d, w, n_parts, bias is not None)
     dpre = dy
     if silu:  # fp32 gradient at the pre-activation, laid out like x
