@@ -1,6 +1,10 @@
 """Benchmark: Triton selective scan (Mamba-1) forward and forward+backward, and the decode-step kernels.
 
-    python -m mamba_parallel.bench.bench_selective_scan [--json PATH] [--sweep CFG ...] [--dtype bf16]
+    python -m mamba_parallel.bench.bench_selective_scan [--json PATH] [--sweep [IMPL:]CFG|IMPL ...] [--dtype bf16]
+
+Each --sweep item picks a kernel variant (MAMBA_PARALLEL_SCAN_IMPL, e.g. ``v2``) and / or a tile config
+(MAMBA_PARALLEL_SCAN_CFG 'T,BDf,Wf,BDb,Wb'): ``v2``, ``v2:16,128,4,128,4``, ``64,8,2,16,2`` (v1). The default
+variant and tiles always run first; every swept item is also checked against them (relative error).
 
 Times are medians of >= 10 timed runs (``triton.testing.do_bench``, CUDA events) after warm-up. Achieved bandwidth
 counts the fewest bytes each pass must move (every (b, d, L) input read once, every output written once) against
@@ -55,21 +59,47 @@ def bench_scan(b, d, L, n, dtype) -> dict:
                 fwd_bwd_speedup=peer[1] / fb_ms, fwd_TBps=fwd_bytes / fwd_ms / 1e9,
                 fwd_bwd_TBps=fb_bytes / fb_ms / 1e9, fwd_bw_frac=fwd_bytes / fwd_ms / 1e9 / COPY_TBPS,
                 fwd_bwd_bw_frac=fb_bytes / fb_ms / 1e9 / COPY_TBPS,
-                config=os.environ.get("MAMBA_PARALLEL_SCAN_CFG", "default"))
+                config=sweep_label())
 
 
-def check_config_matches_default(b, d, L, n, dtype, cfg: str) -> float:
-    """Largest relative error between a swept tile config and the default one (y and the u / B gradients)."""
+def parse_sweep_item(item: str) -> tuple[str | None, str | None]:
+    """'v2' | 'v2:T,BDf,Wf,BDb,Wb' | 'T,BDf,Wf,BDb,Wb' -> (impl or None, cfg or None), validated."""
+    from mamba_parallel.ops.selective_scan.triton_common import IMPLS, parse_config
+
+    impl, _, cfg = item.rpartition(":") if ":" in item else ((item, "", "") if item in IMPLS else ("", "", item))
+    if impl and impl not in IMPLS:
+        raise SystemExit(f"bench_selective_scan: --sweep {item!r}: variant must be one of {IMPLS}")
+    if cfg:
+        try:
+            parse_config(cfg)
+        except ValueError as e:
+            raise SystemExit(f"bench_selective_scan: --sweep {item!r}: {e}") from None
+    return impl or None, cfg or None
+
+
+def set_sweep_env(impl: str | None, cfg: str | None) -> None:
+    """Select a variant / tile config for the next calls (None: the default)."""
+    for key, val in (("MAMBA_PARALLEL_SCAN_IMPL", impl), ("MAMBA_PARALLEL_SCAN_CFG", cfg)):
+        if val is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = val
+
+
+def sweep_label() -> str:
+    impl, cfg = os.environ.get("MAMBA_PARALLEL_SCAN_IMPL"), os.environ.get("MAMBA_PARALLEL_SCAN_CFG")
+    return ":".join(x for x in (impl, cfg) if x) or "default"
+
+
+def check_config_matches_default(b, d, L, n, dtype, impl: str | None, cfg: str | None) -> float:
+    """Largest relative error between a swept variant / tile config and the default one (y and every gradient)."""
     from mamba_parallel.ops.selective_scan.triton_impl import selective_scan
 
     kw = scan_inputs(b, d, L, n, dtype, seed=3)
-    leaves = ("u", "B")
+    leaves = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
     outs = []
-    for env in (None, cfg):
-        if env is None:
-            os.environ.pop("MAMBA_PARALLEL_SCAN_CFG", None)
-        else:
-            os.environ["MAMBA_PARALLEL_SCAN_CFG"] = env
+    for env in ((None, None), (impl, cfg)):
+        set_sweep_env(*env)
         kwg = {k: (v.detach().requires_grad_() if k in leaves else v) for k, v in kw.items()}
         y = selective_scan(**kwg)
         outs.append([y.float()] + [t.float() for t in torch.autograd.grad(y.float().square().sum(),
@@ -109,34 +139,34 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="mamba-parallel bench selective_scan", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype of the scans")
-    ap.add_argument("--sweep", nargs="*", default=[], metavar="CFG",
-                    help="extra tile configs 'T,BDf,Wf,BDb,Wb' to time besides the default "
-                         "(see ops/selective_scan/triton_common.py)")
+    ap.add_argument("--sweep", nargs="*", default=[], metavar="[IMPL:]CFG",
+                    help="extra kernel variants (v1 ... v5, MAMBA_PARALLEL_SCAN_IMPL) and / or tile configs "
+                         "'T,BDf,Wf,BDb,Wb' to time besides the default, e.g. v3 or v3:16,128,4,128,4 (see "
+                         "ops/selective_scan/VARIANTS.md)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-step kernels")
     args = ap.parse_args(argv)
     require_cuda("bench_selective_scan")
     dtype = DTYPES[args.dtype]
     results = {"device": torch.cuda.get_device_name(), "scan": [], "decode": [], "sweep_errors": {}}
-    for cfg in [None] + list(args.sweep):
-        if cfg is not None:
+    sweep = [parse_sweep_item(item) for item in args.sweep]
+    for item, (impl, cfg) in zip([None] + list(args.sweep), [(None, None)] + sweep):
+        if item is not None:
             try:
-                err = check_config_matches_default(2, 512, 1024, 16, dtype, cfg)
+                err = check_config_matches_default(2, 512, 1024, 16, dtype, impl, cfg)
             except Exception as e:
                 err = f"{type(e).__name__}: {str(e)[:200]}"
-            results["sweep_errors"][cfg] = err
-            print("partial: config", cfg, "error vs default", err, flush=True)
-            os.environ["MAMBA_PARALLEL_SCAN_CFG"] = cfg
-        else:
-            os.environ.pop("MAMBA_PARALLEL_SCAN_CFG", None)
+            results["sweep_errors"][item] = err
+            print("partial: config", item, "error vs default", err, flush=True)
+        set_sweep_env(impl, cfg)
         for (b, d, L, n) in SCAN_SHAPES:
             try:
                 results["scan"].append(bench_scan(b, d, L, n, dtype))
             except Exception as e:  # a swept config may not compile (registers / shared memory)
-                results["scan"].append(dict(shape=f"b{b} d{d} L{L} n{n}", config=cfg or "default",
+                results["scan"].append(dict(shape=f"b{b} d{d} L{L} n{n}", config=item or "default",
                                             error=f"{type(e).__name__}: {str(e)[:200]}"))
             print("partial:", json.dumps(results["scan"][-1]), flush=True)
             torch.cuda.empty_cache()
-    os.environ.pop("MAMBA_PARALLEL_SCAN_CFG", None)
+    set_sweep_env(None, None)
     if not args.no_decode:
         results["decode"] = bench_decode(dtype)
     print(f"device: {results['device']}")

@@ -1,21 +1,44 @@
 """Triton selective scan (Mamba-1) vs the naive reference: outputs, last state and every gradient.
 
 CPU runs use the Triton interpreter with tiny tiles (chunk 8), so L = 19 / 33 already crosses several chunks.
+Every test runs per kernel variant (MAMBA_PARALLEL_SCAN_IMPL). On CPU, v3 runs v2's code and v5 runs v2's forward
+with v4's backward (their lane-shuffle paths are GPU-only), so they take only the broad tests there; the GPU tests
+cover their own paths.
 """
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers import assert_close
 
 from mamba_parallel.ops.selective_scan import naive, selective_scan
+from mamba_parallel.ops.selective_scan.triton_common import IMPLS
+from mamba_parallel.ops.selective_scan import triton_impl
 from mamba_parallel.ops.selective_scan.triton_impl import selective_scan_fwd
+from mamba_parallel.ops.selective_scan.triton_v2_scan import scan_adjoint, scan_forward
 
 GRAD_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
 
 
-@pytest.fixture(autouse=True)
-def _force_triton(monkeypatch):
+CPU_DUPLICATES = ("v3", "v5")  # interpreter code paths already run by v2 / v4 (but for their lane paths)
+BROAD_TESTS = ("test_full_features_all_gradients", "test_custom_op_registration", "test_lane_paths_emulated")
+ONCE_TESTS = ("test_v2_token_scans",)  # no variant involved
+LANE_CFG = {"v3": "8,32,1,32,1", "v4": "8,16,1,16,1", "v5": "8,32,1,16,1"}  # one warp: 32 rows per program
+
+
+@pytest.fixture(autouse=True, params=IMPLS)
+def impl(request, monkeypatch):
+    """Every test runs once per kernel variant (MAMBA_PARALLEL_SCAN_IMPL)."""
+    is_gpu = request.node.get_closest_marker("gpu") is not None
+    if request.node.originalname in ONCE_TESTS and request.param != "v2":
+        pytest.skip("variant-independent")
+    if request.param in CPU_DUPLICATES and not is_gpu and (
+            request.node.originalname not in BROAD_TESTS or request.node.callspec.params.get("L", 19) != 19):
+        pytest.skip(f"{request.param} runs the same interpreter code as another variant")
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
+    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_IMPL", request.param)
+    return request.param
 
 
 def make_inputs(b=2, d=8, L=19, n=4, g=None, dtype=torch.float32, device="cpu", mode=None, with_init=True,
@@ -123,19 +146,111 @@ def test_no_grad_forward_saves_nothing():
     assert_close(y, naive.selective_scan(**kw), name="y")
 
 
-def test_custom_op_registration():
+def test_custom_op_registration(impl):
     kw = make_inputs(L=11, d=4, n=2, b=1)
     args = (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["delta_bias"],
-            kw["initial_state"], None, True, False, 1, True)
+            kw["initial_state"], None, True, False, 1, True, impl)
     args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
     torch.library.opcheck(selective_scan_fwd, args, test_utils=("test_schema", "test_faketensor",
                                                                "test_autograd_registration"))
 
 
+@triton.jit
+def _token_scans_kernel(a_ptr, b_ptr, h_ptr, out_ptr, P: tl.constexpr, BD: tl.constexpr, V: tl.constexpr,
+                        SEQ: tl.constexpr):
+    offs = (tl.arange(0, P)[:, None, None] * BD + tl.arange(0, BD)[None, :, None]) * V + tl.arange(0, V)[None, None, :]
+    a, b = tl.load(a_ptr + offs), tl.load(b_ptr + offs)
+    h = tl.load(h_ptr + tl.arange(0, BD))
+    v_idx, p_idx = tl.arange(0, V)[None, None, :], tl.arange(0, P)[:, None]
+    tl.store(out_ptr + offs, scan_forward(a, b, h, v_idx, p_idx, P, V, SEQ))
+    tl.store(out_ptr + P * BD * V + offs, scan_adjoint(a, b, h, v_idx, p_idx, P, V, SEQ))
+
+
+@pytest.mark.parametrize("P,V", [(1, 4), (2, 4), (4, 2)])
+@pytest.mark.parametrize("seq", [True, False], ids=["sequential", "associative"])
+def test_v2_token_scans(P, V, seq):
+    """Both token-scan forms of the v2+ kernels (sequential chains for thread-local tokens, two-level associative
+    scans otherwise) against Python loops, with decays that cut the chain (a = 0 where a sequence starts)."""
+    BD, S = 4, P * V
+    gen = torch.Generator().manual_seed(3)
+    a = torch.rand(P, BD, V, generator=gen) * (torch.rand(P, BD, V, generator=gen) > 0.2)
+    b, h = torch.randn(P, BD, V, generator=gen), torch.randn(BD, generator=gen)
+    out = torch.empty(2, P, BD, V)
+    _token_scans_kernel[(1,)](a, b, h, out, P=P, BD=BD, V=V, SEQ=seq)
+    at, bt = a.permute(1, 0, 2).reshape(BD, S), b.permute(1, 0, 2).reshape(BD, S)  # (channel, token)
+    fwd, adj = torch.empty(BD, S), torch.empty(BD, S)
+    state = h.clone()
+    for t in range(S):  # h_t = a_t h_{t-1} + b_t
+        state = at[:, t] * state + bt[:, t]
+        fwd[:, t] = state
+    d = bt[:, S - 1] + h  # dh_t = b_t + a_{t+1} dh_{t+1}, with a dh entering the last token = h
+    adj[:, S - 1] = d
+    for t in range(S - 2, -1, -1):
+        d = bt[:, t] + at[:, t + 1] * d
+        adj[:, t] = d
+    torch.testing.assert_close(out[0], fwd.view(BD, P, V).permute(1, 0, 2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[1], adj.view(BD, P, V).permute(1, 0, 2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["seq_idx"])
+def test_lane_paths_emulated(impl, mode, monkeypatch):
+    """v3-v5's GPU paths (sequential token chains, lane-shuffle sums of dB / dC, v4's row pairs) in the
+    interpreter, the shuffles emulated by gathers over rows: their index arithmetic, against the reference."""
+    if impl not in LANE_CFG:
+        pytest.skip("no lane path")
+    monkeypatch.setattr(triton_impl, "EMULATE_LANES_IN_INTERPRETER", True)
+    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_CFG", LANE_CFG[impl])
+    check(run_both(make_inputs(d=32, L=19, n=4, mode=mode)), torch.float32)
+
+
+def test_sparse_checkpoints(impl, monkeypatch):
+    """MAMBA_PARALLEL_SCAN_CKPT_EVERY: the forward keeps every K-th chunk's state, the backward recomputes the rest
+    per segment (5 chunks, K = 3: a full segment and a partial one), with seq_idx restarts inside the recomputed
+    chunks. v2's generic code and v4's lane paths (two rows per channel, emulated shuffles)."""
+    if impl not in ("v2", "v4"):
+        pytest.skip("v2 and v4 cover the generic and the lane code")
+    every = 3
+    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_CKPT_EVERY", str(every))
+    d = 8
+    if impl == "v4":
+        monkeypatch.setattr(triton_impl, "EMULATE_LANES_IN_INTERPRETER", True)
+        monkeypatch.setenv("MAMBA_PARALLEL_SCAN_CFG", LANE_CFG[impl])
+        d = 32
+    kw = make_inputs(d=d, L=33, n=4, mode="seq_idx")
+    args = [kw[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")]
+    ckpt = selective_scan_fwd(*args, kw["seq_idx"], True, False, 2, True, impl)[2]
+    assert ckpt.shape == (2, -(-5 // every), 4, d)  # (b, checkpoints, n, d)
+    check(run_both(kw), torch.float32)
+
+
+GPU_NEW_VARIANT_CASES = ((torch.bfloat16, None), (torch.bfloat16, "cu_seqlens"), (torch.float32, "seq_idx"))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("mode", [None, "seq_idx", "cu_seqlens"])
-def test_gpu_realistic(dtype, mode, nan_poison):
+def test_gpu_realistic(dtype, mode, impl, nan_poison):
+    if impl != "v1" and (dtype, mode) not in GPU_NEW_VARIANT_CASES:
+        pytest.skip("the newer variants run a representative subset (bf16, fp32, every varlen mode once)")
     b = 1 if mode == "cu_seqlens" else 2
-    kw = make_inputs(b=b, d=256, L=700, n=16, dtype=dtype, device="cuda", mode=mode, g=2 if mode is None else None)
+    L = 700 if impl == "v1" or mode == "cu_seqlens" else 704  # v3+ take their lane paths at L % 16 == 0 only
+    kw = make_inputs(b=b, d=256, L=L, n=16, dtype=dtype, device="cuda", mode=mode, g=2 if mode is None else None)
     check(run_both(kw), dtype, factor=2.0)
+
+
+@pytest.mark.gpu
+def test_gpu_unaligned_length(impl, nan_poison):
+    """Token-major rows that are not 16-byte aligned (L = 700): Triton does not vectorise them, so the lane paths
+    must step aside."""
+    check(run_both(make_inputs(b=2, d=128, L=700, n=16, dtype=torch.bfloat16, device="cuda")), torch.bfloat16,
+          factor=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", [300, 320])
+def test_gpu_channels_last_inputs(impl, L, nan_poison):
+    """(b, d, L) views of (b, L, d) storage, as the layer's z: the lane-shuffle paths must step aside."""
+    kw = make_inputs(b=2, d=128, L=L, n=16, dtype=torch.bfloat16, device="cuda")
+    for k in ("u", "delta", "z"):
+        kw[k] = kw[k].transpose(1, 2).contiguous().transpose(1, 2)
+    check(run_both(kw), torch.bfloat16, factor=2.0)

@@ -54,6 +54,7 @@ class ScanConfig:
     fwd_warps: int
     bwd_block_d: int    # BD of the backward (d / BD programs per sequence write dB / dC partials)
     bwd_warps: int
+    ckpt_every: int = 1  # v2-v5: keep the state entering every K-th chunk only (triton_v2_ckpt.py)
 
 
 def _pow2_divisor(x: int, cap: int) -> int:
@@ -75,18 +76,57 @@ def parse_config(text: str) -> tuple[int, ...]:
     return vals
 
 
-def scan_config(d_per_group: int, seqlen: int, interpret: bool) -> ScanConfig:
+IMPLS = ("v1", "v2", "v3", "v4", "v5")
+
+
+def scan_impl() -> str:
+    """``MAMBA_PARALLEL_SCAN_IMPL=v1|v2|v3|v4|v5`` (default v1), read when a forward runs (its backward follows it).
+
+    v1: (BD, T) tiles scanned with ``tl.associative_scan`` across threads (triton_fwd / triton_bwd).
+    v2: one thread per channel, every token of a chunk in its registers (triton_v2_*).
+    v3: v2 with, where the v2 register layout is certain (CUDA, token-major 16-byte-aligned u / delta / z,
+        L % 16 == 0, no cu_seqlens, 32 | d / g, BD = 32 x warps: triton_impl._lanes), sequential token scans and
+        dB / dC summed per warp by lane shuffles (triton_v3_lanes.py), several states per loop iteration;
+        elsewhere it runs v2's code.
+    v4: v3 with two rows (neighbouring lanes) per channel, each scanning half of the states (n even): twice the
+        threads for the same work; BD = 16 x warps channels.
+    v5: v3's forward with v4's backward (the row split costs the forward more than the backward).
+    """
+    impl = os.environ.get("MAMBA_PARALLEL_SCAN_IMPL", "v1").strip().lower() or "v1"
+    if impl not in IMPLS:
+        raise ValueError(f"MAMBA_PARALLEL_SCAN_IMPL={impl!r} is not one of {IMPLS}")
+    return impl
+
+
+def scan_config(d_per_group: int, seqlen: int, interpret: bool, impl: str = "v1") -> ScanConfig:
     """Tile sizes for channel blocks that never straddle a B/C group (BD divides d / g).
 
     ``MAMBA_PARALLEL_SCAN_CFG='T,BDf,Wf,BDb,Wb'`` overrides the choice (benchmark sweeps); block sizes are still
-    capped to divisors of d / g.
+    capped to divisors of d / g. For v2-v5, T is the chunk S and BD should be 32 x warps (one thread per channel;
+    16 x warps for v4's two rows per channel); ``MAMBA_PARALLEL_SCAN_CKPT_EVERY=K`` (default 1) checkpoints every
+    K-th chunk only (4 n / (K S) bytes per (b, d, L) element), the backward recomputing the others.
     """
     # interpreter: tiny tiles (it is slow, and short chunks exercise the chunk carries)
-    # GPU: the fastest of the tiles timed on an H200 (bf16, ANCHORS shapes; bench_selective_scan --sweep)
-    cfg = (8, 4, 1, 4, 1) if interpret else (64, 8, 2, 16, 2)
+    # GPU v1: the fastest of the tiles timed on an H200 (bf16, ANCHORS shapes; bench_selective_scan --sweep)
+    # GPU v2: 16 tokens (two 16-byte bf16 vectors) per thread, 4 warps (sass_report: no spills)
+    if impl in ("v2", "v3"):
+        cfg = (8, 4, 1, 4, 1) if interpret else (16, 128, 4, 128, 4)
+    elif impl == "v4":
+        cfg = (8, 4, 1, 4, 1) if interpret else (16, 64, 4, 64, 4)
+    elif impl == "v5":
+        cfg = (8, 4, 1, 4, 1) if interpret else (16, 128, 4, 64, 4)
+    else:
+        cfg = (8, 4, 1, 4, 1) if interpret else (64, 8, 2, 16, 2)
     env = os.environ.get("MAMBA_PARALLEL_SCAN_CFG")
     if env:
         cfg = parse_config(env)
     t, bdf, wf, bdb, wb = cfg
     t = min(t, max(triton.next_power_of_2(seqlen), 2))
-    return ScanConfig(t, _pow2_divisor(d_per_group, bdf), wf, _pow2_divisor(d_per_group, bdb), wb)
+    kc = 1
+    if impl != "v1":
+        text = os.environ.get("MAMBA_PARALLEL_SCAN_CKPT_EVERY", "1").strip() or "1"
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"MAMBA_PARALLEL_SCAN_CKPT_EVERY={text!r}: expected a positive int (chunks per "
+                             "checkpoint)")
+        kc = int(text)
+    return ScanConfig(t, _pow2_divisor(d_per_group, bdf), wf, _pow2_divisor(d_per_group, bdb), wb, kc)

@@ -13,8 +13,10 @@ import triton
 
 from mamba_parallel.ops.backend import interpret_mode
 from mamba_parallel.ops.selective_scan.triton_bwd import selective_scan_bwd_kernel
-from mamba_parallel.ops.selective_scan.triton_common import scan_config
+from mamba_parallel.ops.selective_scan.triton_common import scan_config, scan_impl
 from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kernel
+from mamba_parallel.ops.selective_scan.triton_v2_bwd import selective_scan_bwd_v2_kernel
+from mamba_parallel.ops.selective_scan.triton_v2_fwd import selective_scan_fwd_v2_kernel
 
 
 def _as4d(t: torch.Tensor) -> torch.Tensor:
@@ -32,8 +34,75 @@ def _interpreted(u: torch.Tensor) -> bool:
     return not u.is_cuda or interpret_mode()
 
 
-def _config(u: torch.Tensor, B: torch.Tensor):
-    return scan_config(u.shape[1] // _as4d(B).shape[1], u.shape[2], interpret=_interpreted(u))
+def _config(u: torch.Tensor, B: torch.Tensor, impl: str):
+    return scan_config(u.shape[1] // _as4d(B).shape[1], u.shape[2], interpret=_interpreted(u), impl=impl)
+
+
+def _rows_per_channel(impl: str, n: int, bwd: bool) -> int:
+    """v4 (both passes) and v5 (backward only) split each channel's states over two rows (lanes); n must be even."""
+    return 2 if (impl == "v4" or (impl == "v5" and bwd)) and n % 2 == 0 else 1
+
+
+def _tile_meta(u: torch.Tensor, chunk: int, impl: str, n: int, bwd: bool) -> dict:
+    """Tile constexprs: v1 (BD, T) tiles take T; v2-v4 (P, BD R, V) tiles take V = one 16-byte vector of u per
+    thread (4 in the interpreter, so that tests cover both scan levels), P = chunk / V and R rows per channel."""
+    if impl == "v1":
+        return dict(T=chunk)
+    v = min(chunk, 16 // u.element_size(), 4 if _interpreted(u) else 16)
+    r = _rows_per_channel(impl, n, bwd)
+    return dict(P=chunk // v, V=v, R=r, UNROLL=_unroll(impl, n // r, bwd, r))
+
+
+def _unroll(impl: str, states_per_row: int, bwd: bool, rows: int) -> int:
+    """States per loop iteration (v3-v5): more independent work per iteration for the scheduler, as far as the
+    registers allow (sass_report, bf16: forward 4 states -> 175 registers, 2 with two rows per channel -> 174;
+    backward 2 -> 255 without spills, 1 with two rows per channel)."""
+    if impl == "v2":
+        return 1
+    want = (2 if rows == 1 else 1) if bwd else (4 if rows == 1 else 2)
+    while want > 1 and states_per_row % want:
+        want //= 2
+    return want
+
+
+# Tests set this to run the lane paths in the interpreter with the shuffles emulated (kernels' EMU).
+EMULATE_LANES_IN_INTERPRETER = False
+
+
+def _lanes(u, delta, z, block_d: int, warps: int, chunk: int, d_per_group: int, impl: str, n: int,
+           bwd: bool, varlen: bool) -> bool:
+    """Whether v3-v5 may rely on the v2 register layout (row i of a program in lane i mod 32 of warp i / 32, all of
+    a chunk's tokens in its registers): sequential token scans, lane-shuffle sums of dB / dC and of v4's row pairs.
+    Triton picks it for token-major inputs with one row per thread whose rows are 16-byte aligned (it vectorises
+    a row's tokens only when the JIT sees row strides divisible by 16 and aligned pointers; otherwise it spreads
+    them over lanes), unless cu_seqlens' per-token gathers of initial / last states (3D pointer tiles) pull the
+    tiles into another layout (sass_report: they do)."""
+    r = _rows_per_channel(impl, n, bwd)
+    token_major = all(t is None or t.stride(2) == 1 for t in (u, delta, z))
+    aligned = u.shape[2] % 16 == 0 and all(
+        t is None or (t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0 and t.data_ptr() % 16 == 0)
+        for t in (u, delta, z))
+    interp = _interpreted(u)
+    return (impl in ("v3", "v4", "v5") and (not interp or EMULATE_LANES_IN_INTERPRETER) and not varlen
+            and token_major and (aligned or interp)
+            and block_d * r == 32 * warps and d_per_group % (32 // r) == 0 and chunk * r <= 32)
+
+
+def _state_shape(impl: str, b: int, slots: int, d: int, n: int) -> tuple[int, int, int, int]:
+    """Carry / checkpoint buffers: (b, slots, d, n) for v1, state-major (b, slots, n, d) for v2-v5 (one thread per
+    channel: a warp's accesses to one state are then contiguous)."""
+    return (b, slots, d, n) if impl == "v1" else (b, slots, n, d)
+
+
+def _ckpt_slots(u: torch.Tensor, B: torch.Tensor, impl: str) -> int:
+    """Checkpoints a forward with gradients keeps: one per chunk, or per ckpt_every chunks (v2-v5)."""
+    cfg = _config(u, B, impl)
+    return triton.cdiv(triton.cdiv(u.shape[2], cfg.chunk), cfg.ckpt_every)
+
+
+def _state_major(A: torch.Tensor, impl: str) -> torch.Tensor:
+    """A (d, n) as the kernels read it: (n, d) contiguous for v2-v5 (one state of a warp's channels coalesced)."""
+    return A.contiguous() if impl == "v1" else A.t().contiguous()
 
 
 def _strides(u, delta, z, B4, C4, sid) -> tuple[int, ...]:
@@ -45,14 +114,15 @@ def _strides(u, delta, z, B4, C4, sid) -> tuple[int, ...]:
 def selective_scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                        D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
                        initial_state: torch.Tensor | None, sid: torch.Tensor | None, delta_softplus: bool,
-                       varlen: bool, nstates: int, save_ckpt: bool) -> tuple[torch.Tensor, torch.Tensor,
-                                                                             torch.Tensor, torch.Tensor]:
+                       varlen: bool, nstates: int, save_ckpt: bool, impl: str) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                        torch.Tensor, torch.Tensor]:
     """u, delta, z (b, d, L); A (d, n); B, C (b, [g,] n, L); sid (b, L) int32 -> y (b, d, L),
-    last_state (nstates, d, n) fp32, checkpoints (b, nchunks, d, n) fp32 (empty unless save_ckpt),
-    ypre (b, d, L) = y before the z gate (empty unless save_ckpt and z is given)."""
+    last_state (nstates, d, n) fp32, checkpoints fp32 (``_state_shape``: (b, nchunks, d, n) for v1, (b, nchunks,
+    n, d) for v2-v5; empty unless save_ckpt), ypre (b, d, L) = y before the z gate (empty unless save_ckpt and z
+    is given). impl: 'v1' ... 'v5' (triton_common.scan_impl)."""
     b, d, L = u.shape
     n = A.shape[1]
-    cfg = _config(u, B)
+    cfg = _config(u, B, impl)
     nchunks = triton.cdiv(L, cfg.chunk)
     B4, C4 = _bc32(B), _bc32(C)
     dev, f32 = u.device, torch.float32
@@ -62,34 +132,51 @@ def selective_scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
                  else torch.zeros((nstates, d, n), device=dev, dtype=f32))
     else:
         hlast = torch.empty((nstates, d, n), device=dev, dtype=f32)
-    nslots = nchunks if save_ckpt else min(nchunks, 2)
-    states = torch.empty((b, nslots, d, n), device=dev, dtype=f32)
+    sparse = save_ckpt and cfg.ckpt_every > 1  # checkpoints in their own buffer, every K-th chunk
+    nslots = nchunks if save_ckpt and not sparse else min(nchunks, 2)
+    states = torch.empty(_state_shape(impl, b, nslots, d, n), device=dev, dtype=f32)
     if initial_state is not None and not varlen:
-        states[:, 0] = initial_state
+        states[:, 0] = initial_state if impl == "v1" else initial_state.transpose(1, 2)
     else:
         states[:, 0] = 0.0
+    ncks = triton.cdiv(nchunks, cfg.ckpt_every)
+    ck = torch.empty(_state_shape(impl, b, ncks, d, n), device=dev, dtype=f32) if sparse else states
+    if sparse:
+        ck[:, 0] = states[:, 0]
     ypre = torch.empty((b, d, L) if save_ckpt and z is not None else (0,), device=dev, dtype=u.dtype)
     h0 = initial_state.contiguous() if initial_state is not None else None
     zz = z if z is not None else u
     opt = lambda t: t if t is not None else y  # noqa: E731  (pointer placeholder for an absent tensor)
-    selective_scan_fwd_kernel[(d // cfg.fwd_block_d, b)](
-        u, delta, zz, B4, C4, A.contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), y, ypre, hlast, states,
-        L, d, n, d // B4.shape[1], nchunks, nslots, *_strides(u, delta, zz, B4, C4, sid),
+    kernel = selective_scan_fwd_kernel if impl == "v1" else selective_scan_fwd_v2_kernel
+    meta = _tile_meta(u, cfg.chunk, impl, n, bwd=False)
+    if impl != "v1" and _lanes(u, delta, z, cfg.fwd_block_d, cfg.fwd_warps, cfg.chunk, d // B4.shape[1], impl, n,
+                               bwd=False, varlen=varlen):
+        meta.update(LANES=True, EMU=_interpreted(u))
+    elif impl != "v1":
+        meta["UNROLL"] = 1  # v2's code: its register use was only measured without unrolling
+    if impl == "v1":
+        bufs, sizes = (states,), (nchunks, nslots)
+    else:
+        bufs, sizes = (states, ck), (nchunks, nslots, ncks)
+        meta["KC"] = cfg.ckpt_every if sparse else 1
+    kernel[(d // cfg.fwd_block_d, b)](
+        u, delta, zz, B4, C4, _state_major(A, impl), opt(D), opt(delta_bias), opt(h0), opt(sid), y, ypre, hlast, *bufs,
+        L, d, n, d // B4.shape[1], *sizes, *_strides(u, delta, zz, B4, C4, sid),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, SAVE_YPRE=save_ckpt and z is not None,
-        FAST_EXP=not _interpreted(u), BD=cfg.fwd_block_d, T=cfg.chunk, num_warps=cfg.fwd_warps,
+        FAST_EXP=not _interpreted(u), BD=cfg.fwd_block_d, num_warps=cfg.fwd_warps, **meta,
     )
-    ckpt = states if save_ckpt else states.new_empty((0,))
+    ckpt = ck if save_ckpt else states.new_empty((0,))
     return y, hlast, ckpt, ypre
 
 
 @selective_scan_fwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates, save_ckpt):
+def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates, save_ckpt, impl):
     b, d, L = u.shape
     n = A.shape[1]
-    nchunks = triton.cdiv(L, _config(u, B).chunk)
     return (u.new_empty((b, d, L)), u.new_empty((nstates, d, n), dtype=torch.float32),
-            u.new_empty((b, nchunks, d, n) if save_ckpt else (0,), dtype=torch.float32),
+            u.new_empty(_state_shape(impl, b, _ckpt_slots(u, B, impl), d, n) if save_ckpt else (0,),
+                        dtype=torch.float32),
             u.new_empty((b, d, L) if save_ckpt and z is not None else (0,)))
 
 
@@ -98,20 +185,24 @@ def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
                        D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
                        initial_state: torch.Tensor | None, sid: torch.Tensor | None, ckpt: torch.Tensor,
                        ypre: torch.Tensor, dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool,
-                       varlen: bool) -> list[torch.Tensor]:
+                       varlen: bool, impl: str) -> list[torch.Tensor]:
     """Gradients [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state] in the inputs' dtypes and
-    shapes; an absent optional input gets an empty tensor."""
+    shapes; an absent optional input gets an empty tensor. impl: the forward's 'v1' | 'v2'."""
     b, d, L = u.shape
     n = A.shape[1]
-    cfg = _config(u, B)
+    cfg = _config(u, B, impl)
     nchunks = triton.cdiv(L, cfg.chunk)
-    if ckpt.shape != (b, nchunks, d, n):
+    ncks = _ckpt_slots(u, B, impl)
+    if ckpt.shape != _state_shape(impl, b, ncks, d, n):
         raise RuntimeError(f"selective_scan_bwd: checkpoints {tuple(ckpt.shape)} do not match the tile config "
-                           f"(chunk {cfg.chunk}); was MAMBA_PARALLEL_SCAN_CFG changed between forward and backward?")
+                           f"(chunk {cfg.chunk}, every {cfg.ckpt_every}); was MAMBA_PARALLEL_SCAN_CFG or "
+                           f"MAMBA_PARALLEL_SCAN_CKPT_EVERY changed between forward and backward?")
     B4, C4 = _bc32(B), _bc32(C)
     G = B4.shape[1]
     bd = cfg.bwd_block_d
-    nblk = d // bd
+    lane_sum = _lanes(u, delta, z, bd, cfg.bwd_warps, cfg.chunk, d // G, impl, n, bwd=True, varlen=varlen)
+    rows = _rows_per_channel(impl, n, bwd=True)
+    nblk = d * rows // 32 if lane_sum else d // bd  # dB / dC partials: per warp (v3, v4) or per program
     dev, f32 = u.device, torch.float32
     dy = dy.contiguous()
     du = torch.empty((b, d, L), device=dev, dtype=u.dtype)
@@ -119,12 +210,14 @@ def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
     dz = torch.empty((b, d, L), device=dev, dtype=z.dtype) if z is not None else None
     dBp = torch.empty((b, nblk, n, L), device=dev, dtype=f32)
     dCp = torch.empty((b, nblk, n, L), device=dev, dtype=f32)
-    dA = torch.zeros((b, d, n), device=dev, dtype=f32)
+    dA = torch.zeros((b, d, n) if impl == "v1" else (b, n, d), device=dev, dtype=f32)
     dD = torch.empty((b, d), device=dev, dtype=f32) if D is not None else None
     ddtb = torch.empty((b, d), device=dev, dtype=f32) if delta_bias is not None else None
-    adj = torch.zeros((b, 2, d, n), device=dev, dtype=f32)  # ping-pong adjoint carries between chunks
+    adj = torch.zeros(_state_shape(impl, b, 2, d, n), device=dev, dtype=f32)  # ping-pong adjoint carries
     h0 = initial_state.contiguous() if initial_state is not None else None
     dl = dlast.contiguous() if dlast is not None else None
+    if dl is not None and impl != "v1" and not varlen:  # read per chunk and state: state-major
+        dl = dl.transpose(1, 2).contiguous()
     if h0 is None:
         dh0 = None
     elif varlen:  # a sequence with no tokens passes d(last_state) straight to its initial state
@@ -135,20 +228,35 @@ def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
         raise RuntimeError("selective_scan_bwd: needs y before the gate (ypre) from the forward")
     zz = z if z is not None else u
     opt = lambda t: t if t is not None else du  # noqa: E731  (pointer placeholder for an absent tensor)
-    selective_scan_bwd_kernel[(nblk, b)](
-        u, delta, zz, B4, C4, A.contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), ckpt,
+    kernel = selective_scan_bwd_kernel if impl == "v1" else selective_scan_bwd_v2_kernel
+    meta = _tile_meta(u, cfg.chunk, impl, n, bwd=True)
+    if lane_sum:
+        meta.update(LANE_SUM=True, LP=meta["P"].bit_length() - 1, LV=meta["V"].bit_length() - 1,
+                    EMU=_interpreted(u))
+    elif impl != "v1":
+        meta["UNROLL"] = 1  # v2's code: its register use was only measured without unrolling
+    if impl == "v1":
+        bufs, sizes = (adj,), (nchunks, nblk)
+    else:  # + the scratch of recomputed chunk states (sparse checkpoints)
+        kc = cfg.ckpt_every
+        scr = torch.empty(_state_shape(impl, b, kc, d, n), device=dev, dtype=f32) if kc > 1 else adj
+        bufs, sizes = (adj, scr), (nchunks, nblk, ncks)
+        meta["KC"] = kc
+    kernel[(d // bd, b)](
+        u, delta, zz, B4, C4, _state_major(A, impl), opt(D), opt(delta_bias), opt(h0), opt(sid), ckpt,
         ypre if z is not None else du, dy, opt(dl),
-        du, ddt, opt(dz), dBp, dCp, dA, opt(dD), opt(ddtb), opt(dh0), adj,
-        L, d, n, d // G, nchunks, nblk, *_strides(u, delta, zz, B4, C4, sid),
+        du, ddt, opt(dz), dBp, dCp, dA, opt(dD), opt(ddtb), opt(dh0), *bufs,
+        L, d, n, d // G, *sizes, *_strides(u, delta, zz, B4, C4, sid),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, HAS_DLAST=dl is not None,
-        FAST_EXP=not _interpreted(u), BD=bd, T=cfg.chunk, num_warps=cfg.bwd_warps,
+        FAST_EXP=not _interpreted(u), BD=bd, num_warps=cfg.bwd_warps, **meta,
     )
     # channel blocks never straddle a group: sum the per-block partials of each group
     dB = dBp.view(b, G, nblk // G, n, L).sum(2).to(B.dtype).view(B.shape)
     dC = dCp.view(b, G, nblk // G, n, L).sum(2).to(C.dtype).view(C.shape)
     empty = lambda: u.new_empty((0,))  # noqa: E731  (distinct tensors: custom-op outputs may not alias)
-    return [du, ddt, dA.sum(0).to(A.dtype), dB, dC,
+    dA = dA.sum(0) if impl == "v1" else dA.sum(0).t()
+    return [du, ddt, dA.to(A.dtype).contiguous(), dB, dC,
             dD.sum(0).to(D.dtype) if dD is not None else empty(),
             dz if dz is not None else empty(),
             ddtb.sum(0).to(delta_bias.dtype) if ddtb is not None else empty(),
@@ -156,16 +264,17 @@ def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
 
 
 @selective_scan_bwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, dlast, delta_softplus, varlen):
+def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, dlast, delta_softplus, varlen,
+      impl):
     like = lambda t: torch.empty_like(t) if t is not None else u.new_empty((0,))  # noqa: E731
     return [torch.empty_like(u), torch.empty_like(delta), torch.empty_like(A), torch.empty_like(B),
             torch.empty_like(C), like(D), like(z), like(delta_bias), like(initial_state)]
 
 
 def _setup_context(ctx, inputs, output):
-    u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates, save_ckpt = inputs
+    u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates, save_ckpt, impl = inputs
     ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, output[2], output[3])
-    ctx.delta_softplus, ctx.varlen = delta_softplus, varlen
+    ctx.delta_softplus, ctx.varlen, ctx.impl = delta_softplus, varlen, impl
 
 
 def _backward(ctx, dy, dlast, _dckpt, _dypre):
@@ -175,11 +284,11 @@ def _backward(ctx, dy, dlast, _dckpt, _dypre):
     if dy is None:  # only last_state reached the loss
         dy = torch.zeros_like(u)
     grads = selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, dlast,
-                               ctx.delta_softplus, ctx.varlen)
+                               ctx.delta_softplus, ctx.varlen, ctx.impl)
     du, ddt, dA, dB, dC, dD, dz, ddtb, dh0 = grads
     none_if_absent = lambda g, t: g if t is not None else None  # noqa: E731
     return (du, ddt, dA, dB, dC, none_if_absent(dD, D), none_if_absent(dz, z), none_if_absent(ddtb, delta_bias),
-            none_if_absent(dh0, initial_state), None, None, None, None, None)
+            none_if_absent(dh0, initial_state), None, None, None, None, None, None)
 
 
 selective_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -204,5 +313,5 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save_ckpt = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     y, last, _, _ = selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus,
-                                    varlen, nstates, save_ckpt)
+                                    varlen, nstates, save_ckpt, scan_impl())
     return (y, last) if return_last_state else y
