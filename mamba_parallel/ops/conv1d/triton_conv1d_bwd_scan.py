@@ -81,57 +81,36 @@ def _row_x(x_cb, init_base, p, cl, c, n_c, L, stride_x_d, stride_x_l, stride_i_d
 
 
 @triton.jit
+def _ld_row(base, p, cl, n_c, L, stride_d, stride_l):
+    """Row p (scalar, >= 0) of a channels block in the input dtype; zeros past L."""
+    return tl.load(base + p.to(tl.int64) * stride_l + cl * stride_d, mask=_row_mask(cl, n_c, p < L), other=0.0)
+
+
+@triton.jit
 def _ld_rows(x_cb, dy_cb, p0, cl, n_c, L, stride_x_d, stride_x_l, stride_dy_d, stride_dy_l, R: tl.constexpr):
     """x and dy rows p0 .. p0 + R - 1 (p0 >= 0; zeros past L), in the input dtype -> (x0..x7, y0..y7), rows past R
     aliasing row 0."""
-    x0 = tl.load(x_cb + p0.to(tl.int64) * stride_x_l + cl * stride_x_d, mask=_row_mask(cl, n_c, p0 < L), other=0.0)
-    y0 = tl.load(dy_cb + p0.to(tl.int64) * stride_dy_l + cl * stride_dy_d, mask=_row_mask(cl, n_c, p0 < L),
-                 other=0.0)
-    x1 = x0
-    x2 = x0
-    x3 = x0
-    x4 = x0
-    x5 = x0
-    x6 = x0
-    x7 = x0
-    y1 = y0
-    y2 = y0
-    y3 = y0
-    y4 = y0
-    y5 = y0
-    y6 = y0
-    y7 = y0
+    x0 = _ld_row(x_cb, p0, cl, n_c, L, stride_x_d, stride_x_l)
+    y0 = _ld_row(dy_cb, p0, cl, n_c, L, stride_dy_d, stride_dy_l)
+    x1, x2, x3, x4, x5, x6, x7 = x0, x0, x0, x0, x0, x0, x0
+    y1, y2, y3, y4, y5, y6, y7 = y0, y0, y0, y0, y0, y0, y0
     if R > 1:
-        x1 = tl.load(x_cb + (p0 + 1).to(tl.int64) * stride_x_l + cl * stride_x_d,
-                     mask=_row_mask(cl, n_c, p0 + 1 < L), other=0.0)
-        y1 = tl.load(dy_cb + (p0 + 1).to(tl.int64) * stride_dy_l + cl * stride_dy_d,
-                     mask=_row_mask(cl, n_c, p0 + 1 < L), other=0.0)
+        x1 = _ld_row(x_cb, p0 + 1, cl, n_c, L, stride_x_d, stride_x_l)
+        y1 = _ld_row(dy_cb, p0 + 1, cl, n_c, L, stride_dy_d, stride_dy_l)
     if R > 2:
-        x2 = tl.load(x_cb + (p0 + 2).to(tl.int64) * stride_x_l + cl * stride_x_d,
-                     mask=_row_mask(cl, n_c, p0 + 2 < L), other=0.0)
-        y2 = tl.load(dy_cb + (p0 + 2).to(tl.int64) * stride_dy_l + cl * stride_dy_d,
-                     mask=_row_mask(cl, n_c, p0 + 2 < L), other=0.0)
-        x3 = tl.load(x_cb + (p0 + 3).to(tl.int64) * stride_x_l + cl * stride_x_d,
-                     mask=_row_mask(cl, n_c, p0 + 3 < L), other=0.0)
-        y3 = tl.load(dy_cb + (p0 + 3).to(tl.int64) * stride_dy_l + cl * stride_dy_d,
-                     mask=_row_mask(cl, n_c, p0 + 3 < L), other=0.0)
+        x2 = _ld_row(x_cb, p0 + 2, cl, n_c, L, stride_x_d, stride_x_l)
+        y2 = _ld_row(dy_cb, p0 + 2, cl, n_c, L, stride_dy_d, stride_dy_l)
+        x3 = _ld_row(x_cb, p0 + 3, cl, n_c, L, stride_x_d, stride_x_l)
+        y3 = _ld_row(dy_cb, p0 + 3, cl, n_c, L, stride_dy_d, stride_dy_l)
     if R > 4:
-        x4 = tl.load(x_cb + (p0 + 4).to(tl.int64) * stride_x_l + cl * stride_x_d,
-                     mask=_row_mask(cl, n_c, p0 + 4 < L), other=0.0)
-        y4 = tl.load(dy_cb + (p0 + 4).to(tl.int64) * stride_dy_l + cl * stride_dy_d,
-                     mask=_row_mask(cl, n_c, p0 + 4 < L), other=0.0)
-        x5 = tl.load(x_cb + (p0 + 5).to(tl.int64) * stride_x_l + cl * stride_x_d,
-                     mask=_row_mask(cl, n_c, p0 + 5 < L), other=0.0)
-        y5 = tl.load(dy_cb + (p0 + 5).to(tl.int64) * stride_dy_l + cl * stride_dy_d,
-                     mask=_row_mask(cl, n_c, p0 + 5 < L), other=0.0)
-        x6 = tl.load(x_cb + (p0 + 6).to(tl.int64) * stride_x_l + cl * stride_x_d,
-                     mask=_row_mask(cl, n_c, p0 + 6 < L), other=0.0)
-        y6 = tl.load(dy_cb + (p0 + 6).to(tl.int64) * stride_dy_l + cl * stride_dy_d,
-                     mask=_row_mask(cl, n_c, p0 + 6 < L), other=0.0)
-        x7 = tl.load(x_cb + (p0 + 7).to(tl.int64) * stride_x_l + cl * stride_x_d,
-                     mask=_row_mask(cl, n_c, p0 + 7 < L), other=0.0)
-        y7 = tl.load(dy_cb + (p0 + 7).to(tl.int64) * stride_dy_l + cl * stride_dy_d,
-                     mask=_row_mask(cl, n_c, p0 + 7 < L), other=0.0)
+        x4 = _ld_row(x_cb, p0 + 4, cl, n_c, L, stride_x_d, stride_x_l)
+        y4 = _ld_row(dy_cb, p0 + 4, cl, n_c, L, stride_dy_d, stride_dy_l)
+        x5 = _ld_row(x_cb, p0 + 5, cl, n_c, L, stride_x_d, stride_x_l)
+        y5 = _ld_row(dy_cb, p0 + 5, cl, n_c, L, stride_dy_d, stride_dy_l)
+        x6 = _ld_row(x_cb, p0 + 6, cl, n_c, L, stride_x_d, stride_x_l)
+        y6 = _ld_row(dy_cb, p0 + 6, cl, n_c, L, stride_dy_d, stride_dy_l)
+        x7 = _ld_row(x_cb, p0 + 7, cl, n_c, L, stride_x_d, stride_x_l)
+        y7 = _ld_row(dy_cb, p0 + 7, cl, n_c, L, stride_dy_d, stride_dy_l)
     return x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7
 
 
