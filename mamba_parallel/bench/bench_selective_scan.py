@@ -2,9 +2,11 @@
 
     python -m mamba_parallel.bench.bench_selective_scan [--json PATH] [--sweep [IMPL:]CFG|IMPL ...] [--dtype bf16]
 
-Each --sweep item picks a kernel variant (MAMBA_PARALLEL_SCAN_IMPL, e.g. ``v2``) and / or a tile config
-(MAMBA_PARALLEL_SCAN_CFG 'T,BDf,Wf,BDb,Wb'): ``v2``, ``v2:16,128,4,128,4``, ``64,8,2,16,2`` (v1). The default
-variant and tiles always run first; every swept item is also checked against them (relative error).
+Each --sweep item picks a kernel variant (MAMBA_PARALLEL_SCAN_IMPL: v2, v3, v4) and / or a tile config
+(MAMBA_PARALLEL_SCAN_CFG 'T,BDf,Wf,BDb,Wb'): ``v4``, ``v3:16,128,4,128,4``, ``16,64,2,64,2`` (the default
+variant's kernels). The default (v3, its GPU tiles) always runs first; every swept item is also checked against
+it (relative error). Without --sweep, v4 is swept too (a faster forward at few channels x batch, VARIANTS.md);
+``--sweep`` with no items times the default alone.
 
 Times are medians of >= 10 timed runs (``triton.testing.do_bench``, CUDA events) after warm-up. Achieved bandwidth
 counts the fewest bytes each pass must move (every (b, d, L) input read once, every output written once) against
@@ -23,6 +25,7 @@ from mamba_parallel.bench._timing import COPY_TBPS, DTYPES, graph_us, median_ms,
 
 # (b, d, L, n) -> (peer fwd ms, peer fwd+bwd ms)
 SCAN_SHAPES = {(8, 4096, 4096, 16): (2.44, 12.25), (4, 5120, 8192, 16): (3.43, 15.74)}
+DEFAULT_SWEEP = ("v4",)  # the other selectable variant, timed beside the default (v3)
 
 
 def scan_inputs(b, d, L, n, dtype, device="cuda", seed=0):
@@ -66,7 +69,10 @@ def parse_sweep_item(item: str) -> tuple[str | None, str | None]:
     """'v2' | 'v2:T,BDf,Wf,BDb,Wb' | 'T,BDf,Wf,BDb,Wb' -> (impl or None, cfg or None), validated."""
     from mamba_parallel.ops.selective_scan.triton_common import IMPLS, parse_config
 
-    impl, _, cfg = item.rpartition(":") if ":" in item else ((item, "", "") if item in IMPLS else ("", "", item))
+    if ":" in item:
+        impl, _, cfg = item.rpartition(":")
+    else:  # a bare item is a tile config when it has commas, else a variant name
+        impl, cfg = ("", item) if "," in item else (item, "")
     if impl and impl not in IMPLS:
         raise SystemExit(f"bench_selective_scan: --sweep {item!r}: variant must be one of {IMPLS}")
     if cfg:
@@ -139,10 +145,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="mamba-parallel bench selective_scan", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype of the scans")
-    ap.add_argument("--sweep", nargs="*", default=[], metavar="[IMPL:]CFG",
-                    help="extra kernel variants (v1 ... v5, MAMBA_PARALLEL_SCAN_IMPL) and / or tile configs "
-                         "'T,BDf,Wf,BDb,Wb' to time besides the default, e.g. v3 or v3:16,128,4,128,4 (see "
-                         "ops/selective_scan/VARIANTS.md)")
+    ap.add_argument("--sweep", nargs="*", default=list(DEFAULT_SWEEP), metavar="[IMPL:]CFG",
+                    help="kernel variants (v2 v3 v4, MAMBA_PARALLEL_SCAN_IMPL) and / or tile configs "
+                         "'T,BDf,Wf,BDb,Wb' to time besides the default, e.g. v4 or v3:16,128,4,128,4 (default: "
+                         f"{' '.join(DEFAULT_SWEEP)}; see ops/selective_scan/VARIANTS.md)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-step kernels")
     args = ap.parse_args(argv)
     require_cuda("bench_selective_scan")

@@ -6,6 +6,8 @@ import pytest
 
 from mamba_parallel.bench import profile_train
 from mamba_parallel.bench.profile_train import CATEGORIES, categorize, summarize
+from mamba_parallel.ops.selective_scan.triton_bwd import selective_scan_bwd_kernel
+from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kernel
 
 
 @pytest.mark.parametrize("name, cat", [
@@ -13,7 +15,8 @@ from mamba_parallel.bench.profile_train import CATEGORIES, categorize, summarize
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
     ("aten::mm", "matmul"),
     ("_scan_fwd_kernel", "ssd"), ("_dt_bwd_kernel", "ssd"), ("_intra_kernel", "ssd"),
-    ("selective_scan_bwd_kernel", "selective_scan"),
+    (selective_scan_fwd_kernel.fn.__name__, "selective_scan"),  # the Mamba-1 scan kernels as they are named now
+    (selective_scan_bwd_kernel.fn.__name__, "selective_scan"),
     ("conv1d_fwd_kernel", "conv"), ("conv1d_bwd_kernel", "conv"),
     ("norm_fwd_kernel", "norm"), ("norm_bwd_dx_kernel", "norm"),
     ("ce_chunk_kernel", "cross_entropy"),

@@ -170,13 +170,14 @@ def test_bad_inputs_are_clear_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny-mamba", "tiny-mamba2", "tiny-hybrid"])
-def test_gpu_triton_kernels_match_reference_ops(name, monkeypatch):
-    """The same model on CUDA: Triton kernels vs the naive ops (fp32 params; kernels may use TF32 dots)."""
+@pytest.mark.parametrize("name,L", [("tiny-mamba", 40), ("tiny-mamba", 64), ("tiny-mamba2", 40), ("tiny-hybrid", 40)])
+def test_gpu_triton_kernels_match_reference_ops(name, L, monkeypatch):
+    """The same model on CUDA: Triton kernels vs the naive ops (fp32 params; kernels may use TF32 dots). L = 64:
+    a multiple of 16, so the Mamba-1 scan takes its register-chain fast path (other lengths take its fallback)."""
     model = _model(name).cuda()
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 256, (2, 40), generator=g).cuda()
-    labels = torch.randint(0, 256, (2, 40), generator=g).cuda()
+    ids = torch.randint(0, 256, (2, L), generator=g).cuda()
+    labels = torch.randint(0, 256, (2, L), generator=g).cuda()
     results = {}
     for backend in ("naive", "triton"):
         monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", backend)

@@ -1,9 +1,9 @@
 """Triton selective scan (Mamba-1) vs the naive reference: outputs, last state and every gradient.
 
 CPU runs use the Triton interpreter with tiny tiles (chunk 8), so L = 19 / 33 already crosses several chunks.
-Every test runs per kernel variant (MAMBA_PARALLEL_SCAN_IMPL). On CPU, v3 runs v2's code and v5 runs v2's forward
-with v4's backward (their lane-shuffle paths are GPU-only), so they take only the broad tests there; the GPU tests
-cover their own paths.
+Every test runs per kernel variant (MAMBA_PARALLEL_SCAN_IMPL: v2, v3 the default, v4). On CPU, v3 runs v2's code
+(its register-chain / lane-shuffle paths are GPU-only), so it takes only the broad tests there, plus its lane paths
+with the shuffles emulated; the GPU tests cover its own paths and run the default's full dtype x varlen matrix.
 """
 
 import pytest
@@ -13,18 +13,19 @@ import triton.language as tl
 from helpers import assert_close
 
 from mamba_parallel.ops.selective_scan import naive, selective_scan
-from mamba_parallel.ops.selective_scan.triton_common import IMPLS
 from mamba_parallel.ops.selective_scan import triton_impl
+from mamba_parallel.ops.selective_scan.triton_common import DEFAULT_IMPL, GPU_TILES, IMPLS, scan_config, scan_impl
 from mamba_parallel.ops.selective_scan.triton_impl import selective_scan_fwd
-from mamba_parallel.ops.selective_scan.triton_v2_scan import scan_adjoint, scan_forward
+from mamba_parallel.ops.selective_scan.triton_tiles import scan_adjoint, scan_forward
 
 GRAD_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
 
 
-CPU_DUPLICATES = ("v3", "v5")  # interpreter code paths already run by v2 / v4 (but for their lane paths)
-BROAD_TESTS = ("test_full_features_all_gradients", "test_custom_op_registration", "test_lane_paths_emulated")
-ONCE_TESTS = ("test_v2_token_scans",)  # no variant involved
-LANE_CFG = {"v3": "8,32,1,32,1", "v4": "8,16,1,16,1", "v5": "8,32,1,16,1"}  # one warp: 32 rows per program
+CPU_DUPLICATES = ("v3",)  # interpreter code paths already run by v2 (but for its lane paths)
+BROAD_TESTS = ("test_full_features_all_gradients", "test_custom_op_registration", "test_lane_paths_emulated",
+               "test_sparse_checkpoints")
+ONCE_TESTS = ("test_token_scans", "test_default_variant_and_removed_ones")  # no variant involved
+LANE_CFG = {"v3": "8,32,1,32,1", "v4": "8,16,1,16,1"}  # one warp: 32 rows per program
 
 
 @pytest.fixture(autouse=True, params=IMPLS)
@@ -94,7 +95,7 @@ def check(out, dtype, factor=1.0):
                      factor=factor)
 
 
-@pytest.mark.parametrize("L", [1, 7, 19, 33])
+@pytest.mark.parametrize("L", [1, 19, 33])
 def test_full_features_all_gradients(L):
     check(run_both(make_inputs(L=L, n=4 if L != 33 else 3)), torch.float32)
 
@@ -168,8 +169,8 @@ def _token_scans_kernel(a_ptr, b_ptr, h_ptr, out_ptr, P: tl.constexpr, BD: tl.co
 
 @pytest.mark.parametrize("P,V", [(1, 4), (2, 4), (4, 2)])
 @pytest.mark.parametrize("seq", [True, False], ids=["sequential", "associative"])
-def test_v2_token_scans(P, V, seq):
-    """Both token-scan forms of the v2+ kernels (sequential chains for thread-local tokens, two-level associative
+def test_token_scans(P, V, seq):
+    """Both token-scan forms of the kernels (sequential chains for thread-local tokens, two-level associative
     scans otherwise) against Python loops, with decays that cut the chain (a = 0 where a sequence starts)."""
     BD, S = 4, P * V
     gen = torch.Generator().manual_seed(3)
@@ -194,7 +195,7 @@ def test_v2_token_scans(P, V, seq):
 
 @pytest.mark.parametrize("mode", ["seq_idx"])
 def test_lane_paths_emulated(impl, mode, monkeypatch):
-    """v3-v5's GPU paths (sequential token chains, lane-shuffle sums of dB / dC, v4's row pairs) in the
+    """v3 / v4's GPU paths (sequential token chains, lane-shuffle sums of dB / dC, v4's row pairs) in the
     interpreter, the shuffles emulated by gathers over rows: their index arithmetic, against the reference."""
     if impl not in LANE_CFG:
         pytest.skip("no lane path")
@@ -206,34 +207,52 @@ def test_lane_paths_emulated(impl, mode, monkeypatch):
 def test_sparse_checkpoints(impl, monkeypatch):
     """MAMBA_PARALLEL_SCAN_CKPT_EVERY: the forward keeps every K-th chunk's state, the backward recomputes the rest
     per segment (5 chunks, K = 3: a full segment and a partial one), with seq_idx restarts inside the recomputed
-    chunks. v2's generic code and v4's lane paths (two rows per channel, emulated shuffles)."""
-    if impl not in ("v2", "v4"):
-        pytest.skip("v2 and v4 cover the generic and the lane code")
+    chunks. v2's generic code and the lane paths of v3 / v4 (one / two rows per channel, emulated shuffles)."""
     every = 3
     monkeypatch.setenv("MAMBA_PARALLEL_SCAN_CKPT_EVERY", str(every))
     d = 8
-    if impl == "v4":
+    if impl in LANE_CFG:
         monkeypatch.setattr(triton_impl, "EMULATE_LANES_IN_INTERPRETER", True)
         monkeypatch.setenv("MAMBA_PARALLEL_SCAN_CFG", LANE_CFG[impl])
         d = 32
-    kw = make_inputs(d=d, L=33, n=4, mode="seq_idx")
+    kw = make_inputs(d=d, L=33, n=2, mode="seq_idx")
     args = [kw[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")]
     ckpt = selective_scan_fwd(*args, kw["seq_idx"], True, False, 2, True, impl)[2]
-    assert ckpt.shape == (2, -(-5 // every), 4, d)  # (b, checkpoints, n, d)
+    assert ckpt.shape == (2, -(-5 // every), 2, d)  # (b, checkpoints, n, d)
     check(run_both(kw), torch.float32)
 
 
-GPU_NEW_VARIANT_CASES = ((torch.bfloat16, None), (torch.bfloat16, "cu_seqlens"), (torch.float32, "seq_idx"))
+def test_default_variant_and_removed_ones(monkeypatch):
+    """v3 with one-warp tiles is the default on the GPU; the interpreter keeps its tiny tiles; v1 / v5 are gone
+    with an error that says so."""
+    monkeypatch.delenv("MAMBA_PARALLEL_SCAN_IMPL", raising=False)
+    monkeypatch.delenv("MAMBA_PARALLEL_SCAN_CFG", raising=False)
+    monkeypatch.delenv("MAMBA_PARALLEL_SCAN_CKPT_EVERY", raising=False)
+    assert scan_impl() == DEFAULT_IMPL == "v3"
+    cfg = scan_config(4096, 4096, interpret=False)
+    assert (cfg.chunk, cfg.fwd_block_d, cfg.fwd_warps, cfg.bwd_block_d, cfg.bwd_warps) == GPU_TILES["v3"]
+    assert GPU_TILES["v3"] == (16, 32, 1, 32, 1) and cfg.ckpt_every == 1
+    assert scan_config(4096, 4096, interpret=True).chunk == 8
+    for gone in ("v1", "v5"):
+        monkeypatch.setenv("MAMBA_PARALLEL_SCAN_IMPL", gone)
+        with pytest.raises(ValueError, match="was removed"):
+            scan_impl()
+    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_IMPL", "v9")
+    with pytest.raises(ValueError, match="MAMBA_PARALLEL_SCAN_IMPL"):
+        scan_impl()
+
+
+GPU_OTHER_VARIANT_CASES = ((torch.bfloat16, None), (torch.bfloat16, "cu_seqlens"), (torch.float32, "seq_idx"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("mode", [None, "seq_idx", "cu_seqlens"])
 def test_gpu_realistic(dtype, mode, impl, nan_poison):
-    if impl != "v1" and (dtype, mode) not in GPU_NEW_VARIANT_CASES:
-        pytest.skip("the newer variants run a representative subset (bf16, fp32, every varlen mode once)")
+    if impl != DEFAULT_IMPL and (dtype, mode) not in GPU_OTHER_VARIANT_CASES:
+        pytest.skip("the non-default variants run a representative subset (bf16, fp32, every varlen mode once)")
     b = 1 if mode == "cu_seqlens" else 2
-    L = 700 if impl == "v1" or mode == "cu_seqlens" else 704  # v3+ take their lane paths at L % 16 == 0 only
+    L = 700 if mode == "cu_seqlens" else 704  # v3 / v4 take their lane paths at L % 16 == 0 only
     kw = make_inputs(b=b, d=256, L=L, n=16, dtype=dtype, device="cuda", mode=mode, g=2 if mode is None else None)
     check(run_both(kw), dtype, factor=2.0)
 
@@ -254,3 +273,12 @@ def test_gpu_channels_last_inputs(impl, L, nan_poison):
     for k in ("u", "delta", "z"):
         kw[k] = kw[k].transpose(1, 2).contiguous().transpose(1, 2)
     check(run_both(kw), torch.bfloat16, factor=2.0)
+
+
+@pytest.mark.gpu
+def test_gpu_sparse_checkpoints(impl, monkeypatch, nan_poison):
+    """MAMBA_PARALLEL_SCAN_CKPT_EVERY=3 on the GPU paths (44 chunks: 14 full segments and a partial one), bf16,
+    seq_idx restarts inside the recomputed chunks."""
+    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_CKPT_EVERY", "3")
+    check(run_both(make_inputs(b=2, d=128, L=704, n=16, dtype=torch.bfloat16, device="cuda", mode="seq_idx")),
+          torch.bfloat16, factor=2.0)

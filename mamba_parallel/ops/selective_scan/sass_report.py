@@ -1,6 +1,7 @@
 """Offline code-quality report of the scan kernels: compile for sm_90 without a GPU and count what they run.
 
-    python -m mamba_parallel.ops.selective_scan.sass_report [--variant v1 v2] [--dump DIR]
+    python -m mamba_parallel.ops.selective_scan.sass_report [--variant v2 v3 v4] [--cfg T,BDf,Wf,BDb,Wb]
+        [--ckpt-every K] [--dump DIR]
 
 For each variant's forward and backward (bf16 inputs, the GPU tile config, D / z / delta_bias / softplus on, as the
 benchmark runs them) it prints the registers and spill bytes ptxas reports, and SASS instruction counts of the
@@ -134,20 +135,20 @@ def report(name: str, kernel, elems_per_iter: int, dump: str | None) -> dict:
     return dict(name=name, **use, kernel=tot, inner=inner, per_element=per)
 
 
-def variant_kernels(variant: str, cfg: str | None = None, b=8, d=4096, L=4096, n=16):
+def variant_kernels(variant: str, cfg: str | None = None, ckpt_every: int = 1, b=8, d=4096, L=4096, n=16):
     """[(name, jit fn, args, constexprs, num_warps, elements per thread per inner iteration)] of the forward (with
-    checkpoints, as under autograd) and backward of ``variant`` at the first benchmark shape, bf16, token-major."""
+    checkpoints every ``ckpt_every`` chunks, as under autograd) and backward of ``variant`` at the first benchmark
+    shape, bf16, token-major."""
     from mamba_parallel.ops.selective_scan.triton_bwd import selective_scan_bwd_kernel
     from mamba_parallel.ops.selective_scan.triton_common import scan_config
     from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kernel
     from mamba_parallel.ops.selective_scan.triton_impl import _rows_per_channel, _unroll
-    from mamba_parallel.ops.selective_scan.triton_v2_bwd import selective_scan_bwd_v2_kernel
-    from mamba_parallel.ops.selective_scan.triton_v2_fwd import selective_scan_fwd_v2_kernel
 
     if cfg:
         os.environ["MAMBA_PARALLEL_SCAN_CFG"] = cfg
     c = scan_config(d, L, interpret=False, impl=variant)
     nchunks = triton.cdiv(L, c.chunk)
+    ncks = triton.cdiv(nchunks, ckpt_every)
     strides = dict(su_b=d * L, su_d=L, su_l=TOKEN_STRIDE, sdt_b=d * L, sdt_d=L, sdt_l=TOKEN_STRIDE, sz_b=d * L,
                    sz_d=L, sz_l=TOKEN_STRIDE, sB_b=n * L, sB_g=n * L, sB_n=L, sB_l=1, sC_b=n * L, sC_g=n * L,
                    sC_n=L, sC_l=1, ssid_b=0)
@@ -158,42 +159,49 @@ def variant_kernels(variant: str, cfg: str | None = None, b=8, d=4096, L=4096, n
                     h0_ptr=bf, sid_ptr="*i32", y_ptr=bf, ypre_ptr=bf, hlast_ptr=f32, st_ptr=f32, ck_ptr=f32)
     bwd_ptrs = dict(fwd_ptrs, ckpt_ptr=f32, dy_ptr=bf, dlast_ptr=f32, du_ptr=bf, ddt_ptr=bf, dz_ptr=bf, dB_ptr=f32,
                     dC_ptr=f32, dA_ptr=f32, dD_ptr=f32, ddtb_ptr=f32, dh0_ptr=f32, adj_ptr=f32, scr_ptr=f32)
-    if variant == "v1":
-        fwd_fn, bwd_fn = selective_scan_fwd_kernel, selective_scan_bwd_kernel
-        tile = dict(T=c.chunk)
-    else:
-        fwd_fn, bwd_fn = selective_scan_fwd_v2_kernel, selective_scan_bwd_v2_kernel
-        v = min(c.chunk, 8)  # one 16-byte bf16 vector
-        tile = dict(P=c.chunk // v, V=v)
+    v = min(c.chunk, 8)  # one 16-byte bf16 vector
+    tile = dict(P=c.chunk // v, V=v)
     nblk = d // c.bwd_block_d
-    fwd_tile, bwd_tile = dict(tile), dict(tile)
-    if variant in ("v3", "v4", "v5"):  # the GPU path of token-major inputs, as triton_impl picks it
-        rf, rb = _rows_per_channel(variant, n, bwd=False), _rows_per_channel(variant, n, bwd=True)
-        nblk = d * rb // 32
-        bwd_tile.update(LANE_SUM=True, LP=tile["P"].bit_length() - 1, LV=tile["V"].bit_length() - 1, R=rb,
-                        UNROLL=_unroll(variant, n // rb, True, rb))
-        fwd_tile.update(LANES=True, R=rf, UNROLL=_unroll(variant, n // rf, False, rf))
-    fwd = (dict(fwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nslots=nchunks, ncks=nchunks,
+    fwd_tile, bwd_tile = dict(tile, KC=ckpt_every), dict(tile, KC=ckpt_every)
+    if variant in ("v3", "v4"):  # the GPU path of token-major inputs, as triton_impl picks it
+        r = _rows_per_channel(variant, n)
+        nblk = d * r // 32
+        bwd_tile.update(LANE_SUM=True, LP=tile["P"].bit_length() - 1, LV=tile["V"].bit_length() - 1, R=r,
+                        UNROLL=_unroll(variant, n // r, True, r))
+        fwd_tile.update(LANES=True, R=r, UNROLL=_unroll(variant, n // r, False, r))
+    fwd = (dict(fwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks,
+                nslots=nchunks if ckpt_every == 1 else 2, ncks=ncks,
                 **strides),
            dict(flags, SAVE_YPRE=True, BD=c.fwd_block_d, **fwd_tile), c.fwd_warps,
-           c.fwd_block_d * c.chunk // (32 * c.fwd_warps) if variant == "v1" else c.chunk * fwd_tile.get("UNROLL", 1))
-    bwd = (dict(bwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nblk=nblk, ncks=nchunks,
+           c.chunk * fwd_tile.get("UNROLL", 1))
+    bwd = (dict(bwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nblk=nblk, ncks=ncks,
                 **strides),
            dict(flags, HAS_DLAST=False, BD=c.bwd_block_d, **bwd_tile), c.bwd_warps,
-           c.bwd_block_d * c.chunk // (32 * c.bwd_warps) if variant == "v1" else c.chunk * bwd_tile.get("UNROLL", 1))
-    return [("fwd", fwd_fn, *fwd), ("bwd", bwd_fn, *bwd)]
+           c.chunk * bwd_tile.get("UNROLL", 1))
+    return [("fwd", selective_scan_fwd_kernel, *fwd), ("bwd", selective_scan_bwd_kernel, *bwd)]
 
 
 def main(argv=None) -> None:
+    from mamba_parallel.ops.selective_scan.triton_common import IMPLS, parse_config
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", nargs="*", default=["v1", "v2", "v3", "v4", "v5"])
+    ap.add_argument("--variant", nargs="*", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--cfg", help="tile config 'T,BDf,Wf,BDb,Wb' (MAMBA_PARALLEL_SCAN_CFG) instead of the default")
+    ap.add_argument("--ckpt-every", type=int, default=1, metavar="K",
+                    help="checkpoint every K-th chunk (MAMBA_PARALLEL_SCAN_CKPT_EVERY): the backward's recompute")
     ap.add_argument("--dump", metavar="DIR", help="also write TTGIR / PTX / SASS of each kernel there")
     args = ap.parse_args(argv)
+    if args.cfg:
+        try:
+            parse_config(args.cfg)
+        except ValueError as e:
+            ap.error(f"--cfg: {e}")
+    if args.ckpt_every < 1:
+        ap.error(f"--ckpt-every {args.ckpt_every}: expected a positive int")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("sass_report compiles for sm_90: unset TRITON_INTERPRET")
     for v in args.variant:
-        for name, fn, fargs, consts, warps, epi in variant_kernels(v, args.cfg):
+        for name, fn, fargs, consts, warps, epi in variant_kernels(v, args.cfg, args.ckpt_every):
             report(f"{v}-{name}", compile_sm90(fn, fargs, consts, warps), epi, args.dump)
 
 

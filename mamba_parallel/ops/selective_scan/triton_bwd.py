@@ -1,11 +1,14 @@
-"""Backward kernel of the Mamba-1 selective scan.
+"""Backward kernel of the Mamba-1 selective scan: one thread per channel, the chunk's tokens in its registers.
 
-Walks the chunks in reverse. Per chunk and state it recomputes the forward states from the checkpoint entering
-the chunk (one forward scan), then runs the adjoint recurrence dh_t = dy_t C_t + a_{t+1} dh_{t+1} (one reverse
-scan). Identities that avoid shifting register tiles: a_t h_{t-1} = h_t - delta_t B_t u_t, and a_{t+1} comes from
-delta loaded at t + 1. The adjoint entering from the later chunk goes through a small ping-pong global buffer
-(a (BD,) store per state, a barrier per chunk). dB / dC are summed over the program's BD channels and
-written as (b, d / BD, n, L) partials.
+Walks the chunks in reverse on the forward's (P, BD R, V) tiles (triton_tiles.py), with state-major checkpoints /
+carries / dA (b, ., n, d). Per chunk and state it recomputes the forward states from the chunk's checkpoint and runs
+the adjoint dh_t = dy_t C_t + a_{t+1} dh_{t+1} in reverse (a register chain, or a reverse scan whose monoid
+carries each run's first decay), so a_t is computed once per element (one exp2) and never shifted. The carry
+between chunks is g = a dh at the chunk's first token (0 where a sequence starts), which is also d(initial
+state). Both scans, the carries and the sums over tokens (dA, dD, d delta_bias) stay inside each thread; only
+dB / dC sum over channels: per program by ``tl.reduce`` (shuffles + shared memory) into (b, d / BD, n, L)
+partials, or per warp by lane shuffles (LANE_SUM, triton_lanes.py). v4 (R = 2) gives each channel two rows /
+lanes, each doing half of the states.
 """
 
 from __future__ import annotations
@@ -13,158 +16,208 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, linear_combine, softplus
+from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, softplus
+from mamba_parallel.ops.selective_scan.triton_sparse_ckpt import segment_states
+from mamba_parallel.ops.selective_scan.triton_tiles import (first_token, load_tile, rows_sum, scan_adjoint,
+                                                              scan_forward, store_tile)
+from mamba_parallel.ops.selective_scan.triton_lanes import rows_lane, warp_channel_sum
+
+
+@triton.jit
+def _add2(a1, b1, a2, b2):
+    return a1 + a2, b1 + b2
 
 
 @triton.jit
 def selective_scan_bwd_kernel(
     u_ptr, dt_ptr, z_ptr, B_ptr, C_ptr, A_ptr, D_ptr, dtb_ptr, h0_ptr, sid_ptr, ckpt_ptr, ypre_ptr, dy_ptr,
     dlast_ptr,
-    du_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, ddtb_ptr, dh0_ptr, adj_ptr,
-    L, dim, dstate, d_per_group, nchunks, nblk,
+    du_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, ddtb_ptr, dh0_ptr, adj_ptr, scr_ptr,
+    L, dim, dstate, d_per_group, nchunks, nblk, ncks,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
     sB_b, sB_g, sB_n, sB_l, sC_b, sC_g, sC_n, sC_l, ssid_b,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_SID: tl.constexpr, VARLEN: tl.constexpr, HAS_DLAST: tl.constexpr,
-    FAST_EXP: tl.constexpr, BD: tl.constexpr, T: tl.constexpr,
+    FAST_EXP: tl.constexpr, BD: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
+    LANE_SUM: tl.constexpr = False, LP: tl.constexpr = 0, LV: tl.constexpr = 0, R: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1, EMU: tl.constexpr = False, KC: tl.constexpr = 1,
 ):
-    """One program: channels [pid * BD, +BD) of sequence pid_b (nblk = d / BD blocks).
+    """One program: channels [pid * BD, +BD) of sequence pid_b, chunks of P * V tokens walked in reverse.
 
-    ckpt (b, nchunks, d, n): states entering each chunk; ypre (b, d, L): y before the z gate; dy (b, d, L)
-    contiguous; dlast like hlast. Writes du, ddt, dz (b, d, L); dB, dC partials (b, nblk, n, L) fp32; dA (b, d, n)
-    (accumulated: zeros from the host), dD (b, d), ddtb (b, d) fp32 per-sequence partials; dh0 like h0.
-    adj (b, 2, d, n) fp32 zeros: ping-pong slots for the adjoint at the first token of a chunk.
+    A (n, d) and ckpt (b, nchunks, n, d) (states entering each chunk) are state-major, as the forward's; ypre
+    (b, d, L): y before the z gate; dy (b, d, L) contiguous; dlast like hlast, but (b, n, d) unless VARLEN.
+    Writes du, ddt, dz (b, d, L); dB, dC partials (b, nblk, n, L) fp32; dA (b, n, d) (accumulated: zeros from
+    the host), dD (b, d), ddtb (b, d) fp32 per-sequence partials; dh0 like h0. adj (b, 2, n, d) fp32 zeros:
+    ping-pong slots for g = a dh at a chunk's first token.
+    LANE_SUM (v3 / v4 on a GPU, row-per-thread layout only; P = 2^LP, V = 2^LV): dB / dC partials per warp of 32
+    rows (nblk = d R / 32) by lane shuffles (triton_lanes.py) instead of per program by ``tl.reduce``.
+    R (1 or 2, dividing n) rows per channel, row R c + h doing states [h n / R, (h + 1) n / R).
+    EMU (tests): the lane paths with the shuffles emulated, so that the interpreter runs them.
+    KC > 1: ckpt (b, ncks, n, d) holds every KC-th chunk's entering state; the others are recomputed per segment
+    into scr (b, KC, n, d) (triton_sparse_ckpt.py).
     """
     pid = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
-    offs_d = pid * BD + tl.arange(0, BD)
-    offs_t = tl.arange(0, T)
+    rows = tl.arange(0, BD * R)
+    offs_d = pid * BD + rows // R  # the channel of each row
+    half = rows % R
+    first_row = (half == 0)[None, :, None]  # the row that stores a channel's outputs
+    p_idx = tl.arange(0, P)[:, None]
+    v_idx = tl.arange(0, V)[None, None, :]
+    tok = tl.arange(0, P)[:, None, None] * V + v_idx
+    tok2 = tl.arange(0, P)[:, None] * V + tl.arange(0, V)[None, :]
     g = (pid * BD) // d_per_group
     dn = dim * dstate
-    d_off = offs_d * dstate
+    nh = dstate // R
+    d_off = offs_d * dstate + half * nh  # row offsets in a (d, n) slab: the row's first state
+    drow = d_off[None, :, None]
+    s_row = half * nh * dim + offs_d  # row offsets in an (n, d) state slab: a state's channels are contiguous
     if HAS_D:
-        Dv = tl.load(D_ptr + offs_d).to(tl.float32)
+        Dv = tl.load(D_ptr + offs_d).to(tl.float32)[None, :, None]
     if HAS_DTB:
-        bias = tl.load(dtb_ptr + offs_d).to(tl.float32)
+        bias = tl.load(dtb_ptr + offs_d).to(tl.float32)[None, :, None]
     B_base = B_ptr + pid_b * sB_b + g * sB_g
     C_base = C_ptr + pid_b * sC_b + g * sC_g
-    part_base = (pid_b * nblk + pid) * dstate * L
-    out_off = pid_b * dim * L + offs_d[:, None] * L
-    w_first = tl.where(offs_t == 0, 1.0, 0.0)[None, :]  # one-hot: column 0 as one FMA chain per thread
-
-    dD_acc = tl.zeros([BD], dtype=tl.float32)
-    ddtb_acc = tl.zeros([BD], dtype=tl.float32)
+    if LANE_SUM:
+        grow = pid * (BD * R) + rows  # global row: 32 per warp
+        lane = rows_lane(BD * R, EMU)
+        lane_tok = (lane >> (R // 2)) % (P * V)  # the token this lane's sums end up holding
+        lane_ok = (lane >> (R // 2)) < P * V
+        part_base = ((pid_b * nblk + grow // 32) * dstate + (lane % R) * nh) * L + lane_tok
+    else:
+        part_base = (pid_b * nblk + pid) * dstate * L
+        grp = tl.arange(0, R)[None, :, None] * nh  # (1, R, 1): first state of each row group
+    dD_acc = tl.zeros([BD * R], dtype=tl.float32)
+    ddtb_acc = tl.zeros([BD * R], dtype=tl.float32)
 
     for ci in range(nchunks):
         c = nchunks - 1 - ci
-        t = c * T + offs_t
+        t = c * (P * V) + tok
         mt = t < L
-        mdt = mt[None, :]
-        mnext = (t + 1) < L  # a_{t+1} exists and couples t to t + 1
-        end = t == L - 1     # where d(last_state) enters
+        t2 = c * (P * V) + tok2
+        mt2 = t2 < L
+        end = t == L - 1  # where d(last_state) enters
         if HAS_SID:
             s_cur = tl.load(sid_ptr + pid_b * ssid_b + t, mask=mt, other=0)
             s_prev = tl.load(sid_ptr + pid_b * ssid_b + t - 1, mask=mt & (t > 0), other=0)
-            s_next = tl.load(sid_ptr + pid_b * ssid_b + t + 1, mask=mnext, other=0)
             start = mt & (s_cur != s_prev) & (t > 0)
             if VARLEN:
                 start = start | (t == 0)
+                s_next = tl.load(sid_ptr + pid_b * ssid_b + t + 1, mask=(t + 1) < L, other=0)
                 end = mt & (((t + 1) >= L) | (s_next != s_cur))
-            mnext = mnext & (s_next == s_cur)
-        u = tl.load(u_ptr + pid_b * su_b + offs_d[:, None] * su_d + t[None, :] * su_l, mask=mdt,
-                    other=0.0).to(tl.float32)
-        dt_ptrs = dt_ptr + pid_b * sdt_b + offs_d[:, None] * sdt_d + t[None, :] * sdt_l
-        dt_raw = tl.load(dt_ptrs, mask=mdt, other=0.0).to(tl.float32)
-        dt_nx = tl.load(dt_ptrs + sdt_l, mask=mnext[None, :], other=0.0).to(tl.float32)
+        t0 = c * (P * V)
+        c0 = pid * BD
+        u = load_tile(u_ptr + pid_b * su_b, c0, su_d, su_l, t0, L, P, BD * R, V, R)
+        dt_raw = load_tile(dt_ptr + pid_b * sdt_b, c0, sdt_d, sdt_l, t0, L, P, BD * R, V, R)
         if HAS_DTB:
-            dt_raw += bias[:, None]
-            dt_nx += bias[:, None]
+            dt_raw += bias
         if SOFTPLUS:
             dt = softplus(dt_raw)
-            dt_nx = softplus(dt_nx)
         else:
             dt = dt_raw
+        dt = tl.where(mt, dt, 0.0)  # no decay past L (the forward's states)
         dtu = dt * u
-        dy = tl.load(dy_ptr + out_off + t[None, :], mask=mdt, other=0.0).to(tl.float32)
+        out_b = pid_b * dim * L  # the (b, d, L) contiguous buffers
+        dy = load_tile(dy_ptr + out_b, c0, L, 1, t0, L, P, BD * R, V, R)
         if HAS_Z:
-            zv = tl.load(z_ptr + pid_b * sz_b + offs_d[:, None] * sz_d + t[None, :] * sz_l, mask=mdt,
-                         other=0.0).to(tl.float32)
-            yp = tl.load(ypre_ptr + out_off + t[None, :], mask=mdt, other=0.0).to(tl.float32)
+            zv = load_tile(z_ptr + pid_b * sz_b, c0, sz_d, sz_l, t0, L, P, BD * R, V, R)
+            yp = load_tile(ypre_ptr + out_b, c0, L, 1, t0, L, P, BD * R, V, R)
             sig = tl.sigmoid(zv)
-            tl.store(dz_ptr + out_off + t[None, :], dy * yp * sig * (1.0 + zv * (1.0 - sig)), mask=mdt)
+            store_tile(dz_ptr + out_b, dy * yp * sig * (1.0 + zv * (1.0 - sig)), c0, L, 1, t0, L, P, BD * R, V, R)
             dy = dy * zv * sig
         if HAS_D:
-            dD_acc += tl.sum(dy * u, axis=1)
-        ck = ckpt_ptr + (pid_b * nchunks + c) * dn + d_off
-        adj_in = adj_ptr + (pid_b * 2 + (c + 1) % 2) * dn + d_off  # adjoint entering from chunk c + 1
-        adj_out = adj_ptr + (pid_b * 2 + c % 2) * dn + d_off
-
-        dhB = tl.zeros([BD, T], dtype=tl.float32)   # sum_n dh * B_n
-        dhA = tl.zeros([BD, T], dtype=tl.float32)   # sum_n dh * a_t h_{t-1} * A_n
-        for n in range(dstate):
-            A_n = tl.load(A_ptr + d_off + n).to(tl.float32)
-            B_n = tl.load(B_base + n * sB_n + t * sB_l, mask=mt, other=0.0)
-            C_n = tl.load(C_base + n * sC_n + t * sC_l, mask=mt, other=0.0)
-            # recompute the forward states of this chunk and state index
-            a = exp2(dt * (A_n * LOG2E)[:, None], FAST_EXP)
-            bx = dtu * B_n[None, :]
-            hx = bx
-            if HAS_SID:
-                if VARLEN and HAS_H0:
-                    hin = tl.load(h0_ptr + s_cur[None, :] * dn + d_off[:, None] + n, mask=start[None, :],
-                                  other=0.0).to(tl.float32)
-                    hx += a * hin
-                am = tl.where(start[None, :], 0.0, a)
+            dD_acc += tl.sum(tl.sum(dy * u, axis=2), axis=0)
+        if KC > 1:
+            kseg = c % KC  # the chunk's place in its segment
+            ck_seg = ckpt_ptr + (pid_b * ncks + c // KC) * dn + s_row
+            scr = scr_ptr + pid_b * KC * dn + s_row
+            if ((kseg == KC - 1) | (c == nchunks - 1)) & (kseg > 0):  # a segment's first chunk here, last in time
+                segment_states(u_ptr, dt_ptr, B_base, A_ptr, dtb_ptr, h0_ptr, sid_ptr, ck_seg, scr, c - kseg, kseg,
+                               pid_b, c0, offs_d, s_row, drow, first_row, L, dim, dstate, nh,
+                               su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sB_n, sB_l, ssid_b,
+                               HAS_DTB, SOFTPLUS, HAS_H0, HAS_SID, VARLEN, FAST_EXP, BD, P, V, R, LANE_SUM)
+            if kseg == 0:
+                ck = ck_seg
             else:
-                am = a
-            acum, hs = tl.associative_scan((am, hx), axis=1, combine_fn=linear_combine)
-            hs += acum * tl.load(ck + n)[:, None]
-            tl.store(dC_ptr + part_base + n * L + t, tl.sum(dy * hs, axis=0), mask=mt)
-            hb = hs - bx  # a_t h_{t-1}
-            # adjoint, reverse in time
-            a_nx = tl.where(mnext[None, :], exp2(dt_nx * (A_n * LOG2E)[:, None], FAST_EXP), 0.0)
-            cx = dy * C_n[None, :]
-            if HAS_DLAST:
-                if VARLEN:
-                    cx += tl.load(dlast_ptr + s_cur[None, :] * dn + d_off[:, None] + n, mask=end[None, :],
-                                  other=0.0).to(tl.float32)
+                ck = scr + kseg * dn
+        else:
+            ck = ckpt_ptr + (pid_b * nchunks + c) * dn + s_row
+        adj_in = adj_ptr + (pid_b * 2 + (c + 1) % 2) * dn + s_row  # g entering from chunk c + 1
+        adj_out = adj_ptr + (pid_b * 2 + c % 2) * dn + s_row
+
+        dhB = tl.zeros([P, BD * R, V], dtype=tl.float32)   # sum_n dh * B_n
+        dhA = tl.zeros([P, BD * R, V], dtype=tl.float32)   # sum_n dh * a_t h_{t-1} * A_n
+        for n0 in range(0, nh, UNROLL):  # UNROLL states per iteration: independent work for the scheduler
+            for k in tl.static_range(UNROLL):
+                n = n0 + k
+                A_n = tl.load(A_ptr + s_row + n * dim).to(tl.float32)[None, :, None]
+                B_n = tl.load(B_base + n * sB_n + t2 * sB_l, mask=mt2, other=0.0)[:, None, :]
+                C_n = tl.load(C_base + n * sC_n + t2 * sC_l, mask=mt2, other=0.0)[:, None, :]
+                if R == 2:  # the second row of a channel does state n + n / 2
+                    B_n = tl.where(first_row, B_n, tl.load(B_base + (n + nh) * sB_n + t2 * sB_l, mask=mt2,
+                                                           other=0.0)[:, None, :])
+                    C_n = tl.where(first_row, C_n, tl.load(C_base + (n + nh) * sC_n + t2 * sC_l, mask=mt2,
+                                                           other=0.0)[:, None, :])
+                a = exp2(dt * (A_n * LOG2E), FAST_EXP)
+                bx = dtu * B_n
+                hx = bx
+                if HAS_SID:
+                    if VARLEN and HAS_H0:
+                        hin = tl.load(h0_ptr + s_cur * dn + drow + n, mask=start, other=0.0).to(tl.float32)
+                        hx += a * hin
+                    am = tl.where(start, 0.0, a)
                 else:
-                    gl = tl.load(dlast_ptr + pid_b * dn + d_off + n).to(tl.float32)
-                    cx += tl.where(end[None, :], gl[:, None], 0.0)
-            pcum, dh = tl.associative_scan((a_nx, cx), axis=1, combine_fn=linear_combine, reverse=True)
-            dh += pcum * tl.load(adj_in + n)[:, None]
-            tl.store(dB_ptr + part_base + n * L + t, tl.sum(dh * dtu, axis=0), mask=mt)
-            tl.store(adj_out + n, tl.sum(dh * w_first, axis=1))
-            dhB += dh * B_n[None, :]
-            x = dh * hb
-            dhA += x * A_n[:, None]
-            dA_n = dA_ptr + pid_b * dn + d_off + n  # accumulated over chunks (zeros from the host)
-            tl.store(dA_n, tl.load(dA_n) + tl.sum(x * dt, axis=1))
-            if HAS_H0:
-                if VARLEN:
-                    tl.store(dh0_ptr + s_cur[None, :] * dn + d_off[:, None] + n, a * dh, mask=start[None, :])
-                elif c == 0:
-                    tl.store(dh0_ptr + pid_b * dn + d_off + n, tl.sum(a * dh * w_first, axis=1))
+                    am = a
+                hs = scan_forward(am, hx, tl.load(ck + n * dim), v_idx, p_idx, P, V, LANE_SUM)
+                cx = dy * C_n
+                if HAS_DLAST:
+                    if VARLEN:
+                        cx += tl.load(dlast_ptr + s_cur * dn + drow + n, mask=end, other=0.0).to(tl.float32)
+                    else:
+                        gl = tl.load(dlast_ptr + pid_b * dn + s_row + n * dim).to(tl.float32)[None, :, None]
+                        cx += tl.where(end, gl, 0.0)
+                dh = scan_adjoint(am, cx, tl.load(adj_in + n * dim), v_idx, p_idx, P, V, LANE_SUM)
+                g_first = first_token(dh, v_idx, p_idx) * first_token(am, v_idx, p_idx)
+                tl.store(adj_out + n * dim, g_first)
+                if LANE_SUM:
+                    m_l = lane_ok & (c * (P * V) + lane_tok < L)
+                    tl.store(dB_ptr + part_base + n * L + c * (P * V), warp_channel_sum(dh * dtu, LP, LV, R // 2, EMU),
+                             mask=m_l)
+                    tl.store(dC_ptr + part_base + n * L + c * (P * V), warp_channel_sum(dy * hs, LP, LV, R // 2, EMU),
+                             mask=m_l)
+                else:  # over the channels of each row group: (P, R, V) sums for states n + h n / R
+                    sB, sC = tl.reduce((tl.reshape(dh * dtu, (P, BD, R, V)), tl.reshape(dy * hs, (P, BD, R, V))),
+                                       axis=1, combine_fn=_add2)
+                    tp = part_base + (n + grp) * L + c * (P * V) + tok
+                    tl.store(dB_ptr + tp, sB, mask=mt)
+                    tl.store(dC_ptr + tp, sC, mask=mt)
+                dhB += dh * B_n
+                x = dh * (hs - bx)  # dh_t a_t h_{t-1}
+                dhA += x * A_n
+                dA_n = dA_ptr + pid_b * dn + s_row + n * dim  # accumulated over chunks (zeros from the host)
+                tl.store(dA_n, tl.load(dA_n) + tl.sum(tl.sum(x * dt, axis=2), axis=0))
+                if HAS_H0:
+                    if VARLEN:
+                        tl.store(dh0_ptr + s_cur * dn + drow + n, a * dh, mask=start)
+                    elif c == 0:
+                        tl.store(dh0_ptr + pid_b * dn + d_off + n, g_first)
+        dhB = rows_sum(dhB, R, LANE_SUM, EMU)
+        dhA = rows_sum(dhA, R, LANE_SUM, EMU)
         du = dhB * dt
         if HAS_D:
-            du += Dv[:, None] * dy
-        # u and delta again (cache hits) rather than keeping them live through the state loop
-        u = tl.load(u_ptr + pid_b * su_b + offs_d[:, None] * su_d + t[None, :] * su_l, mask=mdt,
-                    other=0.0).to(tl.float32)
+            du += Dv * dy
         ddt = dhB * u + dhA
         if SOFTPLUS:
-            dt_raw = tl.load(dt_ptrs, mask=mdt, other=0.0).to(tl.float32)
-            if HAS_DTB:
-                dt_raw += bias[:, None]
             ddt = ddt * tl.sigmoid(dt_raw)
-        ddt = tl.where(mdt, ddt, 0.0)
+        ddt = tl.where(mt, ddt, 0.0)
         if HAS_DTB:
-            ddtb_acc += tl.sum(ddt, axis=1)
-        tl.store(du_ptr + out_off + t[None, :], du, mask=mdt)
-        tl.store(ddt_ptr + out_off + t[None, :], ddt, mask=mdt)
-        tl.debug_barrier()  # the adjoint carry was stored by other threads
+            ddtb_acc += tl.sum(tl.sum(ddt, axis=2), axis=0)
+        store_tile(du_ptr + out_b, du, c0, L, 1, t0, L, P, BD * R, V, R)
+        store_tile(ddt_ptr + out_b, ddt, c0, L, 1, t0, L, P, BD * R, V, R)
+        if not LANE_SUM:  # with the row-per-thread layout each thread reloads the carries it stored itself
+            tl.debug_barrier()  # the carries, for other layouts
 
     if HAS_D:
-        tl.store(dD_ptr + pid_b * dim + offs_d, dD_acc)
+        tl.store(dD_ptr + pid_b * dim + offs_d, dD_acc, mask=half == 0)
     if HAS_DTB:
-        tl.store(ddtb_ptr + pid_b * dim + offs_d, ddtb_acc)
+        tl.store(ddtb_ptr + pid_b * dim + offs_d, ddtb_acc, mask=half == 0)

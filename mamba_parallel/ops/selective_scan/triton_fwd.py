@@ -1,57 +1,84 @@
-"""Forward kernel of the Mamba-1 selective scan (tiling in triton_common)."""
+"""Forward kernel of the Mamba-1 selective scan: one thread per channel, the chunk's tokens in its registers.
+
+One program walks L in chunks of S tokens for BD channels of one sequence. The tiles are (P, BD * R, V)
+(triton_tiles.py), so the scan, the chunk's last state and y's sum over the states stay inside each thread. With
+R = 2 (v4) each channel has two rows (two neighbouring lanes), each scanning half of the states: twice the threads
+for the same work, and one pairwise sum of y per chunk. The state carried to the next chunk goes through a small
+state-major buffer (the state loop is a runtime loop, so a register carry per state is not expressible); with the
+row-per-thread layout (LANES) each thread reads back what it wrote, otherwise a barrier guards it. With gradients
+the buffer keeps the state entering every chunk (or every K-th: triton_sparse_ckpt.py), all the backward
+recomputes from.
+"""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, linear_combine, softplus
+from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, softplus
+from mamba_parallel.ops.selective_scan.triton_tiles import last_token, load_tile, rows_sum, scan_forward, store_tile
 
 
 @triton.jit
 def selective_scan_fwd_kernel(
     u_ptr, dt_ptr, z_ptr, B_ptr, C_ptr, A_ptr, D_ptr, dtb_ptr, h0_ptr, sid_ptr,
-    y_ptr, ypre_ptr, hlast_ptr, st_ptr,
-    L, dim, dstate, d_per_group, nchunks, nslots,
+    y_ptr, ypre_ptr, hlast_ptr, st_ptr, ck_ptr,
+    L, dim, dstate, d_per_group, nchunks, nslots, ncks,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
     sB_b, sB_g, sB_n, sB_l, sC_b, sC_g, sC_n, sC_l, ssid_b,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_SID: tl.constexpr, VARLEN: tl.constexpr, SAVE_YPRE: tl.constexpr,
-    FAST_EXP: tl.constexpr, BD: tl.constexpr, T: tl.constexpr,
+    FAST_EXP: tl.constexpr, BD: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
+    R: tl.constexpr = 1, LANES: tl.constexpr = False, UNROLL: tl.constexpr = 1, EMU: tl.constexpr = False,
+    KC: tl.constexpr = 1,
 ):
-    """One program: channels [pid_d * BD, +BD) of sequence pid_b, the whole length.
+    """One program: channels [pid_d * BD, +BD) of sequence pid_b, chunks of S = P * V tokens; R (1 or 2, dividing
+    n) rows per channel, row R c + h scanning states [h n / R, (h + 1) n / R). LANES: the row-per-thread layout is
+    guaranteed (row i in lane i mod 32), so rows pair up by a lane shuffle; EMU (tests): emulated in the
+    interpreter.
 
-    st (b, nslots, d, n) fp32: slot c % nslots holds the state entering chunk c; the host fills slot 0 (initial
-    state or zeros). nslots == nchunks keeps them all (the checkpoints), nslots <= 2 ping-pongs.
-    Writes y (b, d, L) contiguous; ypre = y before the z gate when SAVE_YPRE; hlast (b or nseq, d, n) fp32.
+    A (n, d) and st (b, nslots, n, d) fp32 are state-major, so that a warp's accesses to one state are one
+    coalesced 128-byte access; slot c % nslots holds the state entering chunk c (slot 0 filled by the host).
+    KC > 1 (triton_sparse_ckpt.py): the checkpoints are every KC-th chunk's entering state, in ck (b, ncks, n, d)
+    (slot 0 filled by the host), st being a ping-pong pair.
+    Writes y (b, d, L) contiguous, ypre (y before the z gate) when SAVE_YPRE, hlast (b or nseq, d, n) fp32.
     """
     pid_d = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
-    offs_d = pid_d * BD + tl.arange(0, BD)  # BD divides d: no channel mask
-    offs_t = tl.arange(0, T)
+    rows = tl.arange(0, BD * R)
+    offs_d = pid_d * BD + rows // R                  # the channel of each row
+    half = rows % R
+    p_idx = tl.arange(0, P)[:, None]                 # for (P, BD) tensors
+    v_idx = tl.arange(0, V)[None, None, :]           # for (P, BD, V) tensors
+    tok = tl.arange(0, P)[:, None, None] * V + v_idx  # (P, 1, V) token offsets in the chunk
+    tok2 = tl.arange(0, P)[:, None] * V + tl.arange(0, V)[None, :]  # (P, V) for B / C
     g = (pid_d * BD) // d_per_group
     if HAS_D:
-        Dv = tl.load(D_ptr + offs_d).to(tl.float32)
+        Dv = tl.load(D_ptr + offs_d).to(tl.float32)[None, :, None]
     if HAS_DTB:
-        bias = tl.load(dtb_ptr + offs_d).to(tl.float32)
+        bias = tl.load(dtb_ptr + offs_d).to(tl.float32)[None, :, None]
     B_base = B_ptr + pid_b * sB_b + g * sB_g
     C_base = C_ptr + pid_b * sC_b + g * sC_g
-    out_off = pid_b * dim * L + offs_d[:, None] * L
-    d_off = offs_d * dstate  # row offsets in a (d, n) slab
+    nh = dstate // R
+    d_off = offs_d * dstate + half * nh  # row offsets in a (d, n) slab: the row's first state
+    drow = d_off[None, :, None]
     dn = dim * dstate
+    s_row = half * nh * dim + offs_d  # row offsets in an (n, d) state slab: a state's channels are contiguous
+    first_row = (half == 0)[None, :, None]  # the row that stores a channel's outputs
 
     for c in range(nchunks):
-        t = c * T + offs_t
+        t = c * (P * V) + tok
         mt = t < L
-        mdt = mt[None, :]
-        u = tl.load(u_ptr + pid_b * su_b + offs_d[:, None] * su_d + t[None, :] * su_l, mask=mdt,
-                    other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + pid_b * sdt_b + offs_d[:, None] * sdt_d + t[None, :] * sdt_l, mask=mdt,
-                     other=0.0).to(tl.float32)
+        t2 = c * (P * V) + tok2
+        mt2 = t2 < L
+        t0 = c * (P * V)
+        u = load_tile(u_ptr + pid_b * su_b, pid_d * BD, su_d, su_l, t0, L, P, BD * R, V, R)
+        dt = load_tile(dt_ptr + pid_b * sdt_b, pid_d * BD, sdt_d, sdt_l, t0, L, P, BD * R, V, R)
         if HAS_DTB:
-            dt += bias[:, None]
+            dt += bias
         if SOFTPLUS:
             dt = softplus(dt)
+        dt = tl.where(mt, dt, 0.0)  # no decay past L: the last token's state is the chunk's last
         dtu = dt * u
         if HAS_SID:
             s_cur = tl.load(sid_ptr + pid_b * ssid_b + t, mask=mt, other=0)
@@ -61,42 +88,52 @@ def selective_scan_fwd_kernel(
                 start = start | (t == 0)
                 s_next = tl.load(sid_ptr + pid_b * ssid_b + t + 1, mask=(t + 1) < L, other=0)
                 end = mt & (((t + 1) >= L) | (s_next != s_cur))
-        # one-hot weights of the chunk's last token: h_last = sum_t w_t h_t is one FMA chain per thread
-        w_last = tl.where(offs_t == tl.minimum(T - 1, L - 1 - c * T), 1.0, 0.0)[None, :]
-        st_in = st_ptr + (pid_b * nslots + c % nslots) * dn + d_off
+        st_in = st_ptr + (pid_b * nslots + c % nslots) * dn + s_row
         if c + 1 < nchunks:
-            st_out = st_ptr + (pid_b * nslots + (c + 1) % nslots) * dn + d_off
+            st_out = st_ptr + (pid_b * nslots + (c + 1) % nslots) * dn + s_row
+            st_step = dim
         else:
             st_out = hlast_ptr + pid_b * dn + d_off
-        y = tl.zeros([BD, T], dtype=tl.float32)
-        for n in range(dstate):
-            A_n = tl.load(A_ptr + d_off + n).to(tl.float32) * LOG2E
-            B_n = tl.load(B_base + n * sB_n + t * sB_l, mask=mt, other=0.0)
-            C_n = tl.load(C_base + n * sC_n + t * sC_l, mask=mt, other=0.0)
-            a = exp2(dt * A_n[:, None], FAST_EXP)
-            bx = dtu * B_n[None, :]
-            if HAS_SID:
-                if VARLEN and HAS_H0:  # a packed sequence starts from its own initial state
-                    hin = tl.load(h0_ptr + s_cur[None, :] * dn + d_off[:, None] + n, mask=start[None, :],
-                                  other=0.0).to(tl.float32)
-                    bx += a * hin
-                a = tl.where(start[None, :], 0.0, a)
-            acum, hs = tl.associative_scan((a, bx), axis=1, combine_fn=linear_combine)
-            hs += acum * tl.load(st_in + n)[:, None]
-            y += hs * C_n[None, :]
-            if VARLEN:
-                tl.store(hlast_ptr + s_cur[None, :] * dn + d_off[:, None] + n, hs, mask=end[None, :])
-                if c + 1 < nchunks:  # the packed sequences' final states are stored at their ends
-                    tl.store(st_out + n, tl.sum(hs * w_last, axis=1))
-            else:
-                tl.store(st_out + n, tl.sum(hs * w_last, axis=1))
+            st_step = 1
+        y = tl.zeros([P, BD * R, V], dtype=tl.float32)
+        for n0 in range(0, nh, UNROLL):  # UNROLL states per iteration: independent work for the scheduler
+            for k in tl.static_range(UNROLL):
+                n = n0 + k
+                A_n = (tl.load(A_ptr + s_row + n * dim).to(tl.float32) * LOG2E)[None, :, None]
+                B_n = tl.load(B_base + n * sB_n + t2 * sB_l, mask=mt2, other=0.0)[:, None, :]
+                C_n = tl.load(C_base + n * sC_n + t2 * sC_l, mask=mt2, other=0.0)[:, None, :]
+                if R == 2:  # the second row of a channel scans state n + n / 2
+                    B_n = tl.where(first_row, B_n, tl.load(B_base + (n + nh) * sB_n + t2 * sB_l, mask=mt2,
+                                                           other=0.0)[:, None, :])
+                    C_n = tl.where(first_row, C_n, tl.load(C_base + (n + nh) * sC_n + t2 * sC_l, mask=mt2,
+                                                           other=0.0)[:, None, :])
+                a = exp2(dt * A_n, FAST_EXP)
+                bx = dtu * B_n
+                if HAS_SID:
+                    if VARLEN and HAS_H0:  # a packed sequence starts from its own initial state
+                        hin = tl.load(h0_ptr + s_cur * dn + drow + n, mask=start, other=0.0).to(tl.float32)
+                        bx += a * hin
+                    a = tl.where(start, 0.0, a)
+                hs = scan_forward(a, bx, tl.load(st_in + n * dim), v_idx, p_idx, P, V, LANES)
+                y += hs * C_n
+                if VARLEN:
+                    tl.store(hlast_ptr + s_cur * dn + drow + n, hs, mask=end)
+                    if c + 1 < nchunks:  # the packed sequences' final states are stored at their ends
+                        tl.store(st_out + n * st_step, last_token(hs, v_idx, p_idx, P, V))
+                else:
+                    tl.store(st_out + n * st_step, last_token(hs, v_idx, p_idx, P, V))
+                if KC > 1:
+                    if ((c + 1) % KC == 0) & (c + 1 < nchunks):
+                        tl.store(ck_ptr + (pid_b * ncks + (c + 1) // KC) * dn + s_row + n * dim,
+                                 last_token(hs, v_idx, p_idx, P, V))
+        y = rows_sum(y, R, LANES, EMU)
         if HAS_D:
-            y += Dv[:, None] * u
+            y += Dv * u
         if HAS_Z:
             if SAVE_YPRE:
-                tl.store(ypre_ptr + out_off + t[None, :], y, mask=mdt)
-            zv = tl.load(z_ptr + pid_b * sz_b + offs_d[:, None] * sz_d + t[None, :] * sz_l, mask=mdt,
-                         other=0.0).to(tl.float32)
+                store_tile(ypre_ptr + pid_b * dim * L, y, pid_d * BD, L, 1, t0, L, P, BD * R, V, R)
+            zv = load_tile(z_ptr + pid_b * sz_b, pid_d * BD, sz_d, sz_l, t0, L, P, BD * R, V, R)
             y *= zv * tl.sigmoid(zv)
-        tl.store(y_ptr + out_off + t[None, :], y, mask=mdt)
-        tl.debug_barrier()  # the next chunk's entering state was stored by other threads
+        store_tile(y_ptr + pid_b * dim * L, y, pid_d * BD, L, 1, t0, L, P, BD * R, V, R)
+        if not LANES:  # with the row-per-thread layout each thread reloads the carries it stored itself
+            tl.debug_barrier()  # the next chunk's entering state, for other layouts

@@ -3,7 +3,10 @@
 Arguments are already validated by ``mamba_parallel.ops.selective_scan.selective_scan``. Varlen input is turned into
 a per-token sequence id (b, L) int32 here: ``seq_idx`` as given, or derived from ``cu_seqlens`` (then
 ``varlen=True``: initial / last states are per packed sequence). The backward recomputes the states from
-checkpoints taken every ``chunk`` tokens, so the (b, d, n, L) states are never stored.
+checkpoints taken every ``chunk`` tokens (or every ``ckpt_every`` chunks), so the (b, d, n, L) states are never
+stored. Carries, checkpoints, A and dA are state-major ((., n, d)): a warp's accesses to one state are one
+coalesced access. ``impl`` (v2 | v3 | v4, ``triton_common.scan_impl``) picks the launch: rows per channel, the
+register-chain / lane-shuffle paths (``_lanes``) and states per loop iteration.
 """
 
 from __future__ import annotations
@@ -15,8 +18,6 @@ from mamba_parallel.ops.backend import interpret_mode
 from mamba_parallel.ops.selective_scan.triton_bwd import selective_scan_bwd_kernel
 from mamba_parallel.ops.selective_scan.triton_common import scan_config, scan_impl
 from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kernel
-from mamba_parallel.ops.selective_scan.triton_v2_bwd import selective_scan_bwd_v2_kernel
-from mamba_parallel.ops.selective_scan.triton_v2_fwd import selective_scan_fwd_v2_kernel
 
 
 def _as4d(t: torch.Tensor) -> torch.Tensor:
@@ -38,23 +39,21 @@ def _config(u: torch.Tensor, B: torch.Tensor, impl: str):
     return scan_config(u.shape[1] // _as4d(B).shape[1], u.shape[2], interpret=_interpreted(u), impl=impl)
 
 
-def _rows_per_channel(impl: str, n: int, bwd: bool) -> int:
-    """v4 (both passes) and v5 (backward only) split each channel's states over two rows (lanes); n must be even."""
-    return 2 if (impl == "v4" or (impl == "v5" and bwd)) and n % 2 == 0 else 1
+def _rows_per_channel(impl: str, n: int) -> int:
+    """v4 splits each channel's states over two rows (lanes); n must be even."""
+    return 2 if impl == "v4" and n % 2 == 0 else 1
 
 
 def _tile_meta(u: torch.Tensor, chunk: int, impl: str, n: int, bwd: bool) -> dict:
-    """Tile constexprs: v1 (BD, T) tiles take T; v2-v4 (P, BD R, V) tiles take V = one 16-byte vector of u per
-    thread (4 in the interpreter, so that tests cover both scan levels), P = chunk / V and R rows per channel."""
-    if impl == "v1":
-        return dict(T=chunk)
+    """Tile constexprs of the (P, BD R, V) tiles: V = one 16-byte vector of u per thread (4 in the interpreter, so
+    that tests cover both scan levels), P = chunk / V, R rows per channel, UNROLL states per loop iteration."""
     v = min(chunk, 16 // u.element_size(), 4 if _interpreted(u) else 16)
-    r = _rows_per_channel(impl, n, bwd)
+    r = _rows_per_channel(impl, n)
     return dict(P=chunk // v, V=v, R=r, UNROLL=_unroll(impl, n // r, bwd, r))
 
 
 def _unroll(impl: str, states_per_row: int, bwd: bool, rows: int) -> int:
-    """States per loop iteration (v3-v5): more independent work per iteration for the scheduler, as far as the
+    """States per loop iteration (v3, v4): more independent work per iteration for the scheduler, as far as the
     registers allow (sass_report, bf16: forward 4 states -> 175 registers, 2 with two rows per channel -> 174;
     backward 2 -> 255 without spills, 1 with two rows per channel)."""
     if impl == "v2":
@@ -70,39 +69,28 @@ EMULATE_LANES_IN_INTERPRETER = False
 
 
 def _lanes(u, delta, z, block_d: int, warps: int, chunk: int, d_per_group: int, impl: str, n: int,
-           bwd: bool, varlen: bool) -> bool:
-    """Whether v3-v5 may rely on the v2 register layout (row i of a program in lane i mod 32 of warp i / 32, all of
-    a chunk's tokens in its registers): sequential token scans, lane-shuffle sums of dB / dC and of v4's row pairs.
-    Triton picks it for token-major inputs with one row per thread whose rows are 16-byte aligned (it vectorises
-    a row's tokens only when the JIT sees row strides divisible by 16 and aligned pointers; otherwise it spreads
-    them over lanes), unless cu_seqlens' per-token gathers of initial / last states (3D pointer tiles) pull the
-    tiles into another layout (sass_report: they do)."""
-    r = _rows_per_channel(impl, n, bwd)
+           varlen: bool) -> bool:
+    """Whether v3 / v4 may rely on the row-per-thread layout (row i of a program in lane i mod 32 of warp i / 32,
+    all of a chunk's tokens in its registers): sequential token scans, lane-shuffle sums of dB / dC and of v4's
+    row pairs. Triton picks it for token-major inputs with one row per thread whose rows are 16-byte aligned (it
+    vectorises a row's tokens only when the JIT sees row strides divisible by 16 and aligned pointers; otherwise
+    it spreads them over lanes), unless cu_seqlens' per-token gathers of initial / last states (3D pointer tiles)
+    pull the tiles into another layout (sass_report: they do)."""
+    r = _rows_per_channel(impl, n)
     token_major = all(t is None or t.stride(2) == 1 for t in (u, delta, z))
     aligned = u.shape[2] % 16 == 0 and all(
         t is None or (t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0 and t.data_ptr() % 16 == 0)
         for t in (u, delta, z))
     interp = _interpreted(u)
-    return (impl in ("v3", "v4", "v5") and (not interp or EMULATE_LANES_IN_INTERPRETER) and not varlen
+    return (impl in ("v3", "v4") and (not interp or EMULATE_LANES_IN_INTERPRETER) and not varlen
             and token_major and (aligned or interp)
             and block_d * r == 32 * warps and d_per_group % (32 // r) == 0 and chunk * r <= 32)
 
 
-def _state_shape(impl: str, b: int, slots: int, d: int, n: int) -> tuple[int, int, int, int]:
-    """Carry / checkpoint buffers: (b, slots, d, n) for v1, state-major (b, slots, n, d) for v2-v5 (one thread per
-    channel: a warp's accesses to one state are then contiguous)."""
-    return (b, slots, d, n) if impl == "v1" else (b, slots, n, d)
-
-
 def _ckpt_slots(u: torch.Tensor, B: torch.Tensor, impl: str) -> int:
-    """Checkpoints a forward with gradients keeps: one per chunk, or per ckpt_every chunks (v2-v5)."""
+    """Checkpoints a forward with gradients keeps: one per chunk, or per ckpt_every chunks."""
     cfg = _config(u, B, impl)
     return triton.cdiv(triton.cdiv(u.shape[2], cfg.chunk), cfg.ckpt_every)
-
-
-def _state_major(A: torch.Tensor, impl: str) -> torch.Tensor:
-    """A (d, n) as the kernels read it: (n, d) contiguous for v2-v5 (one state of a warp's channels coalesced)."""
-    return A.contiguous() if impl == "v1" else A.t().contiguous()
 
 
 def _strides(u, delta, z, B4, C4, sid) -> tuple[int, ...]:
@@ -117,9 +105,9 @@ def selective_scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
                        varlen: bool, nstates: int, save_ckpt: bool, impl: str) -> tuple[torch.Tensor, torch.Tensor,
                                                                                         torch.Tensor, torch.Tensor]:
     """u, delta, z (b, d, L); A (d, n); B, C (b, [g,] n, L); sid (b, L) int32 -> y (b, d, L),
-    last_state (nstates, d, n) fp32, checkpoints fp32 (``_state_shape``: (b, nchunks, d, n) for v1, (b, nchunks,
-    n, d) for v2-v5; empty unless save_ckpt), ypre (b, d, L) = y before the z gate (empty unless save_ckpt and z
-    is given). impl: 'v1' ... 'v5' (triton_common.scan_impl)."""
+    last_state (nstates, d, n) fp32, checkpoints (b, nckpt, n, d) fp32 (state-major; empty unless save_ckpt),
+    ypre (b, d, L) = y before the z gate (empty unless save_ckpt and z is given). impl: 'v2' | 'v3' | 'v4'
+    (triton_common.scan_impl)."""
     b, d, L = u.shape
     n = A.shape[1]
     cfg = _config(u, B, impl)
@@ -134,34 +122,29 @@ def selective_scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
         hlast = torch.empty((nstates, d, n), device=dev, dtype=f32)
     sparse = save_ckpt and cfg.ckpt_every > 1  # checkpoints in their own buffer, every K-th chunk
     nslots = nchunks if save_ckpt and not sparse else min(nchunks, 2)
-    states = torch.empty(_state_shape(impl, b, nslots, d, n), device=dev, dtype=f32)
+    states = torch.empty((b, nslots, n, d), device=dev, dtype=f32)
     if initial_state is not None and not varlen:
-        states[:, 0] = initial_state if impl == "v1" else initial_state.transpose(1, 2)
+        states[:, 0] = initial_state.transpose(1, 2)
     else:
         states[:, 0] = 0.0
     ncks = triton.cdiv(nchunks, cfg.ckpt_every)
-    ck = torch.empty(_state_shape(impl, b, ncks, d, n), device=dev, dtype=f32) if sparse else states
+    ck = torch.empty((b, ncks, n, d), device=dev, dtype=f32) if sparse else states
     if sparse:
         ck[:, 0] = states[:, 0]
     ypre = torch.empty((b, d, L) if save_ckpt and z is not None else (0,), device=dev, dtype=u.dtype)
     h0 = initial_state.contiguous() if initial_state is not None else None
     zz = z if z is not None else u
     opt = lambda t: t if t is not None else y  # noqa: E731  (pointer placeholder for an absent tensor)
-    kernel = selective_scan_fwd_kernel if impl == "v1" else selective_scan_fwd_v2_kernel
     meta = _tile_meta(u, cfg.chunk, impl, n, bwd=False)
-    if impl != "v1" and _lanes(u, delta, z, cfg.fwd_block_d, cfg.fwd_warps, cfg.chunk, d // B4.shape[1], impl, n,
-                               bwd=False, varlen=varlen):
+    lanes = _lanes(u, delta, z, cfg.fwd_block_d, cfg.fwd_warps, cfg.chunk, d // B4.shape[1], impl, n, varlen)
+    if lanes:
         meta.update(LANES=True, EMU=_interpreted(u))
-    elif impl != "v1":
-        meta["UNROLL"] = 1  # v2's code: its register use was only measured without unrolling
-    if impl == "v1":
-        bufs, sizes = (states,), (nchunks, nslots)
     else:
-        bufs, sizes = (states, ck), (nchunks, nslots, ncks)
-        meta["KC"] = cfg.ckpt_every if sparse else 1
-    kernel[(d // cfg.fwd_block_d, b)](
-        u, delta, zz, B4, C4, _state_major(A, impl), opt(D), opt(delta_bias), opt(h0), opt(sid), y, ypre, hlast, *bufs,
-        L, d, n, d // B4.shape[1], *sizes, *_strides(u, delta, zz, B4, C4, sid),
+        meta["UNROLL"] = 1  # v2's code: its register use was only measured without unrolling
+    meta["KC"] = cfg.ckpt_every if sparse else 1
+    selective_scan_fwd_kernel[(d // cfg.fwd_block_d, b)](
+        u, delta, zz, B4, C4, A.t().contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), y, ypre, hlast,
+        states, ck, L, d, n, d // B4.shape[1], nchunks, nslots, ncks, *_strides(u, delta, zz, B4, C4, sid),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, SAVE_YPRE=save_ckpt and z is not None,
         FAST_EXP=not _interpreted(u), BD=cfg.fwd_block_d, num_warps=cfg.fwd_warps, **meta,
@@ -175,8 +158,7 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, v
     b, d, L = u.shape
     n = A.shape[1]
     return (u.new_empty((b, d, L)), u.new_empty((nstates, d, n), dtype=torch.float32),
-            u.new_empty(_state_shape(impl, b, _ckpt_slots(u, B, impl), d, n) if save_ckpt else (0,),
-                        dtype=torch.float32),
+            u.new_empty((b, _ckpt_slots(u, B, impl), n, d) if save_ckpt else (0,), dtype=torch.float32),
             u.new_empty((b, d, L) if save_ckpt and z is not None else (0,)))
 
 
@@ -187,21 +169,21 @@ def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
                        ypre: torch.Tensor, dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool,
                        varlen: bool, impl: str) -> list[torch.Tensor]:
     """Gradients [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state] in the inputs' dtypes and
-    shapes; an absent optional input gets an empty tensor. impl: the forward's 'v1' | 'v2'."""
+    shapes; an absent optional input gets an empty tensor. impl: the forward's 'v2' | 'v3' | 'v4'."""
     b, d, L = u.shape
     n = A.shape[1]
     cfg = _config(u, B, impl)
     nchunks = triton.cdiv(L, cfg.chunk)
     ncks = _ckpt_slots(u, B, impl)
-    if ckpt.shape != _state_shape(impl, b, ncks, d, n):
+    if ckpt.shape != (b, ncks, n, d):
         raise RuntimeError(f"selective_scan_bwd: checkpoints {tuple(ckpt.shape)} do not match the tile config "
                            f"(chunk {cfg.chunk}, every {cfg.ckpt_every}); was MAMBA_PARALLEL_SCAN_CFG or "
                            f"MAMBA_PARALLEL_SCAN_CKPT_EVERY changed between forward and backward?")
     B4, C4 = _bc32(B), _bc32(C)
     G = B4.shape[1]
     bd = cfg.bwd_block_d
-    lane_sum = _lanes(u, delta, z, bd, cfg.bwd_warps, cfg.chunk, d // G, impl, n, bwd=True, varlen=varlen)
-    rows = _rows_per_channel(impl, n, bwd=True)
+    lane_sum = _lanes(u, delta, z, bd, cfg.bwd_warps, cfg.chunk, d // G, impl, n, varlen=varlen)
+    rows = _rows_per_channel(impl, n)
     nblk = d * rows // 32 if lane_sum else d // bd  # dB / dC partials: per warp (v3, v4) or per program
     dev, f32 = u.device, torch.float32
     dy = dy.contiguous()
@@ -210,13 +192,13 @@ def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
     dz = torch.empty((b, d, L), device=dev, dtype=z.dtype) if z is not None else None
     dBp = torch.empty((b, nblk, n, L), device=dev, dtype=f32)
     dCp = torch.empty((b, nblk, n, L), device=dev, dtype=f32)
-    dA = torch.zeros((b, d, n) if impl == "v1" else (b, n, d), device=dev, dtype=f32)
+    dA = torch.zeros((b, n, d), device=dev, dtype=f32)
     dD = torch.empty((b, d), device=dev, dtype=f32) if D is not None else None
     ddtb = torch.empty((b, d), device=dev, dtype=f32) if delta_bias is not None else None
-    adj = torch.zeros(_state_shape(impl, b, 2, d, n), device=dev, dtype=f32)  # ping-pong adjoint carries
+    adj = torch.zeros((b, 2, n, d), device=dev, dtype=f32)  # ping-pong adjoint carries
     h0 = initial_state.contiguous() if initial_state is not None else None
     dl = dlast.contiguous() if dlast is not None else None
-    if dl is not None and impl != "v1" and not varlen:  # read per chunk and state: state-major
+    if dl is not None and not varlen:  # read per chunk and state: state-major
         dl = dl.transpose(1, 2).contiguous()
     if h0 is None:
         dh0 = None
@@ -228,35 +210,28 @@ def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
         raise RuntimeError("selective_scan_bwd: needs y before the gate (ypre) from the forward")
     zz = z if z is not None else u
     opt = lambda t: t if t is not None else du  # noqa: E731  (pointer placeholder for an absent tensor)
-    kernel = selective_scan_bwd_kernel if impl == "v1" else selective_scan_bwd_v2_kernel
     meta = _tile_meta(u, cfg.chunk, impl, n, bwd=True)
     if lane_sum:
         meta.update(LANE_SUM=True, LP=meta["P"].bit_length() - 1, LV=meta["V"].bit_length() - 1,
                     EMU=_interpreted(u))
-    elif impl != "v1":
+    else:
         meta["UNROLL"] = 1  # v2's code: its register use was only measured without unrolling
-    if impl == "v1":
-        bufs, sizes = (adj,), (nchunks, nblk)
-    else:  # + the scratch of recomputed chunk states (sparse checkpoints)
-        kc = cfg.ckpt_every
-        scr = torch.empty(_state_shape(impl, b, kc, d, n), device=dev, dtype=f32) if kc > 1 else adj
-        bufs, sizes = (adj, scr), (nchunks, nblk, ncks)
-        meta["KC"] = kc
-    kernel[(d // bd, b)](
-        u, delta, zz, B4, C4, _state_major(A, impl), opt(D), opt(delta_bias), opt(h0), opt(sid), ckpt,
+    kc = cfg.ckpt_every
+    scr = torch.empty((b, kc, n, d), device=dev, dtype=f32) if kc > 1 else adj  # recomputed chunk states
+    selective_scan_bwd_kernel[(d // bd, b)](
+        u, delta, zz, B4, C4, A.t().contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), ckpt,
         ypre if z is not None else du, dy, opt(dl),
-        du, ddt, opt(dz), dBp, dCp, dA, opt(dD), opt(ddtb), opt(dh0), *bufs,
-        L, d, n, d // G, *sizes, *_strides(u, delta, zz, B4, C4, sid),
+        du, ddt, opt(dz), dBp, dCp, dA, opt(dD), opt(ddtb), opt(dh0), adj, scr,
+        L, d, n, d // G, nchunks, nblk, ncks, *_strides(u, delta, zz, B4, C4, sid),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, HAS_DLAST=dl is not None,
-        FAST_EXP=not _interpreted(u), BD=bd, num_warps=cfg.bwd_warps, **meta,
+        FAST_EXP=not _interpreted(u), BD=bd, KC=kc, num_warps=cfg.bwd_warps, **meta,
     )
     # channel blocks never straddle a group: sum the per-block partials of each group
     dB = dBp.view(b, G, nblk // G, n, L).sum(2).to(B.dtype).view(B.shape)
     dC = dCp.view(b, G, nblk // G, n, L).sum(2).to(C.dtype).view(C.shape)
     empty = lambda: u.new_empty((0,))  # noqa: E731  (distinct tensors: custom-op outputs may not alias)
-    dA = dA.sum(0) if impl == "v1" else dA.sum(0).t()
-    return [du, ddt, dA.to(A.dtype).contiguous(), dB, dC,
+    return [du, ddt, dA.sum(0).t().to(A.dtype).contiguous(), dB, dC,
             dD.sum(0).to(D.dtype) if dD is not None else empty(),
             dz if dz is not None else empty(),
             ddtb.sum(0).to(delta_bias.dtype) if ddtb is not None else empty(),

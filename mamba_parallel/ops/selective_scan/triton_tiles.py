@@ -1,17 +1,17 @@
-"""Tiles, loads and token scans of the v2-v5 kernels, kept inside each thread.
+"""Tiles, loads and token scans of the Mamba-1 scan kernels, kept inside each thread.
 
-A v2 tile is (P, R BD, V): row R c + h of the program (channel c; R = 2 rows per channel in v4), token p V + v of
-the chunk (S = P V tokens). ``load_tile`` reads it through a (P R BD, V) pointer tile, so that with token-major
-inputs Triton gives each thread V contiguous tokens (one 16-byte vector) of one row, the rows spread over lanes and
-warps and P repeating in registers, under both Triton 3.6's and 3.9's tie-breaking between equally contiguous axes:
-each thread owns every token of its row, so the scans and every extraction along the tokens run in registers,
-without shuffles or shared memory. (Other strides still give correct results, through whatever layout Triton
-picks.)
+A tile is (P, R BD, V): row R c + h of the program (channel c; R = 2 rows per channel in v4), token p V + v of the
+chunk (S = P V tokens). ``load_tile`` reads it through a (P R BD, V) pointer tile, so that with token-major inputs
+Triton gives each thread V contiguous tokens (one 16-byte vector) of one row, the rows spread over lanes and warps
+and P repeating in registers, under both Triton 3.6's and 3.9's tie-breaking between equally contiguous axes:
+each thread owns every token of its row (the "row-per-thread layout"), so the scans and every extraction along the
+tokens run in registers, without shuffles or shared memory. (Other strides still give correct results, through
+whatever layout Triton picks.)
 
-Where the layout is known (v3-v5 on a GPU, token-major inputs) the scans are sequential chains over the S tokens,
-one FMA each, written with ``_at`` (one token as a sum of ``where(i == k, x, -0.0)``) and ``_put``
+Where the layout is certain (v3 / v4 on a GPU, token-major aligned inputs) the scans are sequential chains over the
+S tokens, one FMA each, written with ``_at`` (one token as a sum of ``where(i == k, x, -0.0)``) and ``_put``
 (``where(i == k, val, acc)``): with thread-local tokens the masks are constants per register, so both fold to
-register moves (x + -0.0 is x). In any other layout (and in the interpreter, where the unrolled chain is slow)
+register moves (x + -0.0 is x). In any other layout (v2, and the interpreter, where the unrolled chain is slow)
 they run as two-level ``tl.associative_scan``s: along V inside a vector, then an exclusive scan of the per-vector
 maps along P. ``pick`` extracts one position of an axis like ``_at``; a "take the last" reduction would rely on
 the reduction order.
@@ -22,8 +22,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.selective_scan.triton_common import linear_combine
-from mamba_parallel.ops.selective_scan.triton_v3_lanes import butterfly
+from mamba_parallel.ops.selective_scan.triton_lanes import butterfly
+
+
+@triton.jit
+def linear_combine(a1, b1, a2, b2):
+    """Compose two steps of h -> a h + b (first (a1, b1), then (a2, b2))."""
+    return a1 * a2, a2 * b1 + b2
 
 
 @triton.jit
@@ -88,12 +93,12 @@ def exclusive_combine(xa1, xb1, la1, lb1, xa2, xb2, la2, lb2):
 
 
 @triton.jit
-def adjoint_combine(p1, f1, v1, p2, f2, v2):
+def adjoint_combine(p1, f1, e1, p2, f2, e2):
     """Reverse scan of dh_t = cx_t + a_{t+1} dh_{t+1} without shifting a: a token run [i..j] is summarised by
-    (P = a_{i+1} ... a_j, F = a_i, V = dh_i when w_{j+1} = a_{j+1} dh_{j+1} is 0), dh_i = V + P w_{j+1}.
-    (p1, f1, v1) is the later run, (p2, f2, v2) the earlier one (reverse-scan order)."""
+    (P = a_{i+1} ... a_j, F = a_i, E = dh_i when w_{j+1} = a_{j+1} dh_{j+1} is 0), dh_i = E + P w_{j+1}.
+    (p1, f1, e1) is the later run, (p2, f2, e2) the earlier one (reverse-scan order)."""
     pf = p2 * f1
-    return pf * p1, f2, v2 + pf * v1
+    return pf * p1, f2, e2 + pf * e1
 
 
 @triton.jit
@@ -135,7 +140,7 @@ def scan_adjoint_assoc(am, cx, g, v_idx, p_idx, P: tl.constexpr, V: tl.constexpr
 @triton.jit
 def scan_forward(a, b, h_in, v_idx, p_idx, P: tl.constexpr, V: tl.constexpr, SEQ: tl.constexpr):
     """h_t = a_t h_{t-1} + b_t over the tokens of (P, BD, V) tiles a, b from h_in (BD,) entering the chunk
-    -> h (P, BD, V). SEQ: the tokens are known to be thread-local (the v2 layout on a GPU)."""
+    -> h (P, BD, V). SEQ: the tokens are known to be thread-local (the row-per-thread layout on a GPU)."""
     if SEQ:
         return scan_forward_seq(a, b, h_in, P, V)
     else:
@@ -167,7 +172,8 @@ def last_token(x, v_idx, p_idx, P: tl.constexpr, V: tl.constexpr):
 @triton.jit
 def rows_sum(x, R: tl.constexpr, LANES: tl.constexpr, EMU: tl.constexpr = False):
     """(P, BD * R, V) with R rows per channel (row R c + h) -> every row holding its channel's sum over its rows.
-    LANES (R = 2, v2 layout): the partner row is the neighbouring lane, one shuffle (EMU: emulated, tests)."""
+    LANES (R = 2, row-per-thread layout): the partner row is the neighbouring lane, one shuffle (EMU: emulated,
+    tests)."""
     if R == 1:
         return x
     elif LANES:

@@ -1,4 +1,4 @@
-"""Sparser checkpoints for the v2-v5 backward (``MAMBA_PARALLEL_SCAN_CKPT_EVERY=K``): memory for compute.
+"""Sparser checkpoints for the scan backward (``MAMBA_PARALLEL_SCAN_CKPT_EVERY=K``): memory for compute.
 
 The forward keeps the state entering every K-th chunk only ((b, ceil(nchunks / K), n, d) fp32: 4 n / (K S) bytes
 per (b, d, L) element instead of 4 n / S). The backward walks a segment of K chunks in reverse; before its first
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, softplus
-from mamba_parallel.ops.selective_scan.triton_v2_scan import last_token, load_tile, scan_forward
+from mamba_parallel.ops.selective_scan.triton_tiles import last_token, load_tile, scan_forward
 
 
 @triton.jit

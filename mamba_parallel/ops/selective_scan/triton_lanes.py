@@ -1,4 +1,4 @@
-"""Sum over a warp's 32 channels of a (P, BD, V) v2 tile, as a reduce-scatter of lane shuffles (GPU only).
+"""Sum over a warp's 32 channels of a (P, BD, V) tile, as a reduce-scatter of lane shuffles (GPU only).
 
 ``tl.sum`` over the channel axis all-reduces every one of the S = P * V tokens a thread holds: 5 shuffle + add
 levels per token, each result then replicated in all 32 lanes, plus a shared-memory round across warps. Halving
@@ -8,8 +8,8 @@ over S lanes; the remaining levels are plain butterflies. That is S - 1 + 5 - lo
 of 5 S (16 vs 80 for S = 16), and no shared memory: each warp writes its own partial (b, d R / 32, n, L). With R
 rows per channel (v4), the low log2(R) lane bits select the state group and are left out of the sum.
 
-Layout contract (checked by the host, which enables this path only then): the v2 layout, lane l of warp w owning
-channel 32 w + l of the program and all S tokens in registers. Token halves are taken with ``tl.reshape`` +
+Layout contract (checked by the host, which enables this path only then): the row-per-thread layout, lane l of
+warp w owning row 32 w + l of the program and all S tokens in registers. Token halves are taken with ``tl.reshape`` +
 ``tl.split``, which only relabel registers; lane l ends with token l mod S.
 """
 
@@ -29,7 +29,7 @@ def lane_id(like):
 def butterfly(x, MASK: tl.constexpr, AXIS: tl.constexpr, EMU: tl.constexpr = False):
     """x from lane (own lane xor MASK), same register (shfl.sync.bfly over the full warp); AXIS is x's row axis.
     EMU (tests, interpreter): the same exchange as a gather along AXIS, row r taking row r xor MASK, which is what
-    the shuffle does in the v2 layout (row r in lane r mod 32)."""
+    the shuffle does in the row-per-thread layout (row r in lane r mod 32)."""
     if EMU:
         rows = tl.arange(0, x.shape[AXIS]) ^ MASK  # x is 3-D
         if AXIS == 0:
@@ -55,7 +55,8 @@ def _halve_last(x, lane, BIT: tl.constexpr, AXIS: tl.constexpr, EMU: tl.constexp
 
 @triton.jit
 def rows_lane(ROWS: tl.constexpr, EMU: tl.constexpr):
-    """(ROWS,) lane ids of a program's rows in the v2 layout (EMU: row mod 32, as that layout has them)."""
+    """(ROWS,) lane ids of a program's rows in the row-per-thread layout (EMU: row mod 32, as that layout has
+    them)."""
     if EMU:
         return tl.arange(0, ROWS) % 32
     else:
