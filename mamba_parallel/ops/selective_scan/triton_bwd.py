@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, softplus
+from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags, softplus
 from mamba_parallel.ops.selective_scan.triton_sparse_ckpt import segment_states
 from mamba_parallel.ops.selective_scan.triton_tiles import (first_token, load_tile, rows_sum, scan_adjoint,
                                                               scan_forward, store_tile)
@@ -98,13 +98,7 @@ def selective_scan_bwd_kernel(
         mt2 = t2 < L
         end = t == L - 1  # where d(last_state) enters
         if HAS_SID:
-            s_cur = tl.load(sid_ptr + pid_b * ssid_b + t, mask=mt, other=0)
-            s_prev = tl.load(sid_ptr + pid_b * ssid_b + t - 1, mask=mt & (t > 0), other=0)
-            start = mt & (s_cur != s_prev) & (t > 0)
-            if VARLEN:
-                start = start | (t == 0)
-                s_next = tl.load(sid_ptr + pid_b * ssid_b + t + 1, mask=(t + 1) < L, other=0)
-                end = mt & (((t + 1) >= L) | (s_next != s_cur))
+            s_cur, start, end = segment_flags(sid_ptr + pid_b * ssid_b, t, mt, L, end, VARLEN)
         t0 = c * (P * V)
         c0 = pid * BD
         u = load_tile(u_ptr + pid_b * su_b, c0, su_d, su_l, t0, L, P, BD * R, V, R)

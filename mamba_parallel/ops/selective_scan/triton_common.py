@@ -29,6 +29,21 @@ def exp2(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def segment_flags(sid_row, t, mt, L, end, VARLEN: tl.constexpr):
+    """seq_idx of one row at tokens t (mt = t < L) -> (s_cur, start, end): start marks tokens whose state restarts
+    (a new sequence; with VARLEN also token 0); with VARLEN, end marks each packed sequence's last token, otherwise
+    the given ``end`` passes through."""
+    s_cur = tl.load(sid_row + t, mask=mt, other=0)
+    s_prev = tl.load(sid_row + t - 1, mask=mt & (t > 0), other=0)
+    start = mt & (s_cur != s_prev) & (t > 0)
+    if VARLEN:
+        start = start | (t == 0)
+        s_next = tl.load(sid_row + t + 1, mask=(t + 1) < L, other=0)
+        end = mt & (((t + 1) >= L) | (s_next != s_cur))
+    return s_cur, start, end
+
+
+@triton.jit
 def softplus(x):
     # log(1 + e^x), exact enough in fp32; the linear branch avoids overflow (as torch's threshold=20).
     return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))

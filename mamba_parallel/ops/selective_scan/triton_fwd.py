@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, softplus
+from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags, softplus
 from mamba_parallel.ops.selective_scan.triton_tiles import last_token, load_tile, rows_sum, scan_forward, store_tile
 
 
@@ -81,13 +81,7 @@ def selective_scan_fwd_kernel(
         dt = tl.where(mt, dt, 0.0)  # no decay past L: the last token's state is the chunk's last
         dtu = dt * u
         if HAS_SID:
-            s_cur = tl.load(sid_ptr + pid_b * ssid_b + t, mask=mt, other=0)
-            s_prev = tl.load(sid_ptr + pid_b * ssid_b + t - 1, mask=mt & (t > 0), other=0)
-            start = mt & (s_cur != s_prev) & (t > 0)
-            if VARLEN:
-                start = start | (t == 0)
-                s_next = tl.load(sid_ptr + pid_b * ssid_b + t + 1, mask=(t + 1) < L, other=0)
-                end = mt & (((t + 1) >= L) | (s_next != s_cur))
+            s_cur, start, end = segment_flags(sid_ptr + pid_b * ssid_b, t, mt, L, mt, VARLEN)
         st_in = st_ptr + (pid_b * nslots + c % nslots) * dn + s_row
         if c + 1 < nchunks:
             st_out = st_ptr + (pid_b * nslots + (c + 1) % nslots) * dn + s_row

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, softplus
+from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags, softplus
 from mamba_parallel.ops.selective_scan.triton_tiles import last_token, load_tile, scan_forward
 
 
@@ -48,11 +48,7 @@ def segment_states(u_ptr, dt_ptr, B_base, A_ptr, dtb_ptr, h0_ptr, sid_ptr, ck_in
         dt = tl.where(mt, dt, 0.0)
         dtu = dt * u
         if HAS_SID:
-            s_cur = tl.load(sid_ptr + pid_b * ssid_b + t, mask=mt, other=0)
-            s_prev = tl.load(sid_ptr + pid_b * ssid_b + t - 1, mask=mt & (t > 0), other=0)
-            start = mt & (s_cur != s_prev) & (t > 0)
-            if VARLEN:
-                start = start | (t == 0)
+            s_cur, start, _ = segment_flags(sid_ptr + pid_b * ssid_b, t, mt, L, mt, VARLEN)
         if j == 0:
             src = ck_in
         else:
