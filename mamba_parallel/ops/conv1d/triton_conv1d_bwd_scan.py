@@ -125,6 +125,28 @@ def _pick8(r: tl.constexpr, v0, v1, v2, v3, v4, v5, v6, v7):
 
 
 @triton.jit
+def _set8(r: tl.constexpr, v, v0, v1, v2, v3, v4, v5, v6, v7):
+    """(v0..v7) with row r in 0..7 replaced by v (named registers: Triton has no register arrays)."""
+    if r == 0:
+        v0 = v
+    elif r == 1:
+        v1 = v
+    elif r == 2:
+        v2 = v
+    elif r == 3:
+        v3 = v
+    elif r == 4:
+        v4 = v
+    elif r == 5:
+        v5 = v
+    elif r == 6:
+        v6 = v
+    else:
+        v7 = v
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
 def _scan_step(p, x0, dy, xm3, xm2, xm1, dpm3, dpm2, dpm1, sm3, sm2, sm1, da0, da1, da2, da3, db,
                a0, a1, a2, a3, bias, seq_base, seq0, L, stride_s_l,
                HAS_SEQ: tl.constexpr, SILU: tl.constexpr, FAST_SIGMOID: tl.constexpr, ACCUMULATE: tl.constexpr):
@@ -262,36 +284,14 @@ def conv1d_bwd_scan_kernel(
         else:
             x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = _ld_rows(
                 x_cb, dy_cb, p0, cl, n_c, L, stride_x_d, stride_x_l, stride_dy_d, stride_dy_l, BLOCK_L)
-        d0 = dpm3
-        d1 = dpm3
-        d2 = dpm3
-        d3 = dpm3
-        d4 = dpm3
-        d5 = dpm3
-        d6 = dpm3
-        d7 = dpm3
+        d0, d1, d2, d3, d4, d5, d6, d7 = dpm3, dpm3, dpm3, dpm3, dpm3, dpm3, dpm3, dpm3
         for r in tl.static_range(BLOCK_L):
             xm3, xm2, xm1, dpm3, dpm2, dpm1, sm3, sm2, sm1, da0, da1, da2, da3, db, dxq = _scan_step(
                 p0 + r, _pick8(r, x0, x1, x2, x3, x4, x5, x6, x7).to(tl.float32),
                 _pick8(r, y0, y1, y2, y3, y4, y5, y6, y7).to(tl.float32),
                 xm3, xm2, xm1, dpm3, dpm2, dpm1, sm3, sm2, sm1, da0, da1, da2, da3, db,
                 a0, a1, a2, a3, bias, seq_base, seq0, L, stride_s_l, HAS_SEQ, SILU, FAST_SIGMOID, True)
-            if r == 0:
-                d0 = dxq
-            elif r == 1:
-                d1 = dxq
-            elif r == 2:
-                d2 = dxq
-            elif r == 3:
-                d3 = dxq
-            elif r == 4:
-                d4 = dxq
-            elif r == 5:
-                d5 = dxq
-            elif r == 6:
-                d6 = dxq
-            else:
-                d7 = dxq
+            d0, d1, d2, d3, d4, d5, d6, d7 = _set8(r, dxq, d0, d1, d2, d3, d4, d5, d6, d7)
         for r in tl.static_range(BLOCK_L):
             _store_dx(p0 + r - 3, _pick8(r, d0, d1, d2, d3, d4, d5, d6, d7), t0, t_end, L, dx_cb, dinit_b, cl, c,
                       n_c, stride_dx_d, stride_dx_l, stride_di_d, stride_di_k, W, HAS_INIT)

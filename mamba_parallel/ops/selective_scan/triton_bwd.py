@@ -19,7 +19,7 @@ import triton.language as tl
 from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags, softplus
 from mamba_parallel.ops.selective_scan.triton_sparse_ckpt import segment_states
 from mamba_parallel.ops.selective_scan.triton_tiles import (first_token, load_tile, rows_sum, scan_adjoint,
-                                                              scan_forward, store_tile)
+                                                              scan_forward, state_row, store_tile)
 from mamba_parallel.ops.selective_scan.triton_lanes import rows_lane, warp_channel_sum
 
 
@@ -145,13 +145,8 @@ def selective_scan_bwd_kernel(
             for k in tl.static_range(UNROLL):
                 n = n0 + k
                 A_n = tl.load(A_ptr + s_row + n * dim).to(tl.float32)[None, :, None]
-                B_n = tl.load(B_base + n * sB_n + t2 * sB_l, mask=mt2, other=0.0)[:, None, :]
-                C_n = tl.load(C_base + n * sC_n + t2 * sC_l, mask=mt2, other=0.0)[:, None, :]
-                if R == 2:  # the second row of a channel does state n + n / 2
-                    B_n = tl.where(first_row, B_n, tl.load(B_base + (n + nh) * sB_n + t2 * sB_l, mask=mt2,
-                                                           other=0.0)[:, None, :])
-                    C_n = tl.where(first_row, C_n, tl.load(C_base + (n + nh) * sC_n + t2 * sC_l, mask=mt2,
-                                                           other=0.0)[:, None, :])
+                B_n = state_row(B_base, n, nh, sB_n, sB_l, t2, mt2, first_row, R)
+                C_n = state_row(C_base, n, nh, sC_n, sC_l, t2, mt2, first_row, R)
                 a = exp2(dt * (A_n * LOG2E), FAST_EXP)
                 bx = dtu * B_n
                 hx = bx

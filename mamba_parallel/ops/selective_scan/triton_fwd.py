@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags, softplus
-from mamba_parallel.ops.selective_scan.triton_tiles import last_token, load_tile, rows_sum, scan_forward, store_tile
+from mamba_parallel.ops.selective_scan.triton_tiles import (last_token, load_tile, rows_sum, scan_forward, state_row,
+                                                              store_tile)
 
 
 @triton.jit
@@ -94,13 +95,8 @@ def selective_scan_fwd_kernel(
             for k in tl.static_range(UNROLL):
                 n = n0 + k
                 A_n = (tl.load(A_ptr + s_row + n * dim).to(tl.float32) * LOG2E)[None, :, None]
-                B_n = tl.load(B_base + n * sB_n + t2 * sB_l, mask=mt2, other=0.0)[:, None, :]
-                C_n = tl.load(C_base + n * sC_n + t2 * sC_l, mask=mt2, other=0.0)[:, None, :]
-                if R == 2:  # the second row of a channel scans state n + n / 2
-                    B_n = tl.where(first_row, B_n, tl.load(B_base + (n + nh) * sB_n + t2 * sB_l, mask=mt2,
-                                                           other=0.0)[:, None, :])
-                    C_n = tl.where(first_row, C_n, tl.load(C_base + (n + nh) * sC_n + t2 * sC_l, mask=mt2,
-                                                           other=0.0)[:, None, :])
+                B_n = state_row(B_base, n, nh, sB_n, sB_l, t2, mt2, first_row, R)
+                C_n = state_row(C_base, n, nh, sC_n, sC_l, t2, mt2, first_row, R)
                 a = exp2(dt * A_n, FAST_EXP)
                 bx = dtu * B_n
                 if HAS_SID:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags, softplus
-from mamba_parallel.ops.selective_scan.triton_tiles import last_token, load_tile, scan_forward
+from mamba_parallel.ops.selective_scan.triton_tiles import last_token, load_tile, scan_forward, state_row
 
 
 @triton.jit
@@ -56,10 +56,7 @@ def segment_states(u_ptr, dt_ptr, B_base, A_ptr, dtb_ptr, h0_ptr, sid_ptr, ck_in
         dst = scratch + (j + 1) * dn
         for n in range(nh):
             A_n = (tl.load(A_ptr + s_row + n * dim).to(tl.float32) * LOG2E)[None, :, None]
-            B_n = tl.load(B_base + n * sB_n + t2 * sB_l, mask=mt2, other=0.0)[:, None, :]
-            if R == 2:
-                B_n = tl.where(first_row, B_n, tl.load(B_base + (n + nh) * sB_n + t2 * sB_l, mask=mt2,
-                                                       other=0.0)[:, None, :])
+            B_n = state_row(B_base, n, nh, sB_n, sB_l, t2, mt2, first_row, R)
             a = exp2(dt * A_n, FAST_EXP)
             bx = dtu * B_n
             if HAS_SID:

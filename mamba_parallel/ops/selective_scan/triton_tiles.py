@@ -212,3 +212,13 @@ def store_tile(ptr, x, c0, s_d, s_l, t0, L, P: tl.constexpr, ROWS: tl.constexpr,
     if R > 1:
         m = m & ((tl.arange(0, P * ROWS) % R) == 0)[:, None]
     tl.store(ptr + offs, tl.reshape(x, (P * ROWS, V)), mask=m)
+
+
+@triton.jit
+def state_row(base, n, nh, s_n, s_l, t2, mt2, first_row, R: tl.constexpr):
+    """B or C of state n at the chunk's tokens t2 as a (P, 1, V) tile; with R == 2 rows per channel the second
+    row takes state n + nh (each row scans half of the states)."""
+    v = tl.load(base + n * s_n + t2 * s_l, mask=mt2, other=0.0)[:, None, :]
+    if R == 2:
+        v = tl.where(first_row, v, tl.load(base + (n + nh) * s_n + t2 * s_l, mask=mt2, other=0.0)[:, None, :])
+    return v
