@@ -16,10 +16,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags, softplus
+from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags
 from mamba_parallel.ops.selective_scan.triton_sparse_ckpt import segment_states
-from mamba_parallel.ops.selective_scan.triton_tiles import (first_token, load_tile, rows_sum, scan_adjoint,
-                                                              scan_forward, state_row, store_tile)
+from mamba_parallel.ops.selective_scan.triton_tiles import (delta_tile, first_token, load_tile, rows_sum, scan_adjoint,
+                                                            scan_forward, state_row, store_tile)
 from mamba_parallel.ops.selective_scan.triton_lanes import rows_lane, warp_channel_sum
 
 
@@ -76,6 +76,8 @@ def selective_scan_bwd_kernel(
         Dv = tl.load(D_ptr + offs_d).to(tl.float32)[None, :, None]
     if HAS_DTB:
         bias = tl.load(dtb_ptr + offs_d).to(tl.float32)[None, :, None]
+    else:
+        bias = 0.0
     B_base = B_ptr + pid_b * sB_b + g * sB_g
     C_base = C_ptr + pid_b * sC_b + g * sC_g
     if LANE_SUM:
@@ -102,14 +104,8 @@ def selective_scan_bwd_kernel(
         t0 = c * (P * V)
         c0 = pid * BD
         u = load_tile(u_ptr + pid_b * su_b, c0, su_d, su_l, t0, L, P, BD * R, V, R)
-        dt_raw = load_tile(dt_ptr + pid_b * sdt_b, c0, sdt_d, sdt_l, t0, L, P, BD * R, V, R)
-        if HAS_DTB:
-            dt_raw += bias
-        if SOFTPLUS:
-            dt = softplus(dt_raw)
-        else:
-            dt = dt_raw
-        dt = tl.where(mt, dt, 0.0)  # no decay past L (the forward's states)
+        dt_raw, dt = delta_tile(dt_ptr + pid_b * sdt_b, c0, sdt_d, sdt_l, t0, L, mt, bias, P, BD * R, V, R,
+                                HAS_DTB, SOFTPLUS)
         dtu = dt * u
         out_b = pid_b * dim * L  # the (b, d, L) contiguous buffers
         dy = load_tile(dy_ptr + out_b, c0, L, 1, t0, L, P, BD * R, V, R)

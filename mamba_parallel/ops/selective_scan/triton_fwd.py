@@ -15,9 +15,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags, softplus
-from mamba_parallel.ops.selective_scan.triton_tiles import (last_token, load_tile, rows_sum, scan_forward, state_row,
-                                                              store_tile)
+from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags
+from mamba_parallel.ops.selective_scan.triton_tiles import (delta_tile, last_token, load_tile, rows_sum, scan_forward,
+                                                            state_row, store_tile)
 
 
 @triton.jit
@@ -58,6 +58,8 @@ def selective_scan_fwd_kernel(
         Dv = tl.load(D_ptr + offs_d).to(tl.float32)[None, :, None]
     if HAS_DTB:
         bias = tl.load(dtb_ptr + offs_d).to(tl.float32)[None, :, None]
+    else:
+        bias = 0.0
     B_base = B_ptr + pid_b * sB_b + g * sB_g
     C_base = C_ptr + pid_b * sC_b + g * sC_g
     nh = dstate // R
@@ -74,12 +76,8 @@ def selective_scan_fwd_kernel(
         mt2 = t2 < L
         t0 = c * (P * V)
         u = load_tile(u_ptr + pid_b * su_b, pid_d * BD, su_d, su_l, t0, L, P, BD * R, V, R)
-        dt = load_tile(dt_ptr + pid_b * sdt_b, pid_d * BD, sdt_d, sdt_l, t0, L, P, BD * R, V, R)
-        if HAS_DTB:
-            dt += bias
-        if SOFTPLUS:
-            dt = softplus(dt)
-        dt = tl.where(mt, dt, 0.0)  # no decay past L: the last token's state is the chunk's last
+        _, dt = delta_tile(dt_ptr + pid_b * sdt_b, pid_d * BD, sdt_d, sdt_l, t0, L, mt, bias, P, BD * R, V, R,
+                           HAS_DTB, SOFTPLUS)
         dtu = dt * u
         if HAS_SID:
             s_cur, start, end = segment_flags(sid_ptr + pid_b * ssid_b, t, mt, L, mt, VARLEN)

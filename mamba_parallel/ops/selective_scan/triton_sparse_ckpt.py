@@ -12,8 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags, softplus
-from mamba_parallel.ops.selective_scan.triton_tiles import last_token, load_tile, scan_forward, state_row
+from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags
+from mamba_parallel.ops.selective_scan.triton_tiles import delta_tile, last_token, load_tile, scan_forward, state_row
 
 
 @triton.jit
@@ -32,6 +32,8 @@ def segment_states(u_ptr, dt_ptr, B_base, A_ptr, dtb_ptr, h0_ptr, sid_ptr, ck_in
     p_idx = tl.arange(0, P)[:, None]
     if HAS_DTB:
         bias = tl.load(dtb_ptr + offs_d).to(tl.float32)[None, :, None]
+    else:
+        bias = 0.0
     for j in range(nfill):
         c = c_first + j
         t = c * (P * V) + tok
@@ -40,12 +42,8 @@ def segment_states(u_ptr, dt_ptr, B_base, A_ptr, dtb_ptr, h0_ptr, sid_ptr, ck_in
         mt2 = t2 < L
         t0 = c * (P * V)
         u = load_tile(u_ptr + pid_b * su_b, c0, su_d, su_l, t0, L, P, BD * R, V, R)
-        dt = load_tile(dt_ptr + pid_b * sdt_b, c0, sdt_d, sdt_l, t0, L, P, BD * R, V, R)
-        if HAS_DTB:
-            dt += bias
-        if SOFTPLUS:
-            dt = softplus(dt)
-        dt = tl.where(mt, dt, 0.0)
+        _, dt = delta_tile(dt_ptr + pid_b * sdt_b, c0, sdt_d, sdt_l, t0, L, mt, bias, P, BD * R, V, R, HAS_DTB,
+                           SOFTPLUS)
         dtu = dt * u
         if HAS_SID:
             s_cur, start, _ = segment_flags(sid_ptr + pid_b * ssid_b, t, mt, L, mt, VARLEN)

@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags, softplus
-from mamba_parallel.ops.selective_scan.triton_tiles import (first_token, last_token, load_tile, scan_adjoint,
-                                                              scan_forward, state_row)
+from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags
+from mamba_parallel.ops.selective_scan.triton_tiles import (delta_tile, first_token, last_token, load_tile,
+                                                            scan_adjoint, scan_forward, state_row)
 
 ENV = "MAMBA_PARALLEL_SCAN_SPLIT"
 AUTO_WARPS_PER_SM = 8  # "auto": split until b d / 32 x k warps reach this per SM (untimed guess)
@@ -68,6 +68,8 @@ def split_local_kernel(
     g = (pid_d * BD) // d_per_group
     if HAS_DTB:
         bias = tl.load(dtb_ptr + offs_d).to(tl.float32)[None, :, None]
+    else:
+        bias = 0.0
     B_base = B_ptr + row * sB_b + g * sB_g
     dn = dim * dstate
     dsum = tl.zeros([BD], dtype=tl.float32)
@@ -78,12 +80,8 @@ def split_local_kernel(
         t2 = t0 + tok2
         mt2 = t2 < Lseg
         u = load_tile(u_ptr + row * su_b, pid_d * BD, su_d, su_l, t0, Lseg, P, BD, V, 1)
-        dt = load_tile(dt_ptr + row * sdt_b, pid_d * BD, sdt_d, sdt_l, t0, Lseg, P, BD, V, 1)
-        if HAS_DTB:
-            dt += bias
-        if SOFTPLUS:
-            dt = softplus(dt)
-        dt = tl.where(mt, dt, 0.0)
+        _, dt = delta_tile(dt_ptr + row * sdt_b, pid_d * BD, sdt_d, sdt_l, t0, Lseg, mt, bias, P, BD, V, 1, HAS_DTB,
+                           SOFTPLUS)
         dsum += tl.sum(tl.sum(dt, axis=2), axis=0)
         dtu = dt * u
         if HAS_SID:
@@ -133,6 +131,8 @@ def split_adjoint_kernel(
     g = (pid_d * BD) // d_per_group
     if HAS_DTB:
         bias = tl.load(dtb_ptr + offs_d).to(tl.float32)[None, :, None]
+    else:
+        bias = 0.0
     C_base = C_ptr + row * sC_b + g * sC_g
     dn = dim * dstate
     dsum = tl.zeros([BD], dtype=tl.float32)
@@ -143,12 +143,8 @@ def split_adjoint_kernel(
         mt = t < Lseg
         t2 = t0 + tok2
         mt2 = t2 < Lseg
-        dt = load_tile(dt_ptr + row * sdt_b, pid_d * BD, sdt_d, sdt_l, t0, Lseg, P, BD, V, 1)
-        if HAS_DTB:
-            dt += bias
-        if SOFTPLUS:
-            dt = softplus(dt)
-        dt = tl.where(mt, dt, 0.0)
+        _, dt = delta_tile(dt_ptr + row * sdt_b, pid_d * BD, sdt_d, sdt_l, t0, Lseg, mt, bias, P, BD, V, 1, HAS_DTB,
+                           SOFTPLUS)
         dsum += tl.sum(tl.sum(dt, axis=2), axis=0)
         dy = load_tile(dy_ptr + row * sdy_b, pid_d * BD, sdy_d, sdy_l, t0, Lseg, P, BD, V, 1)
         if HAS_Z:

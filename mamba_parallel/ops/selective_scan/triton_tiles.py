@@ -22,6 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mamba_parallel.ops.selective_scan.triton_common import softplus
 from mamba_parallel.ops.selective_scan.triton_lanes import butterfly
 
 
@@ -222,3 +223,17 @@ def state_row(base, n, nh, s_n, s_l, t2, mt2, first_row, R: tl.constexpr):
     if R == 2:
         v = tl.where(first_row, v, tl.load(base + (n + nh) * s_n + t2 * s_l, mask=mt2, other=0.0)[:, None, :])
     return v
+
+
+@triton.jit
+def delta_tile(dt_base, c0, s_d, s_l, t0, L, mt, bias, P: tl.constexpr, ROWS: tl.constexpr, V: tl.constexpr,
+               R: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """The chunk's delta as load_tile gives it -> (raw = delta + bias, the scans' delta = softplus(raw) or raw,
+    0 past L so no state decays there). The backward's softplus derivative reads raw."""
+    raw = load_tile(dt_base, c0, s_d, s_l, t0, L, P, ROWS, V, R)
+    if HAS_DTB:
+        raw += bias
+    dt = raw
+    if SOFTPLUS:
+        dt = softplus(raw)
+    return raw, tl.where(mt, dt, 0.0)
