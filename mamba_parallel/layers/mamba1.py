@@ -9,7 +9,9 @@ Data flow for hidden (b, L, d_model):
 Layouts (layers/mamba1_layout.py): x and z stay channels-last views of in_proj's output; the conv's output is
 made token-major once for x_proj and the scan; the gate writes out_proj's (b, L, d_inner) input. In backward the
 gate writes dz straight into in_proj's output gradient and the conv's dx is copied into its other half: nothing
-is concatenated or transposed by torch.
+is concatenated or transposed by torch. MAMBA_PARALLEL_RECOMPUTE=conv,dt,gate rebuilds the conv output (its
+token-major copy), the scan's delta and out_proj's input in the backward instead of keeping them
+(layers/recompute.py, docs/memory.md).
 Local sizes come from the attributes ``d_inner``, ``d_state``, ``dt_rank`` (tensor parallelism rewrites them).
 """
 
@@ -26,6 +28,7 @@ from mamba_parallel.layers import init
 from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
 from mamba_parallel.layers.mamba1_layout import gate_to_token_last, split_xz, token_major
 from mamba_parallel.layers.packing import resolve_seq_idx
+from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, run_saving
 
 
 def _token_major_linear(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,23 +151,44 @@ class Mamba(nn.Module):
             resume = inference_params.seqlen_offset > 0  # chunked prefill continues from the cached states
             conv_kwargs = dict(initial_state=conv_state[:b] if resume else None, return_final_state=True)
             scan_kwargs = dict(initial_state=ssm_state[:b] if resume else None, return_last_state=True)
+        conv_in = x
         x = self.run_conv(x, seq_idx, **conv_kwargs)  # reads the strided view; may keep its layout
         if conv_state is not None:
             x, final_conv = x
             conv_state[:b].copy_(final_conv)
         x = token_major(x)  # unit token stride for x_proj and the scan, which stream along L
-
-        x_dbl = self._x_proj_token_major(x)  # (b, r + 2n, L)
-        dt, B, C = x_dbl.split([r, n, n], dim=1)
-        dt = _token_major_linear(self.dt_proj.weight, dt)  # (b, d_inner, L); bias added in the scan
+        # MAMBA_PARALLEL_RECOMPUTE (training or a plain forward: no inference states to fill): what the backward
+        # rebuilds instead of keeping; empty: no context at all
+        plan = recompute_plan(self, Mamba) if conv_state is None else NOTHING
+        rebuilt = None
+        if "conv" in plan:
+            conv_in = conv_in.detach()  # a view of in_proj's output, which the conv keeps for its backward anyway
+            rebuilt = RecomputeInBackward()
+            rebuilt.add(x, lambda: token_major(self.run_conv(conv_in, seq_idx)))
+        x_dbl = run_saving(rebuilt, self._x_proj_token_major, x)  # (b, r + 2n, L); x_proj keeps x
+        dt_low, B, C = x_dbl.split([r, n, n], dim=1)
+        dt = _token_major_linear(self.dt_proj.weight, dt_low)  # (b, d_inner, L); bias added in the scan
+        if "dt" in plan:
+            w, low = self.dt_proj.weight.detach(), dt_low.detach()  # x_dbl is kept for the backward anyway
+            if rebuilt is None:
+                rebuilt = RecomputeInBackward()
+            rebuilt.add(dt, lambda: _token_major_linear(w, low))
         A = -torch.exp(self.A_log.float())
-        y = self.run_scan(x, dt, A, B, C, D=self.D.float(), delta_bias=self.dt_proj.bias.float(),
-                          seq_idx=seq_idx, **scan_kwargs)
+        # the scan keeps x and dt for the backward
+        y = run_saving(rebuilt, self.run_scan, x, dt, A, B, C, D=self.D.float(),
+                       delta_bias=self.dt_proj.bias.float(), seq_idx=seq_idx, **scan_kwargs)
         if ssm_state is not None:
             y, last_state = y
             ssm_state[:b].copy_(last_state)
         # the gate outside the scan: it reads z in place and writes out_proj's input (b, L, d_inner) contiguous
-        return self.out_proj(gate_to_token_last(y, z, xz_grad))
+        gated = gate_to_token_last(y, z, xz_grad)
+        if "gate" not in plan:
+            return self.out_proj(gated)
+        y_in, z_in = y.detach(), z.detach()  # the gate keeps both for its backward anyway
+        rebuilt = RecomputeInBackward()
+        rebuilt.add(gated, lambda: gate_to_token_last(y_in, z_in))
+        with rebuilt:  # out_proj keeps its input for the weight gradient
+            return self.out_proj(gated)
 
     def step(self, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
         """One decode token: hidden_states (b, 1, d_model) -> (b, 1, d_model); states updated in place."""

@@ -9,6 +9,9 @@ Local sizes come from the attributes ``d_inner, nheads, headdim, ngroups, d_stat
 them); packed sequences are handled through ``seq_idx`` / ``cu_seqlens`` in both the conv and the scan.
 Both splits (zxbcdt -> z / xBC / dt, conv output -> x / B / C) go through ``ops.grad_arena``: the conv, scan
 and norm kernels write their input gradients into one buffer per split, so the backward concatenates nothing.
+MAMBA_PARALLEL_RECOMPUTE=conv,gate,states recomputes the conv output (from in_proj's output, kept anyway),
+out_proj's input (from the norm's inputs, kept anyway) and the SSD chunk states in the backward instead of keeping
+them, as mamba_ssm's fused path does (layers/recompute.py, docs/memory.md).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from mamba_parallel.layers import init
 from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.norm import RMSNormGated
+from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, run_saving
 from mamba_parallel.ops.grad_arena import split_with_grad_arena, tag_view
 
 
@@ -146,24 +150,40 @@ class Mamba2(nn.Module):
             resume = inference_params.seqlen_offset > 0  # chunked prefill continues from the cached states
             conv_kwargs = dict(initial_state=conv_state[:b] if resume else None, return_final_state=True)
             scan_kwargs = dict(initial_states=ssm_state[:b] if resume else None, return_final_states=True)
-        xBC = self.run_conv(_tagged(xBC, lambda t: t.transpose(1, 2)), seq_idx, **conv_kwargs)
+        conv_in = _tagged(xBC, lambda t: t.transpose(1, 2))
+        xBC = self.run_conv(conv_in, seq_idx, **conv_kwargs)
         if conv_state is not None:
             xBC, final_conv = xBC
             conv_state[:b].copy_(final_conv)
+        # MAMBA_PARALLEL_RECOMPUTE: what the backward rebuilds instead of keeping (empty: no context at all)
+        plan = recompute_plan(self, Mamba2) if conv_state is None else NOTHING
+        rebuilt = None
+        if "conv" in plan:
+            conv_in = conv_in.detach()  # views of in_proj's output, which the conv keeps for its backward anyway
+            rebuilt = RecomputeInBackward()
+            rebuilt.add(xBC, lambda: self.run_conv(conv_in, seq_idx))
         x, B, C = split_with_grad_arena(xBC.transpose(1, 2), [self.d_inner, g * n, g * n], dim=-1)
 
         A = -torch.exp(self.A_log.float())
         heads, groups = (lambda t: t.unflatten(-1, (h, p))), (lambda t: t.unflatten(-1, (g, n)))
-        y = self.run_scan(_tagged(x, heads), dt, A, _tagged(B, groups), _tagged(C, groups), D=self._D(),
-                          z=None if self.rmsnorm else _tagged(z, heads), dt_bias=self.dt_bias, seq_idx=seq_idx,
-                          cu_seqlens=cu_seqlens, **scan_kwargs)
+        # the scan keeps x, B, C (views of the conv output)
+        y = run_saving(rebuilt, self.run_scan, _tagged(x, heads), dt, A, _tagged(B, groups), _tagged(C, groups),
+                       D=self._D(), z=None if self.rmsnorm else _tagged(z, heads), dt_bias=self.dt_bias,
+                       seq_idx=seq_idx, cu_seqlens=cu_seqlens, **scan_kwargs)
         if ssm_state is not None:
             y, final_ssm = y
             ssm_state[:b].copy_(final_ssm)
         y = y.flatten(-2)
-        if self.rmsnorm:
-            y = self.norm(y, z)
-        return self.out_proj(y)
+        if not self.rmsnorm:
+            return self.out_proj(y)
+        if "gate" not in plan:
+            return self.out_proj(self.norm(y, z))
+        y_in, z_in = y.detach(), z.detach()  # the norm keeps both for its backward anyway
+        y = self.norm(y, z)
+        rebuilt = RecomputeInBackward()
+        rebuilt.add(y, lambda: self.norm(y_in, z_in))
+        with rebuilt:  # out_proj keeps its input for the weight gradient
+            return self.out_proj(y)
 
     def step(self, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
         """One decode token: hidden_states (b, 1, d_model) -> (b, 1, d_model); states updated in place."""

@@ -10,6 +10,7 @@ seq_idx and cu_seqlens are turned into a chunk-aligned packed layout (triton_var
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -40,6 +41,17 @@ def _prepare(x, dt, B, C, chunk_size, seq_idx, cu_seqlens):
     return pk, B.to(x.dtype), C.to(x.dtype)
 
 
+def _chunk_states(xs, dts, Bs, A, dt_bias, dt_softplus, dt_min, dt_max, valid, seg, init, nstates, hpg,
+                  chunk_size, state_dtype):
+    """The forward's state pass on the (packed) layout -> dt_proc, dA_cs (b, h, nc, chunk) fp32, states entering
+    each chunk (b, nc, h, p, n) state_dtype, final states (nstates, h, p, n) fp32. The backward runs it again when
+    the forward did not keep them (keep_states=False)."""
+    dtp, acs = dt_forward(dts, A, dt_bias, dt_softplus, dt_min, dt_max, valid, chunk_size)
+    states = weighted_outer(xs, Bs, dtp, acs, 0, hpg)
+    hin, final = state_pass_fwd(states, acs, init, seg, nstates, state_dtype)
+    return dtp, acs, hin, final
+
+
 def _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states, seq_idx,
              cu_seqlens):
     b, L, H, P = x.shape
@@ -53,9 +65,8 @@ def _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_
         xs, dts, Bs, Cs, zs = (pk.pack(t) for t in (x, dt, B, C, z))
         valid, seg = pk.valid, pk.seg
     init = initial_states.contiguous() if initial_states is not None else None
-    dtp, acs = dt_forward(dts, A, dt_bias, dt_softplus, dt_min, dt_max, valid, chunk_size)
-    states = weighted_outer(xs, Bs, dtp, acs, 0, hpg)
-    hin, final = state_pass_fwd(states, acs, init, seg, nstates, x.dtype)
+    dtp, acs, hin, final = _chunk_states(xs, dts, Bs, A, dt_bias, dt_softplus, dt_min, dt_max, valid, seg, init,
+                                         nstates, hpg, chunk_size, x.dtype)
     y, ypre = scan_fwd(xs, zs, Bs, Cs, hin, dtp, acs, D, hpg)
     if pk is not None:
         y, ypre = pk.unpack(y, x), pk.unpack(ypre, x)
@@ -83,6 +94,11 @@ def _backward(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus
         xs, dts, Bs, Cs, dys = (pk.pack(t) for t in (x, dt, Bc, Cc, dy))
         valid, seg = pk.valid, pk.seg
     dfinal = dfinal.float().contiguous() if dfinal is not None else None
+    if dtp.numel() == 0:  # the forward kept no states (keep_states=False): the same kernels give the same values
+        init = initial_states.contiguous() if initial_states is not None else None
+        nstates = cu_seqlens.numel() - 1 if cu_seqlens is not None else x.shape[0]
+        dtp, acs, hin, _ = _chunk_states(xs, dts, Bs, A, dt_bias, dt_softplus, dt_min, dt_max, valid, seg, init,
+                                         nstates, hpg, chunk_size, x.dtype)
     dhy = weighted_outer(dys, Cs, dtp, acs, 1, hpg)
     ds, dinit, dlast = state_pass_bwd(dhy, acs, hin, final, dfinal, seg, initial_states is not None)
     direct = pk is None  # packed: the kernels work in the packed layout; the unpacking gather fills the outs
@@ -106,15 +122,21 @@ def _backward(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus
 @torch.library.custom_op("mamba_parallel::ssd_chunk_scan_fwd", mutates_args=())
 def ssd_fwd_op(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
                z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool, dt_min: float, dt_max: float,
-               initial_states: Optional[Tensor], seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor]
+               initial_states: Optional[Tensor], seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor],
+               keep_final: bool = True, keep_states: bool = True
                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> y, final_states (fp32), y before the gate (empty without z), dt_proc, dA_cs, states entering chunks."""
+    """-> y, final_states (fp32), y before the gate (empty without z), dt_proc, dA_cs, states entering chunks.
+
+    keep_final=False: the caller drops final_states (no gradient reaches them), so the backward need not keep
+    them: it only multiplies them by that zero gradient. keep_states=False: dt_proc, dA_cs and the chunk states
+    are not kept for the backward, which recomputes them (MAMBA_PARALLEL_RECOMPUTE=states)."""
     return _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states,
                     seq_idx, cu_seqlens)
 
 
 @ssd_fwd_op.register_fake
-def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states, seq_idx, cu_seqlens):
+def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states, seq_idx, cu_seqlens,
+      keep_final=True, keep_states=True):
     b, L, H, P = x.shape
     N = B.shape[-1]
     nstates = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else b
@@ -150,17 +172,22 @@ def _(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min
             like(D), like(z), like(dt_bias), like(initial_states))
 
 
-_N_FWD_INPUTS = 15
+_N_FWD_INPUTS = 17
 
 
 def _setup_context(ctx, inputs, output):
     (x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states, seq_idx,
-     cu_seqlens) = inputs
+     cu_seqlens, *rest) = inputs
+    keep_final, keep_states = (tuple(rest) + (True, True))[:2]
     y, final, ypre, dtp, acs, hin = output
+    if not keep_states:  # the backward recomputes them from x, dt, B (kept anyway)
+        dtp = acs = hin = x.new_empty(0)
     ctx.args = (chunk_size, dt_softplus, dt_min, dt_max)
     ctx.has = tuple(t is not None for t in (D, z, dt_bias, initial_states, seq_idx, cu_seqlens))
+    # Unreturned final states: keep their shape only (nstates x h x p x n fp32 per layer), zeros stand in for them
+    ctx.final_shape = None if keep_final else final.shape
     ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, ypre, dtp, acs, hin,
-                          final)
+                          final if keep_final else None)
     # Gradient-arena slots (ops/grad_arena.py): the backward writes these inputs' gradients into a split's buffer
     slots = (grad_slot(x), grad_slot(dt), grad_slot(B), grad_slot(C), grad_slot(z) if z is not None else None)
     ctx.slots = slots if any(s is not None for s in slots) else None
@@ -171,6 +198,9 @@ def _autograd_backward(ctx, dy, dfinal, *_unused):
      final) = ctx.saved_tensors
     chunk_size, dt_softplus, dt_min, dt_max = ctx.args
     has_D, has_z, has_bias, has_init, _, _ = ctx.has
+    if ctx.final_shape is not None:  # keep_final=False: the wrapper dropped them, so dfinal is autograd's zeros
+        dfinal = None
+        final = torch.zeros(ctx.final_shape, dtype=torch.float32, device=x.device)  # only read times dfinal = 0
     if dy is None:
         dy = torch.zeros_like(x)
     if ctx.slots is not None:  # eager only (no slots while compiling): the custom op may not write into inputs
@@ -183,10 +213,17 @@ def _autograd_backward(ctx, dy, dfinal, *_unused):
             dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states,
             seq_idx, cu_seqlens, ypre, dtp, acs, hin, final)
     return (dx, ddt, dA, dB, dC, None, dD if has_D else None, dz if has_z else None, dbias if has_bias else None,
-            None, None, None, dinit if has_init else None, None, None)
+            None, None, None, dinit if has_init else None, None, None, None, None)
 
 
 ssd_fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def recompute_states_requested() -> bool:
+    """"states" in MAMBA_PARALLEL_RECOMPUTE (comma list, checked by layers/recompute.py's recompute_items): the
+    backward recomputes dt_proc, dA_cs and the chunk states instead of keeping them (docs/memory.md)."""
+    raw = os.environ.get("MAMBA_PARALLEL_RECOMPUTE")
+    return bool(raw) and "states" in (v.strip() for v in raw.split(","))
 
 
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -199,5 +236,6 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
     chunk_size must be a power of two >= 16.
     """
     y, final, *_ = ssd_fwd_op(x, dt, A, B, C, int(chunk_size), D, z, dt_bias, bool(dt_softplus),
-                              float(dt_limit[0]), float(dt_limit[1]), initial_states, seq_idx, cu_seqlens)
+                              float(dt_limit[0]), float(dt_limit[1]), initial_states, seq_idx, cu_seqlens,
+                              bool(return_final_states), not recompute_states_requested())
     return (y, final) if return_final_states else y

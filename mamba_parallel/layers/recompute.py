@@ -1,0 +1,187 @@
+"""MAMBA_PARALLEL_RECOMPUTE: activations a layer rebuilds in the backward instead of keeping them.
+
+Why: our Mamba-2 layer kept ~74.8 KB/token/layer for the backward against mamba_ssm's ~46.8 (docs/memory.md): the
+conv output, out_proj's input and the SSD chunk states are kept where the peer's fused backward recomputes them.
+Listing ``conv``, ``dt``, ``gate`` (and ``states``, handled inside the Triton SSD op) trades one more cheap kernel
+per layer in the backward for that memory.
+
+How: ``RecomputeInBackward`` is a ``torch.autograd.graph.saved_tensors_hooks`` context. Tensors saved inside it
+that are views of a registered target are packed as (offset, shape, strides) only; the first unpack in the
+backward runs the target's producer again (no grad, the forward's autocast state) and every saved view is rebuilt
+from that one tensor, which is dropped once its last view is unpacked.
+
+Private torch API: an inner ``saved_tensors_hooks`` context hides what is saved inside it from the hooks active
+outside (activation checkpointing's, a memory probe's). To hand those tensors on, the context reads the outer
+hooks with ``torch._C._autograd._top_saved_tensors_default_hooks(ignore_is_tracing: bool)`` (added in torch 2.8;
+the same signature in 2.11 and 2.13). Where a torch lacks it, a context with targets refuses to open (a
+RuntimeError naming the option) rather than silently keeping tensors away from checkpointing's hooks.
+
+Hot path: with the option unset, ``recompute_plan`` is one environment lookup and a string comparison (the parsed
+list is cached against the raw string), and layers create no context and enter no ``with`` block
+(``run_saving`` with ``None`` is a plain call).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple
+
+import torch
+
+RECOMPUTE_ENV = "MAMBA_PARALLEL_RECOMPUTE"
+# What MAMBA_PARALLEL_RECOMPUTE may list: activations a layer recomputes in the backward instead of keeping them.
+RECOMPUTE_ITEMS = {
+    "conv": "the conv output (Mamba, Mamba2): one more depthwise conv",
+    "dt": "Mamba's dt_proj output (the scan's delta): one more (d_inner x dt_rank) matmul",
+    "gate": "out_proj's input (Mamba: y * silu(z); Mamba2: the gated norm's output): one more gate / norm pass",
+    "states": "Mamba2's dt / decay and chunk states (Triton SSD op): one more state pass (ops/ssd/triton_impl.py)",
+}
+NOTHING: frozenset[str] = frozenset()
+
+# The saved-tensor hooks active when a RecomputeInBackward context opens (see the module docstring).
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+_parsed: tuple[str, frozenset[str]] = ("", NOTHING)  # (raw MAMBA_PARALLEL_RECOMPUTE, its items)
+
+
+def recompute_items() -> frozenset[str]:
+    """MAMBA_PARALLEL_RECOMPUTE: comma-separated names from RECOMPUTE_ITEMS (default: none). Each trades one more
+    kernel per layer in the backward for less activation memory (docs/memory.md: to time on a GPU). Parsed again
+    only when the variable's raw string changes."""
+    global _parsed
+    raw = os.environ.get(RECOMPUTE_ENV, "")
+    if raw == _parsed[0]:
+        return _parsed[1]
+    items = frozenset(v.strip() for v in raw.split(",") if v.strip())
+    unknown = sorted(items - RECOMPUTE_ITEMS.keys())
+    if unknown:
+        raise ValueError(f"{RECOMPUTE_ENV}={raw!r}: unknown {', '.join(unknown)}; expected a comma-separated "
+                         f"subset of {', '.join(RECOMPUTE_ITEMS)}")
+    _parsed = (raw, items)
+    return items
+
+
+def recompute_plan(module: torch.nn.Module, owner: type) -> frozenset[str]:
+    """The items ``module`` (a training forward: no inference cache) rebuilds in this backward: those listed in
+    MAMBA_PARALLEL_RECOMPUTE when autograd records and nothing compiles (the hooks are eager-only), less "conv"
+    when ``run_conv`` is not ``owner``'s own (context parallelism replaces it with one that communicates)."""
+    items = recompute_items()
+    if not items:
+        return NOTHING
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return NOTHING
+    if "conv" in items and ("run_conv" in module.__dict__
+                            or getattr(type(module), "run_conv", None) is not owner.run_conv):
+        items = items - {"conv"}
+    return items
+
+
+def run_saving(rebuilt: "RecomputeInBackward | None", fn: Callable, *args, **kwargs):
+    """fn(*args, **kwargs), inside ``rebuilt``'s context when there is one (None: a plain call)."""
+    if rebuilt is None:
+        return fn(*args, **kwargs)
+    with rebuilt:
+        return fn(*args, **kwargs)
+
+
+class _Outer(NamedTuple):
+    unpack: Callable
+    packed: object
+
+
+class _Recipe(NamedTuple):
+    target: int
+    offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+class _Target:
+    """One recomputable tensor: where it lives, how to rebuild it, and its saved views (counted per backward)."""
+
+    def __init__(self, out: torch.Tensor, recompute: Callable[[], torch.Tensor]):
+        self.ptr = out.untyped_storage().data_ptr()
+        self.dtype, self.device = out.dtype, out.device
+        self.shape, self.stride, self.offset = out.shape, out.stride(), out.storage_offset()
+        self.recompute = recompute
+        self.base: torch.Tensor | None = None
+        self.packed = self.unpacked = 0
+
+    def matches(self, t: torch.Tensor) -> bool:
+        return (t.numel() > 0 and t.untyped_storage().data_ptr() == self.ptr and t.dtype == self.dtype
+                and t.device == self.device)
+
+
+class RecomputeInBackward:
+    """A ``saved_tensors_hooks`` context: tensors saved for backward inside it that are views of a target ``out``
+    (see ``add``) are kept as (offset, shape, strides) and rebuilt from its ``recompute()`` in the backward.
+
+    ``recompute`` runs without grad under the forward's autocast state, once per backward at the first unpack, and
+    must return ``out``'s values with its shape and strides; it should hold only detached tensors (one with a
+    grad_fn would make a reference cycle with the graph). The rebuilt tensor is dropped when the last view saved
+    from it is unpacked, so each layer holds it only during its own backward. Without targets the context does
+    nothing. It may be entered several times (targets added in between): a target is rebuilt once either way.
+    Other saved tensors go to the hooks active outside (e.g. activation checkpointing's), if any.
+    """
+
+    def __init__(self):
+        self._targets: list[_Target] = []
+        self._autocast = None
+        self._hooks = []
+
+    def add(self, out: torch.Tensor, recompute: Callable[[], torch.Tensor]) -> None:
+        dev = out.device.type
+        if self._autocast is None:
+            self._autocast = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
+        self._targets.append(_Target(out, recompute))
+
+    def __enter__(self) -> "RecomputeInBackward":
+        hooks = None
+        if self._targets:
+            if _top_hooks is None:
+                raise RuntimeError(f"{RECOMPUTE_ENV}: torch {torch.__version__} lacks "
+                                   "torch._C._autograd._top_saved_tensors_default_hooks, so the rebuilt tensors' "
+                                   "context would hide other saved tensors from activation checkpointing's hooks; "
+                                   f"unset {RECOMPUTE_ENV} or use torch >= 2.8")
+            outer = _top_hooks(False)
+            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, outer), self._unpack)
+            hooks.__enter__()
+        self._hooks.append(hooks)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        hooks = self._hooks.pop()
+        if hooks is not None:
+            hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor, outer):
+        for i, target in enumerate(self._targets):
+            if target.matches(t):
+                target.packed += 1
+                return _Recipe(i, t.storage_offset(), t.shape, t.stride())
+        if outer is not None:
+            pack, unpack = outer
+            return _Outer(unpack, pack(t))
+        return t
+
+    def _unpack(self, packed):
+        if isinstance(packed, _Outer):
+            return packed.unpack(packed.packed)
+        if not isinstance(packed, _Recipe):
+            return packed
+        target = self._targets[packed.target]
+        base = target.base
+        if base is None:
+            dev, dtype, enabled = self._autocast
+            with torch.no_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
+                base = target.recompute()
+            if base.shape != target.shape or base.stride() != target.stride or base.dtype != target.dtype:
+                raise RuntimeError(f"RecomputeInBackward: recompute() gave {tuple(base.shape)} strides "
+                                   f"{base.stride()} {base.dtype}, the forward kept {tuple(target.shape)} strides "
+                                   f"{target.stride} {target.dtype}")
+            target.base = base
+        target.unpacked += 1
+        if target.unpacked % target.packed == 0:  # every saved view unpacked: this backward is done with it
+            target.base = None
+        offset = packed.offset - target.offset + base.storage_offset()
+        return base.as_strided(packed.shape, packed.stride, offset)

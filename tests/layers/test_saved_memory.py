@@ -1,0 +1,173 @@
+"""Activation memory the Mamba / Mamba2 layers keep for the backward on the Triton path (docs/memory.md).
+
+Every tensor autograd saves is seen through ``saved_tensors_hooks`` (a ``RecomputeInBackward`` context inside
+hands on what it does not rebuild); the bytes are those of the distinct storages kept, parameters excluded.
+fp32 on CPU (the interpreter is exact there): bf16 sizes are half of the activations' except the fp32 ones, see
+the doc's table.
+"""
+
+import pytest
+import torch
+
+from mamba_parallel.layers.mamba1 import Mamba
+from mamba_parallel.layers.mamba2 import Mamba2
+from mamba_parallel.layers.recompute import RECOMPUTE_ENV, recompute_items
+
+pytest.importorskip("triton")
+
+F32 = 4
+
+
+def _saved_bytes(module, fn):
+    """Runs fn() recording what autograd keeps -> (fn's result, bytes of the distinct non-parameter storages)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages = {}
+
+    def observe(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            storages[st.data_ptr()] = st.nbytes()
+
+    def pack(t):
+        observe(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
+def _mamba2():
+    torch.manual_seed(0)
+    return Mamba2(32, d_state=16, headdim=16, ngroups=1, chunk_size=16)
+
+
+def _mamba1():
+    torch.manual_seed(0)
+    return Mamba(16, d_state=4)
+
+
+def _mamba2_expected(m, b, L, recompute: str):
+    """The table of docs/memory.md for Mamba2 (fp32, no packing), in bytes."""
+    di, gn, h, p, n, cs = m.d_inner, m.ngroups * m.d_state, m.nheads, m.headdim, m.d_state, m.chunk_size
+    nc = -(-L // cs)
+    tokens = b * L
+    per_token = (m.d_model                # in_proj input
+                 + 2 * di + 2 * gn + h    # in_proj output zxbcdt (the conv's input, z, dt are views of it)
+                 + di                     # scan output y (the gated norm's input)
+                 + m.ngroups)             # norm rstd
+    if "conv" not in recompute:
+        per_token += di + 2 * gn          # conv output (the scan's x, B, C)
+    if "gate" not in recompute:
+        per_token += di                   # gated norm output (out_proj's input)
+    per_chunk = 2 * h * cs + h * p * n    # dt after softplus, cumulative decay (fp32); states entering each chunk
+    if "states" in recompute:
+        per_chunk = 0
+    fixed = 2 * h                         # -exp(A_log) and its exp (final states: not returned, not kept)
+    return F32 * (tokens * per_token + b * nc * per_chunk + fixed)
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
+    monkeypatch.delenv(RECOMPUTE_ENV, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("recompute", ["", "conv", "conv,gate", "states"])
+def test_mamba2_saved_bytes_match_the_table(triton_backend, recompute):
+    triton_backend.setenv(RECOMPUTE_ENV, recompute)
+    m = _mamba2()
+    b, L = 2, 32
+    h = torch.randn(b, L, m.d_model, requires_grad=True)
+    out, saved = _saved_bytes(m, lambda: m(h))
+    assert saved == _mamba2_expected(m, b, L, recompute)
+    out.sum().backward()
+
+
+def _run_with_grads(m, h, **kw):
+    m.zero_grad(set_to_none=True)
+    h = h.detach().requires_grad_(True)
+    out, saved = _saved_bytes(m, lambda: m(h, **kw))
+    torch.manual_seed(1)
+    out.backward(torch.randn_like(out))
+    grads = {name: p.grad.clone() for name, p in m.named_parameters()}
+    return out.detach(), h.grad, grads, saved
+
+
+@pytest.mark.parametrize("layer,packed,items", [("mamba2", False, "conv,gate,states"),
+                                                ("mamba2", True, "conv,gate,states"),
+                                                ("mamba1", False, "conv,dt,gate")])
+def test_recompute_is_bit_exact_and_drops_what_it_rebuilds(triton_backend, layer, packed, items):
+    m = _mamba2() if layer == "mamba2" else _mamba1()
+    b, L = (1, 32) if packed else (2, 24)
+    h = torch.randn(b, L, m.d_model)
+    kw = {"cu_seqlens": torch.tensor([0, 11, 32], dtype=torch.int32)} if packed else {}
+    ref_out, ref_dh, ref_grads, ref_saved = _run_with_grads(m, h, **kw)
+    triton_backend.setenv(RECOMPUTE_ENV, items)
+    out, dh, grads, saved = _run_with_grads(m, h, **kw)
+    assert torch.equal(out, ref_out) and torch.equal(dh, ref_dh)
+    for name, g in grads.items():
+        assert torch.equal(g, ref_grads[name]), name
+    # per token: the conv output, out_proj's input (d_inner), and for Mamba the scan's delta (d_inner);
+    # per chunk (Mamba2 "states"): dt / decay and the states entering it
+    if layer == "mamba2":
+        nc = 1 + 2 if packed else -(-L // m.chunk_size)  # packed: sequences of 11 and 21 tokens, 1 + 2 chunks
+        per_chunk = 2 * m.nheads * m.chunk_size + m.nheads * m.headdim * m.d_state
+        dropped = F32 * (b * L * (2 * m.d_inner + 2 * m.ngroups * m.d_state) + (1 if packed else b) * nc * per_chunk)
+    else:
+        dropped = F32 * b * L * 3 * m.d_inner
+    assert ref_saved - saved == dropped
+
+
+def test_recompute_option_parses_and_rejects_unknown_names(monkeypatch):
+    monkeypatch.setenv(RECOMPUTE_ENV, " conv, gate ,")
+    assert recompute_items() == {"conv", "gate"}
+    monkeypatch.setenv(RECOMPUTE_ENV, "conv,logits")
+    with pytest.raises(ValueError, match="MAMBA_PARALLEL_RECOMPUTE.*logits"):
+        recompute_items()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_ssd_scan_keeps_final_states_only_when_returned(triton_backend, packed):
+    """Unreturned final states (b x h x p x n fp32) are not kept; the gradients are the same bit for bit."""
+    from mamba_parallel.ops import ssd_chunk_scan
+
+    torch.manual_seed(0)
+    b, L, h, p, n = (1, 40, 2, 8, 8) if packed else (2, 40, 2, 8, 8)
+    inputs = dict(x=torch.randn(b, L, h, p), dt=torch.randn(b, L, h) - 1, A=-torch.rand(h) - 0.5,
+                  B=torch.randn(b, L, 1, n), C=torch.randn(b, L, 1, n), D=torch.randn(h), dt_bias=torch.randn(h))
+    kw = {"cu_seqlens": torch.tensor([0, 17, 40], dtype=torch.int32)} if packed else {}
+    gy = torch.randn(b, L, h, p)
+    results = []
+    for ret in (True, False):
+        leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
+        holder = torch.nn.Module()  # parameters: none; every saved tensor counts
+        out, saved = _saved_bytes(holder, lambda: ssd_chunk_scan(**leaves, chunk_size=16, dt_softplus=True,
+                                                                  return_final_states=ret, **kw))
+        y = out[0] if ret else out
+        y.backward(gy)  # no gradient into the final states
+        results.append(({k: v.grad for k, v in leaves.items()}, saved))
+    (grads_ret, saved_ret), (grads, saved) = results
+    for k in grads:
+        assert torch.equal(grads[k], grads_ret[k]), k
+    nstates = 2 if packed else b
+    assert saved_ret - saved == F32 * nstates * h * p * n
+
+
+def test_recompute_inside_activation_checkpointing(triton_backend):
+    """RecomputeInBackward hands what it does not rebuild to checkpoint's hooks: same gradients, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    m = _mamba2()
+    h = torch.randn(2, 24, m.d_model)
+    triton_backend.setenv(RECOMPUTE_ENV, "conv,gate,states")
+    ref_out, ref_dh, ref_grads, _ = _run_with_grads(m, h)
+    h_leaf = h.detach().requires_grad_(True)
+    m.zero_grad(set_to_none=True)
+    out = checkpoint(m, h_leaf, use_reentrant=False)
+    torch.manual_seed(1)
+    out.backward(torch.randn_like(out))
+    assert torch.equal(out, ref_out) and torch.equal(h_leaf.grad, ref_dh)
+    for name, p in m.named_parameters():
+        assert torch.equal(p.grad, ref_grads[name]), name
