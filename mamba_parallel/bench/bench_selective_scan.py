@@ -4,9 +4,8 @@
 
 Each --sweep item picks a kernel variant (MAMBA_PARALLEL_SCAN_IMPL: v2, v3, v4) and / or a tile config
 (MAMBA_PARALLEL_SCAN_CFG 'T,BDf,Wf,BDb,Wb'): ``v4``, ``v3:16,128,4,128,4``, ``16,64,2,64,2`` (the default
-variant's kernels), optionally with a sequence split of the forward (MAMBA_PARALLEL_SCAN_SPLIT, ``+splitK`` with K a
-power of two or ``auto``): ``v3+split4``, ``v4:16,64,4,64,4+split2``, ``+splitauto`` (the default variant). The default (v3, its GPU tiles) always runs first; every swept item is also checked against
-it (relative error). Without --sweep, v4 is swept too (a faster forward at few channels x batch, VARIANTS.md);
+variant's kernels). The default (auto: v3 or v4 by the work per SM) always runs first; every swept item is also
+checked against it (relative error). Without --sweep, v3 and v4 are swept too (VARIANTS.md);
 ``--sweep`` with no items times the default alone.
 
 Times are medians of >= 10 timed runs (``triton.testing.do_bench``, CUDA events) after warm-up. Achieved bandwidth
@@ -26,7 +25,7 @@ from mamba_parallel.bench._timing import COPY_TBPS, DTYPES, graph_us, median_ms,
 
 # (b, d, L, n) -> (peer fwd ms, peer fwd+bwd ms)
 SCAN_SHAPES = {(8, 4096, 4096, 16): (2.44, 12.25), (4, 5120, 8192, 16): (3.43, 15.74)}
-DEFAULT_SWEEP = ("v4",)  # the other selectable variant, timed beside the default (v3)
+DEFAULT_SWEEP = ("v3", "v4")  # the variants the default (auto) chooses between, timed beside it
 
 
 def scan_inputs(b, d, L, n, dtype, device="cuda", seed=0):
@@ -66,18 +65,10 @@ def bench_scan(b, d, L, n, dtype) -> dict:
                 config=sweep_label())
 
 
-def parse_sweep_item(item: str) -> tuple[str | None, str | None, str | None]:
-    """'v2' | 'v2:T,BDf,Wf,BDb,Wb' | 'T,BDf,Wf,BDb,Wb', each optionally followed by '+splitK' -> (impl or None,
-    cfg or None, split K or None), validated."""
+def parse_sweep_item(item: str) -> tuple[str | None, str | None]:
+    """'v2' | 'v2:T,BDf,Wf,BDb,Wb' | 'T,BDf,Wf,BDb,Wb' -> (impl or None, cfg or None), validated."""
     from mamba_parallel.ops.selective_scan.triton_common import IMPLS, parse_config
 
-    split = None
-    if "+split" in item:
-        item, _, split = item.partition("+split")
-        if split != "auto" and (not split.isdigit() or int(split) < 1 or int(split) & (int(split) - 1)):
-            raise SystemExit(f"bench_selective_scan: --sweep ...+split{split}: K must be a power of two or 'auto'")
-        if not item:
-            return None, None, split
     if ":" in item:
         impl, _, cfg = item.rpartition(":")
     else:  # a bare item is a tile config when it has commas, else a variant name
@@ -89,13 +80,12 @@ def parse_sweep_item(item: str) -> tuple[str | None, str | None, str | None]:
             parse_config(cfg)
         except ValueError as e:
             raise SystemExit(f"bench_selective_scan: --sweep {item!r}: {e}") from None
-    return impl or None, cfg or None, split
+    return impl or None, cfg or None
 
 
-def set_sweep_env(impl: str | None, cfg: str | None, split: str | None = None) -> None:
-    """Select a variant / tile config / forward split for the next calls (None: the default)."""
-    for key, val in (("MAMBA_PARALLEL_SCAN_IMPL", impl), ("MAMBA_PARALLEL_SCAN_CFG", cfg),
-                     ("MAMBA_PARALLEL_SCAN_SPLIT", split)):
+def set_sweep_env(impl: str | None, cfg: str | None) -> None:
+    """Select a variant / tile config for the next calls (None: the default)."""
+    for key, val in (("MAMBA_PARALLEL_SCAN_IMPL", impl), ("MAMBA_PARALLEL_SCAN_CFG", cfg)):
         if val is None:
             os.environ.pop(key, None)
         else:
@@ -104,19 +94,17 @@ def set_sweep_env(impl: str | None, cfg: str | None, split: str | None = None) -
 
 def sweep_label() -> str:
     impl, cfg = os.environ.get("MAMBA_PARALLEL_SCAN_IMPL"), os.environ.get("MAMBA_PARALLEL_SCAN_CFG")
-    split = os.environ.get("MAMBA_PARALLEL_SCAN_SPLIT")
-    return (":".join(x for x in (impl, cfg) if x) + (f"+split{split}" if split else "")) or "default"
+    return ":".join(x for x in (impl, cfg) if x) or "default"
 
 
-def check_config_matches_default(b, d, L, n, dtype, impl: str | None, cfg: str | None,
-                                 split: str | None = None) -> float:
+def check_config_matches_default(b, d, L, n, dtype, impl: str | None, cfg: str | None) -> float:
     """Largest relative error between a swept variant / tile config and the default one (y and every gradient)."""
     from mamba_parallel.ops.selective_scan.triton_impl import selective_scan
 
     kw = scan_inputs(b, d, L, n, dtype, seed=3)
     leaves = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
     outs = []
-    for env in ((None, None, None), (impl, cfg, split)):
+    for env in ((None, None), (impl, cfg)):
         set_sweep_env(*env)
         kwg = {k: (v.detach().requires_grad_() if k in leaves else v) for k, v in kw.items()}
         y = selective_scan(**kwg)
@@ -159,8 +147,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype of the scans")
     ap.add_argument("--sweep", nargs="*", default=list(DEFAULT_SWEEP), metavar="[IMPL:]CFG",
                     help="kernel variants (v2 v3 v4, MAMBA_PARALLEL_SCAN_IMPL) and / or tile configs "
-                         "'T,BDf,Wf,BDb,Wb' to time besides the default, e.g. v4, v3:16,128,4,128,4 or "
-                         "v3+split4 (forward split in 4 segments; default: "
+                         "'T,BDf,Wf,BDb,Wb' to time besides the default, e.g. v4 or v3:16,128,4,128,4 (default: "
                          f"{' '.join(DEFAULT_SWEEP)}; see ops/selective_scan/VARIANTS.md)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-step kernels")
     args = ap.parse_args(argv)
@@ -168,15 +155,15 @@ def main(argv=None) -> None:
     dtype = DTYPES[args.dtype]
     results = {"device": torch.cuda.get_device_name(), "scan": [], "decode": [], "sweep_errors": {}}
     sweep = [parse_sweep_item(item) for item in args.sweep]
-    for item, (impl, cfg, split) in zip([None] + list(args.sweep), [(None, None, None)] + sweep):
+    for item, (impl, cfg) in zip([None] + list(args.sweep), [(None, None)] + sweep):
         if item is not None:
             try:
-                err = check_config_matches_default(2, 512, 1024, 16, dtype, impl, cfg, split)
+                err = check_config_matches_default(2, 512, 1024, 16, dtype, impl, cfg)
             except Exception as e:
                 err = f"{type(e).__name__}: {str(e)[:200]}"
             results["sweep_errors"][item] = err
             print("partial: config", item, "error vs default", err, flush=True)
-        set_sweep_env(impl, cfg, split)
+        set_sweep_env(impl, cfg)
         for (b, d, L, n) in SCAN_SHAPES:
             try:
                 results["scan"].append(bench_scan(b, d, L, n, dtype))

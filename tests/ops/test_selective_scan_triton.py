@@ -1,9 +1,9 @@
 """Triton selective scan (Mamba-1) vs the naive reference: outputs, last state and every gradient.
 
 CPU runs use the Triton interpreter with tiny tiles (chunk 8), so L = 19 / 33 already crosses several chunks.
-Every test runs per kernel variant (MAMBA_PARALLEL_SCAN_IMPL: v2, v3 the default, v4). On CPU, v3 runs v2's code
+Every test runs per kernel variant (MAMBA_PARALLEL_SCAN_IMPL: v2, v3, v4; the default picks v3 or v4). On CPU, v3 runs v2's code
 (its register-chain / lane-shuffle paths are GPU-only), so it takes only the broad tests there, plus its lane paths
-with the shuffles emulated; the GPU tests cover its own paths and run the default's full dtype x varlen matrix.
+with the shuffles emulated; the GPU tests cover its own paths and run v3's and v4's full dtype x varlen matrix.
 """
 
 import pytest
@@ -14,7 +14,8 @@ from helpers import assert_close
 
 from mamba_parallel.ops.selective_scan import naive, selective_scan
 from mamba_parallel.ops.selective_scan import triton_impl
-from mamba_parallel.ops.selective_scan.triton_common import DEFAULT_IMPL, GPU_TILES, IMPLS, scan_config, scan_impl
+from mamba_parallel.ops.selective_scan.triton_common import (DEFAULT_IMPL, GPU_TILES, IMPLS, V4_BELOW_WARPS_PER_SM,
+                                                              pick_impl, scan_config, scan_impl)
 from mamba_parallel.ops.selective_scan.triton_impl import selective_scan_fwd
 from mamba_parallel.ops.selective_scan.triton_tiles import scan_adjoint, scan_forward
 
@@ -223,12 +224,29 @@ def test_sparse_checkpoints(impl, monkeypatch):
 
 
 def test_default_variant_and_removed_ones(monkeypatch):
-    """v3 with one-warp tiles is the default on the GPU; the interpreter keeps its tiny tiles; v1 / v5 are gone
-    with an error that says so."""
+    """The default picks v3 or v4 by the warps v3 would give each SM (v3 with one-warp tiles at many channels x
+    batch, v4 at few); v3 in the interpreter, with cu_seqlens and odd n; the interpreter keeps its tiny tiles;
+    explicit choices win; v1 / v5 are gone with an error that says so."""
     monkeypatch.delenv("MAMBA_PARALLEL_SCAN_IMPL", raising=False)
     monkeypatch.delenv("MAMBA_PARALLEL_SCAN_CFG", raising=False)
     monkeypatch.delenv("MAMBA_PARALLEL_SCAN_CKPT_EVERY", raising=False)
-    assert scan_impl() == DEFAULT_IMPL == "v3"
+    from mamba_parallel.ops.selective_scan import triton_common
+
+    monkeypatch.setattr(triton_common, "_sm_count", lambda dev: 132)  # an H200
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert DEFAULT_IMPL == "auto" and V4_BELOW_WARPS_PER_SM == 6
+    assert scan_impl(8, 4096, 16, gpu, False) == "v3"  # 1024 warps: 7.8 per SM
+    assert scan_impl(8, 5120, 16, gpu, False) == "v3"  # mamba-2.8b
+    assert scan_impl(4, 5120, 16, gpu, False) == "v4"  # 640 warps: 4.8 per SM
+    assert scan_impl(8, 1536, 16, gpu, False) == "v4"  # mamba-130m
+    assert scan_impl(8, 2048, 16, gpu, False) == "v4"  # mamba-370m, and mamba-1.4b at tp 2
+    assert pick_impl(4, 5120, 15, gpu, False) == "v3"  # v4 halves the states over two rows
+    assert pick_impl(4, 5120, 16, gpu, False, varlen=True) == "v3"
+    assert scan_impl(4, 5120, 16, gpu, True) == scan_impl(4, 5120, 16, cpu, False) == "v3"
+    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_IMPL", "v3")
+    assert scan_impl(4, 5120, 16, gpu, False) == "v3"
+    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_IMPL", "V4 ")
+    assert scan_impl(8, 8192, 16, gpu, False) == "v4"
     cfg = scan_config(4096, 4096, interpret=False)
     assert (cfg.chunk, cfg.fwd_block_d, cfg.fwd_warps, cfg.bwd_block_d, cfg.bwd_warps) == GPU_TILES["v3"]
     assert GPU_TILES["v3"] == (16, 32, 1, 32, 1) and cfg.ckpt_every == 1
@@ -236,10 +254,10 @@ def test_default_variant_and_removed_ones(monkeypatch):
     for gone in ("v1", "v5"):
         monkeypatch.setenv("MAMBA_PARALLEL_SCAN_IMPL", gone)
         with pytest.raises(ValueError, match="was removed"):
-            scan_impl()
+            scan_impl(1, 64, 16, gpu, False)
     monkeypatch.setenv("MAMBA_PARALLEL_SCAN_IMPL", "v9")
     with pytest.raises(ValueError, match="MAMBA_PARALLEL_SCAN_IMPL"):
-        scan_impl()
+        scan_impl(1, 64, 16, gpu, False)
 
 
 GPU_OTHER_VARIANT_CASES = ((torch.bfloat16, None), (torch.bfloat16, "cu_seqlens"), (torch.float32, "seq_idx"))
@@ -249,8 +267,8 @@ GPU_OTHER_VARIANT_CASES = ((torch.bfloat16, None), (torch.bfloat16, "cu_seqlens"
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("mode", [None, "seq_idx", "cu_seqlens"])
 def test_gpu_realistic(dtype, mode, impl, nan_poison):
-    if impl != DEFAULT_IMPL and (dtype, mode) not in GPU_OTHER_VARIANT_CASES:
-        pytest.skip("the non-default variants run a representative subset (bf16, fp32, every varlen mode once)")
+    if impl == "v2" and (dtype, mode) not in GPU_OTHER_VARIANT_CASES:
+        pytest.skip("v2 (the default's fallback code) runs a representative subset (bf16, fp32, every varlen mode)")
     b = 1 if mode == "cu_seqlens" else 2
     L = 700 if mode == "cu_seqlens" else 704  # v3 / v4 take their lane paths at L % 16 == 0 only
     kw = make_inputs(b=b, d=256, L=L, n=16, dtype=dtype, device="cuda", mode=mode, g=2 if mode is None else None)

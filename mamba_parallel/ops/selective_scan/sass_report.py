@@ -1,7 +1,7 @@
 """Offline code-quality report of the scan kernels: compile for sm_90 without a GPU and count what they run.
 
     python -m mamba_parallel.ops.selective_scan.sass_report [--variant v2 v3 v4] [--cfg T,BDf,Wf,BDb,Wb]
-        [--ckpt-every K] [--split K] [--dump DIR]
+        [--ckpt-every K] [--dump DIR]
 
 For each variant's forward and backward (bf16 inputs, the GPU tile config, D / z / delta_bias / softplus on, as the
 benchmark runs them) it prints the registers and spill bytes ptxas reports, and SASS instruction counts of the
@@ -181,31 +181,6 @@ def variant_kernels(variant: str, cfg: str | None = None, ckpt_every: int = 1, b
     return [("fwd", selective_scan_fwd_kernel, *fwd), ("bwd", selective_scan_bwd_kernel, *bwd)]
 
 
-def split_kernels(b=4, d=5120, L=8192, n=16, k=4):
-    """[(name, jit fn, args, constexprs, num_warps, elements per inner iteration)] of the split's pass-1 kernels
-    (triton_split.py: the forward's local segment scans, no y; the backward's local adjoints, no states) at
-    b4 d5120 L8192 with k segments, bf16, token-major, as ``split_forward`` / ``split_backward`` launch them (batch
-    folded into channels, one warp of 32 channels, 4 states per iteration). Their pass 3 is the forward /
-    backward kernel above, on L / k token rows."""
-    from mamba_parallel.ops.selective_scan.triton_split import split_adjoint_kernel, split_local_kernel
-
-    chunk, v = 16, 8
-    ls = L // k
-    bf, f32 = "*bf16", "*fp32"
-    args = dict(u_ptr=bf, dt_ptr=bf, B_ptr=f32, A_ptr=f32, dtb_ptr=f32, sid_ptr="*i32", carry_ptr=f32, hloc_ptr=f32,
-                dsum_ptr=f32, Lseg=ls, dim=b * d, dstate=n, d_per_group=d, nchunks=ls // chunk, kseg=k,
-                su_b=ls * TOKEN_STRIDE, su_d=L, su_l=TOKEN_STRIDE, sdt_b=ls * TOKEN_STRIDE, sdt_d=L,
-                sdt_l=TOKEN_STRIDE, sB_b=ls, sB_g=n * L, sB_n=L, sB_l=1, ssid_b=0)
-    consts = dict(HAS_DTB=True, SOFTPLUS=True, HAS_SID=False, FAST_EXP=True, BD=32, P=chunk // v, V=v, LANES=True,
-                  UNROLL=4)
-    adj = dict(dt_ptr=bf, z_ptr=bf, dy_ptr=bf, C_ptr=f32, A_ptr=f32, dtb_ptr=f32, sid_ptr="*i32", carry_ptr=f32,
-               gloc_ptr=f32, dsum_ptr=f32, Lseg=ls, dim=b * d, dstate=n, d_per_group=d, nchunks=ls // chunk, kseg=k,
-               sdt_b=ls * TOKEN_STRIDE, sdt_d=L, sdt_l=TOKEN_STRIDE, sz_b=ls * TOKEN_STRIDE, sz_d=L,
-               sz_l=TOKEN_STRIDE, sdy_b=b * d * ls, sdy_d=ls, sdy_l=1, sC_b=ls, sC_g=n * L, sC_n=L, sC_l=1, ssid_b=0)
-    return [(f"split{k}-local", split_local_kernel, args, consts, 1, chunk * 4),
-            (f"split{k}-adjoint", split_adjoint_kernel, adj, dict(consts, HAS_Z=True), 1, chunk * 4)]
-
-
 def main(argv=None) -> None:
     from mamba_parallel.ops.selective_scan.triton_common import IMPLS, parse_config
 
@@ -214,8 +189,6 @@ def main(argv=None) -> None:
     ap.add_argument("--cfg", help="tile config 'T,BDf,Wf,BDb,Wb' (MAMBA_PARALLEL_SCAN_CFG) instead of the default")
     ap.add_argument("--ckpt-every", type=int, default=1, metavar="K",
                     help="checkpoint every K-th chunk (MAMBA_PARALLEL_SCAN_CKPT_EVERY): the backward's recompute")
-    ap.add_argument("--split", type=int, default=0, metavar="K",
-                    help="also the split forward's pass-1 kernel (MAMBA_PARALLEL_SCAN_SPLIT=K, b4 d5120 L8192)")
     ap.add_argument("--dump", metavar="DIR", help="also write TTGIR / PTX / SASS of each kernel there")
     args = ap.parse_args(argv)
     if args.cfg:
@@ -230,9 +203,6 @@ def main(argv=None) -> None:
     for v in args.variant:
         for name, fn, fargs, consts, warps, epi in variant_kernels(v, args.cfg, args.ckpt_every):
             report(f"{v}-{name}", compile_sm90(fn, fargs, consts, warps), epi, args.dump)
-    if args.split > 1:
-        for name, fn, fargs, consts, warps, epi in split_kernels(k=args.split):
-            report(name, compile_sm90(fn, fargs, consts, warps), epi, args.dump)
 
 
 if __name__ == "__main__":

@@ -3,15 +3,17 @@
 The kernels (triton_fwd.py, triton_bwd.py) give one thread a channel (a row of the tile) and keep a chunk's S tokens
 in its registers, so the token scans, the carries and the sums over tokens stay inside the thread (triton_tiles.py).
 Variants (``MAMBA_PARALLEL_SCAN_IMPL``, VARIANTS.md) are launch choices of these two kernels: v2 (generic code for
-any layout), v3 (the default: register chains and lane-shuffle sums where the row-per-thread layout is certain),
-v4 (v3 with two rows per channel).
+any layout), v3 (register chains and lane-shuffle sums where the row-per-thread layout is certain), v4 (v3 with two
+rows per channel); the default picks v3 or v4 by the work per SM.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
@@ -81,12 +83,33 @@ def parse_config(text: str) -> tuple[int, ...]:
 
 
 IMPLS = ("v2", "v3", "v4")
-DEFAULT_IMPL = "v3"
+DEFAULT_IMPL = "auto"  # v3 or v4 by the work per SM (pick_impl)
 REMOVED_IMPLS = ("v1", "v5")  # dominated on the H200 (issue #5, VARIANTS.md)
+# v4 (two rows per channel) when v3 would give each SM fewer warps than this. H200 (132 SMs), bf16, n = 16:
+# v4 wins at b4 d5120 (4.8 warps per SM: forward 3.87 vs 5.25 ms) and in the mamba-130m / 370m training steps
+# (b8 d1536 / d2048: 2.9 / 3.9 warps per SM, +13 % / +19 % tokens/s with CUDA graphs); v3 wins at b8 d4096 (7.8
+# per SM: forward 2.67 vs 3.86 ms) and so for mamba-1.4b / 2.8b (d4096 / d5120 at batch 8).
+V4_BELOW_WARPS_PER_SM = 6
 
 
-def scan_impl() -> str:
-    """``MAMBA_PARALLEL_SCAN_IMPL=v2|v3|v4`` (default v3), read when a forward runs (its backward follows it).
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_impl(batch: int, d: int, n: int, device: torch.device, interpreted: bool, varlen: bool = False) -> str:
+    """The default variant for a scan of ``batch`` x ``d`` channels with ``n`` states: v4 when v3's warps (one per
+    32 channels) would leave the GPU's SMs short of work and n is even, else v3 (always v3 in the interpreter and
+    with cu_seqlens, where both run v2's generic code)."""
+    if interpreted or varlen or device.type != "cuda" or n % 2:
+        return "v3"
+    warps = -(-batch * d // 32)
+    return "v4" if warps < V4_BELOW_WARPS_PER_SM * _sm_count(device) else "v3"
+
+
+def scan_impl(batch: int, d: int, n: int, device: torch.device, interpreted: bool, varlen: bool = False) -> str:
+    """``MAMBA_PARALLEL_SCAN_IMPL=auto|v2|v3|v4`` (default auto: ``pick_impl``), read when a forward runs (its
+    backward follows it).
 
     v2: one thread per channel, every token of a chunk in its registers (two-level ``tl.associative_scan`` over
         the tokens, dB / dC summed over the program's channels by ``tl.reduce``): any layout, cu_seqlens.
@@ -95,15 +118,16 @@ def scan_impl() -> str:
         dB / dC summed per warp by lane shuffles (triton_lanes.py), several states per loop iteration;
         elsewhere it runs v2's code.
     v4: v3 with two rows (neighbouring lanes) per channel, each scanning half of the states (n even): twice the
-        threads for the same work (BD = 16 x warps channels); a faster forward when few channels x batch fill
-        the GPU.
+        threads for the same work (BD = 16 x warps channels); faster when few channels x batch fill the GPU.
     """
     impl = os.environ.get("MAMBA_PARALLEL_SCAN_IMPL", DEFAULT_IMPL).strip().lower() or DEFAULT_IMPL
     if impl in REMOVED_IMPLS:
         raise ValueError(f"MAMBA_PARALLEL_SCAN_IMPL={impl!r} was removed (dominated, see "
-                         f"ops/selective_scan/VARIANTS.md); use one of {IMPLS} (default {DEFAULT_IMPL})")
+                         f"ops/selective_scan/VARIANTS.md); use auto or one of {IMPLS} (default {DEFAULT_IMPL})")
+    if impl == "auto":
+        return pick_impl(batch, d, n, device, interpreted, varlen)
     if impl not in IMPLS:
-        raise ValueError(f"MAMBA_PARALLEL_SCAN_IMPL={impl!r} is not one of {IMPLS}")
+        raise ValueError(f"MAMBA_PARALLEL_SCAN_IMPL={impl!r} is not auto or one of {IMPLS}")
     return impl
 
 
@@ -114,7 +138,7 @@ GPU_TILES = {"v2": (16, 128, 4, 128, 4), "v3": (16, 32, 1, 32, 1), "v4": (16, 64
 INTERPRETER_TILES = (8, 4, 1, 4, 1)  # the interpreter is slow, and short chunks exercise the chunk carries
 
 
-def scan_config(d_per_group: int, seqlen: int, interpret: bool, impl: str = DEFAULT_IMPL) -> ScanConfig:
+def scan_config(d_per_group: int, seqlen: int, interpret: bool, impl: str = "v3") -> ScanConfig:
     """Tile sizes for channel blocks that never straddle a B/C group (BD divides d / g).
 
     ``MAMBA_PARALLEL_SCAN_CFG='T,BDf,Wf,BDb,Wb'`` overrides the choice (benchmark sweeps); block sizes are still

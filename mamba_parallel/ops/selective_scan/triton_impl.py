@@ -18,7 +18,6 @@ from mamba_parallel.ops.backend import interpret_mode
 from mamba_parallel.ops.selective_scan.triton_bwd import selective_scan_bwd_kernel
 from mamba_parallel.ops.selective_scan.triton_common import scan_config, scan_impl
 from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kernel
-from mamba_parallel.ops.selective_scan.triton_split import split_backward, split_count, split_forward
 
 
 def _as4d(t: torch.Tensor) -> torch.Tensor:
@@ -108,21 +107,7 @@ def selective_scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
     """u, delta, z (b, d, L); A (d, n); B, C (b, [g,] n, L); sid (b, L) int32 -> y (b, d, L),
     last_state (nstates, d, n) fp32, checkpoints (b, nckpt, n, d) fp32 (state-major; empty unless save_ckpt),
     ypre (b, d, L) = y before the z gate (empty unless save_ckpt and z is given). impl: 'v2' | 'v3' | 'v4'
-    (triton_common.scan_impl). ``MAMBA_PARALLEL_SCAN_SPLIT=k`` splits the sequence into k segments
-    (triton_split.py; not with cu_seqlens): same results, k times the programs."""
-    b, d, L = u.shape
-    k = 1 if varlen else split_count(b, d, L, u.device, _interpreted(u))
-    if k > 1:
-        return split_forward(_fwd_launch, _config(u, B, impl), _lanes, _tile_meta, _interpreted(u), k, u, delta, A,
-                             _bc32(B), _bc32(C), D, z, delta_bias, initial_state, sid, delta_softplus, save_ckpt,
-                             impl)
-    return _fwd_launch(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates,
-                       save_ckpt, impl)
-
-
-def _fwd_launch(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates, save_ckpt,
-                impl):
-    """The forward kernel's launch, ``selective_scan_fwd``'s contract (B, C may be given as (b, g, n, L) fp32)."""
+    (triton_common.scan_impl)."""
     b, d, L = u.shape
     n = A.shape[1]
     cfg = _config(u, B, impl)
@@ -184,21 +169,7 @@ def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
                        ypre: torch.Tensor, dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool,
                        varlen: bool, impl: str) -> list[torch.Tensor]:
     """Gradients [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state] in the inputs' dtypes and
-    shapes; an absent optional input gets an empty tensor. impl: the forward's 'v2' | 'v3' | 'v4'.
-    ``MAMBA_PARALLEL_SCAN_SPLIT=k``: k segments (triton_split.py; not with cu_seqlens), same results."""
-    b, d, L = u.shape
-    k = 1 if varlen else split_count(b, d, L, u.device, _interpreted(u))
-    if k > 1:
-        return split_backward(_bwd_launch, _config(u, B, impl), _lanes, _tile_meta, _interpreted(u), k, u, delta,
-                              A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, dlast, delta_softplus,
-                              impl)
-    return _bwd_launch(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, dlast,
-                       delta_softplus, varlen, impl)
-
-
-def _bwd_launch(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, dlast, delta_softplus,
-                varlen, impl):
-    """The backward kernel's launch, ``selective_scan_bwd``'s contract."""
+    shapes; an absent optional input gets an empty tensor. impl: the forward's 'v2' | 'v3' | 'v4'."""
     b, d, L = u.shape
     n = A.shape[1]
     cfg = _config(u, B, impl)
@@ -317,5 +288,6 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save_ckpt = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     y, last, _, _ = selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus,
-                                    varlen, nstates, save_ckpt, scan_impl())
+                                    varlen, nstates, save_ckpt,
+                                       scan_impl(b, d, A.shape[1], u.device, _interpreted(u), varlen))
     return (y, last) if return_last_state else y
