@@ -102,9 +102,10 @@ def markdown_table(result: dict) -> str:
                      f"{r['tokens_per_s_per_gpu']:,.0f} | {_f(r.get('peak_gib_per_gpu'), '.1f')} | "
                      f"{_f(r.get('speedup'), '.2f')}x | {_f(r.get('efficiency'), '.1%')} | {goal} |")
     s = result.get("settings", {})
+    recompute = f"recompute {s['recompute']}, " if s.get("recompute") else ""
     lines += ["", f"seq {s.get('seq_len')}, {s.get('batch_desc', '')}, {s.get('steps')} timed steps (median), "
-              f"dp mode {s.get('dp_mode')}, device {result.get('device', '?')}, {result.get('gpus_available', '?')} "
-              f"GPUs available."]
+              f"dp mode {s.get('dp_mode')}, {recompute}device {result.get('device', '?')}, "
+              f"{result.get('gpus_available', '?')} GPUs available."]
     skipped = [f"{r['model']} {r['layout']}" for r in result["rows"] if str(r.get("status", "")).startswith("skip")]
     if skipped:
         lines.append(f"Not run (need more GPUs than available): {', '.join(skipped)}.")
@@ -230,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per run (default: 10)")
     ap.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (default: 3)")
     ap.add_argument("--dp-mode", choices=["fsdp", "ddp"], default="fsdp", help="data parallel mode (default fsdp)")
+    ap.add_argument("--recompute", default="", metavar="ITEMS",
+                    help="bench_train --recompute for every run: comma list of conv, dt, gate, states (activations "
+                         "rebuilt in the backward instead of kept; docs/memory.md). Default: keep everything")
     ap.add_argument("--train-args", default="", help="extra bench_train flags, quoted (e.g. '--compile')")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to assume (default: torch.cuda.device_count())")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run (default: 900)")
@@ -238,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-json", nargs="+", metavar="JSON", default=None,
                     help="do not run: merge these scaling.json files and rewrite the table and plot in --out")
     a = ap.parse_args(argv)
+    if a.recompute:  # refused here, not once per torchrun run
+        from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS
+
+        unknown = sorted({v.strip() for v in a.recompute.split(",") if v.strip()} - RECOMPUTE_ITEMS.keys())
+        if unknown:
+            ap.error(f"--recompute: unknown item(s) {', '.join(unknown)}; expected a comma list of "
+                     f"{', '.join(RECOMPUTE_ITEMS)}")
 
     if a.from_json:
         results = []
@@ -258,12 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     entries = plan(a.models, a.layouts, gpus)
     for e in entries:  # check every layout's batch before running anything
         e["batch_per_dp_rank"] = batch_per_rank(e["dp"], a.global_batch, a.batch_per_dp_rank)
-    extra = shlex.split(a.train_args)
+    extra = shlex.split(a.train_args) + (["--recompute", a.recompute] if a.recompute else [])
     run_dir = os.path.join(a.out, "runs")
     result = dict(bench="scaling", device=device, gpus_available=gpus, rows=[],
                   settings=dict(seq_len=a.seq_len, steps=a.steps, warmup_steps=a.warmup_steps, dp_mode=a.dp_mode,
                                 global_batch=a.global_batch, batch_per_dp_rank=a.batch_per_dp_rank,
-                                train_args=a.train_args,
+                                train_args=a.train_args, recompute=a.recompute,
                                 batch_desc=f"global batch {a.global_batch}" if a.global_batch > 0 else
                                 f"{a.batch_per_dp_rank} sequences per data-parallel rank"))
     if not a.dry_run:

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel degree")
     p.add_argument("--cp", type=int, default=1, help="context parallel degree")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
+    p.add_argument("--recompute", default="", metavar="ITEMS",
+                   help="comma list of conv, dt, gate, states: activations each layer rebuilds in the backward "
+                        "instead of keeping them (as `train --recompute`; docs/memory.md). Default: keep everything "
+                        "(not given: the MAMBA_PARALLEL_RECOMPUTE environment variable decides)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture the whole step in one CUDA graph and replay it (one GPU or --tp only)")
@@ -108,18 +112,26 @@ def _allreduce_busbw(device: torch.device, sync, mib: int = 256, reps: int = 5) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mamba_parallel.distributed.data_parallel import init_distributed
     from mamba_parallel.train.config import resolve_config
+    from mamba_parallel.train.trainer import recompute_option
+
+    a = build_parser().parse_args(argv)
+    cfg = resolve_config(preset=a.preset, seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype,
+                         device=a.device, dp_mode=a.dp_mode, tp=a.tp, cp=a.cp, recompute=a.recompute,
+                         activation_checkpointing=a.activation_checkpointing, compile=a.compile, out="unused")
+    with recompute_option(cfg.recompute, cfg.compile) as recompute:  # before the first forward; restored after
+        return _run(a, cfg, recompute)
+
+
+def _run(a: argparse.Namespace, cfg, recompute: str) -> int:
+    """The benchmark of ``main`` with its flags resolved; ``recompute``: the items in effect (for the JSON)."""
+    from mamba_parallel.distributed.data_parallel import init_distributed
     from mamba_parallel.train.cuda_graph import GraphedTrainStep, check_graph_layout
     from mamba_parallel.train.flops import peak_flops, train_flops_per_token
     from mamba_parallel.train.optim import build_optimizer
     from mamba_parallel.train.trainer import _autocast, _grad_norm, _model_class, build_parallel_model, \
         choose_dims
 
-    a = build_parser().parse_args(argv)
-    cfg = resolve_config(preset=a.preset, seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype,
-                         device=a.device, dp_mode=a.dp_mode, tp=a.tp, cp=a.cp,
-                         activation_checkpointing=a.activation_checkpointing, compile=a.compile, out="unused")
     env = init_distributed(cfg.device)
     config = cfg.model_config()
     dims = choose_dims(cfg, config, env, print)
@@ -224,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "train", "preset": a.preset, "device": torch.cuda.get_device_name(env.device)
         if env.device.type == "cuda" else "cpu", "world_size": env.world_size, "dp": dims.dp, "tp": dims.tp,
         "cp": dims.cp, "dp_mode": a.dp_mode, "dtype": a.dtype, "seq_len": a.seq_len, "batch_per_dp_rank": a.batch_size,
-        "activation_checkpointing": a.activation_checkpointing, "compile": a.compile, "cuda_graph": a.cuda_graph,
+        "activation_checkpointing": a.activation_checkpointing, "recompute": recompute, "compile": a.compile,
+        "cuda_graph": a.cuda_graph,
         "grad_clip": a.grad_clip,
         "fsdp_param_dtype": a.fsdp_param_dtype, "reshard_after_forward": not a.no_reshard_after_forward,
         "ddp_bucket_mb": a.ddp_bucket_mb, "ddp_bf16_grads": a.ddp_bf16_grads,

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for profile.json / profile.md (/ trace.json)")
     p.add_argument("--top", type=int, default=40, help="kernels listed in the table (default: 40)")
     p.add_argument("--trace", action="store_true", help="also keep the Chrome trace (trace.json) under --out")
+    p.add_argument("--host-python", action="store_true",
+                   help="also run the steps under cProfile and write host_python.txt under --out: the Python "
+                        "functions the host spends the step in (for host-bound steps; cProfile slows them)")
     return p
 
 
@@ -225,7 +228,38 @@ def markdown(result: dict) -> str:
         name = name.replace("|", "\\|")
         lines.append(f"| {i} | `{name}` | {k['category']} | {k['ms_per_step']:.3f} | {k['calls_per_step']:g} | "
                      f"{k['avg_us']:.1f} | {k['share']:.1%} |")
+    if r.get("top_host_ops"):
+        lines += ["", f"## Top {len(r['top_host_ops'])} host ops by self CPU time", "",
+                  "| # | op | ms / step | calls / step | avg µs |", "|---|---|---|---|---|"]
+        for i, k in enumerate(r["top_host_ops"], 1):
+            name = k["name"][:90].replace("|", "\\|")
+            lines.append(f"| {i} | `{name}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:g} | {k['avg_us']:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def _python_profile(s: "_Setup", steps: int, path: str | None) -> None:
+    """cProfile over ``steps`` steps (synchronised at the end): the top Python functions by own time and by
+    cumulative time, written to ``path`` (None: this rank does not write)."""
+    import cProfile
+    import io
+    import pstats
+
+    s.sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        s.step()
+    s.sync()
+    prof.disable()
+    if path is None:
+        return
+    out = io.StringIO()
+    out.write(f"cProfile over {steps} training steps (times are totals over the steps, cProfile-inflated)\n")
+    for key in ("tottime", "cumulative"):
+        out.write(f"\n==== sorted by {key} ====\n")
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(45)
+    with open(path, "w") as fh:
+        fh.write(out.getvalue())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             prof.export_chrome_trace(os.path.join(a.out, "trace.json"))
 
     summary = summarize(per_name, busy_us, a.steps, a.top)
+    if on_cuda:  # the host side of a GPU step: aten ops by self CPU time (dispatch + launch cost per op)
+        host_ops, _ = _cpu_ops(prof)
+        summary["top_host_ops"] = summarize(host_ops, 0.0, a.steps, a.top)["top_kernels"]
     busy_fraction = min(1.0, busy_us / prof_wall_us) if prof_wall_us > 0 else 0.0
     if not on_cuda:
         verdict = "CPU run: op times are host times; use the GPU run for the host-bound question."
@@ -287,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         "profiled_step_ms": round(prof_wall_us / a.steps / 1e3, 3), "busy_fraction": round(busy_fraction, 4),
         "verdict": verdict, "final_loss": round(float(loss.detach().float().item()), 4), **summary,
     }
+    if a.host_python:
+        _python_profile(s, a.steps, os.path.join(a.out, "host_python.txt") if s.env.is_main else None)
     if s.env.is_main:
         with open(os.path.join(a.out, "profile.json"), "w") as fh:
             json.dump(result, fh, indent=1)

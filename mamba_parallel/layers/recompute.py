@@ -61,6 +61,23 @@ def recompute_items() -> frozenset[str]:
     return items
 
 
+def set_recompute(items: str | None) -> str | None:
+    """Set MAMBA_PARALLEL_RECOMPUTE to ``items`` (a comma list of RECOMPUTE_ITEMS names; None: unset it) for this
+    process, as ``--recompute`` does before the model's first forward. -> the previous raw value (None: it was
+    unset), for a caller that restores it. An unknown name raises ValueError and leaves the variable as it was."""
+    previous = os.environ.get(RECOMPUTE_ENV)
+    if items is None:
+        os.environ.pop(RECOMPUTE_ENV, None)
+        return previous
+    os.environ[RECOMPUTE_ENV] = items
+    try:
+        recompute_items()
+    except ValueError:
+        set_recompute(previous)
+        raise
+    return previous
+
+
 def recompute_plan(module: torch.nn.Module, owner: type) -> frozenset[str]:
     """The items ``module`` (a training forward: no inference cache) rebuilds in this backward: those listed in
     MAMBA_PARALLEL_RECOMPUTE when autograd records and nothing compiles (the hooks are eager-only), less "conv"

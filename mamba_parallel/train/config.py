@@ -19,8 +19,9 @@ from mamba_parallel.config import PRESETS, ConfigError, MambaConfig, get_preset
 DEFAULT_PRESET = "small-byte-mamba2"
 
 
-def _f(default, help: str, *, choices=None, flag_type=None):
-    return field(default=default, metadata={"help": help, "choices": choices, "flag_type": flag_type})
+def _f(default, help: str, *, choices=None, flag_type=None, metavar=None):
+    return field(default=default, metadata={"help": help, "choices": choices, "flag_type": flag_type,
+                                            "metavar": metavar})
 
 
 @dataclass
@@ -59,6 +60,12 @@ class TrainConfig:
     parallel: str = _f("manual", "auto: choose tp/cp from the model and GPU memory; manual: use --tp/--cp",
                        choices=["auto", "manual"])
     activation_checkpointing: bool = _f(False, "recompute each block's activations in the backward pass")
+    recompute: str = _f("", "comma list of activations each layer rebuilds in the backward instead of keeping "
+                            "them (less memory for one more cheap kernel per layer; docs/memory.md): conv = the "
+                            "conv output, dt = Mamba's dt_proj output, gate = out_proj's input, states = Mamba2's "
+                            "SSD chunk states. Default: keep everything (when not given, the "
+                            "MAMBA_PARALLEL_RECOMPUTE environment variable decides). Eager only: under --compile "
+                            "only states applies", metavar="ITEMS")
     compile: bool = _f(False, "torch.compile each block")
     cuda_graph: bool = _f(False, "capture the whole training step (forward + backward of every micro-batch, "
                                  "clipping, fused AdamW) in one CUDA graph and replay it: no per-kernel host "
@@ -111,6 +118,12 @@ class TrainConfig:
             v = getattr(self, f.name)
             if ch and v is not None and v not in ch:
                 need(False, f.name, f"must be one of {ch}, got {v!r}")
+        if self.recompute:
+            from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS  # lazy: imports torch and the layers
+
+            unknown = sorted({v.strip() for v in self.recompute.split(",") if v.strip()} - RECOMPUTE_ITEMS.keys())
+            need(not unknown, "recompute", f"unknown item(s) {', '.join(unknown)} in {self.recompute!r}; expected a "
+                                           f"comma list of {', '.join(RECOMPUTE_ITEMS)}")
         need(self.seq_len % self.cp == 0, "seq_len", f"{self.seq_len} is not divisible by --cp {self.cp}")
         if self.cuda_graph:  # the rest of the layout (data parallel ranks) is known at launch: trainer.py
             need(self.device != "cpu", "cuda_graph", "needs a CUDA device, got --device cpu")
@@ -151,7 +164,7 @@ def _toml_value(v: Any) -> str:
 # Settings of the machine a run happens to be on, not of the run: `--resume` does not take them from the run's
 # config.toml (a checkpoint resumes at any layout).
 MACHINE_FIELDS = frozenset({"device", "dp_mode", "dp_replicate", "tp", "cp", "parallel", "activation_checkpointing",
-                            "compile", "cuda_graph", "fsdp_param_dtype", "reshard_after_forward",
+                            "recompute", "compile", "cuda_graph", "fsdp_param_dtype", "reshard_after_forward",
                             "fsdp_blocks_per_unit", "ddp_bucket_mb", "ddp_bf16_grads", "progress", "resume"})
 
 
@@ -171,13 +184,14 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        help_text = f.metadata["help"] + (f" (default: {default})" if default is not None else "")
+        help_text = f.metadata["help"] + (f" (default: {default})" if default not in (None, "") else "")
         if isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             p.add_argument(flag, type=_flag_type(f), default=None, help=help_text,
                            choices=f.metadata.get("choices"),
-                           metavar=None if f.metadata.get("choices") else f.name.upper())
+                           metavar=None if f.metadata.get("choices")
+                           else f.metadata.get("metavar") or f.name.upper())
 
 
 def load_toml(path: str) -> dict:

@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from mamba_parallel.config import ConfigError
 from mamba_parallel.distributed.data_parallel import DistEnv, init_distributed
 from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
 from mamba_parallel.distributed.parallelize import parallelize
+from mamba_parallel.layers.recompute import RECOMPUTE_ENV, RECOMPUTE_ITEMS, recompute_items, set_recompute
 from mamba_parallel.train import checkpoint as ckpt
 from mamba_parallel.train.config import TrainConfig
 from mamba_parallel.train.cuda_graph import GraphedTrainStep, check_graph_layout
@@ -204,6 +206,43 @@ def _drop_metrics_after(out: str, step: int) -> None:
         fh.writelines(keep)
 
 
+# ---- --recompute ------------------------------------------------------------------------------------------------
+def _names(items: str) -> frozenset[str]:
+    return frozenset(v.strip() for v in items.split(",") if v.strip())
+
+
+@contextlib.contextmanager
+def recompute_option(items: str, compiled: bool = False):
+    """``--recompute ITEMS`` for the duration of a run: MAMBA_PARALLEL_RECOMPUTE set to ``items`` in this process
+    (under torchrun every rank parses its own flags, so every rank sets it) before the model's first forward, and
+    restored afterwards. ``items`` empty: the variable stays as the user set it. Yields the items in effect, in
+    RECOMPUTE_ITEMS order. Warns (rank 0) when the flag overrides a different value of the variable, and when
+    ``compiled`` (--compile) leaves the eager-only items without effect."""
+    main_rank = os.environ.get("RANK", "0") == "0"
+    user = os.environ.get(RECOMPUTE_ENV)
+    if items:
+        if user and _names(user) != _names(items) and main_rank:
+            warnings.warn(f"--recompute {items} overrides {RECOMPUTE_ENV}={user} for this run", stacklevel=3)
+        try:
+            set_recompute(items)
+        except ValueError as e:
+            raise ConfigError(f"--recompute: {e}") from None
+    try:
+        try:
+            active = recompute_items()
+        except ValueError as e:  # a bad variable fails here, before any work, not in the first forward
+            raise ConfigError(str(e)) from None
+        eager_only = sorted(active - {"states"})
+        if compiled and eager_only and main_rank:
+            warnings.warn(f"--compile: recompute item(s) {', '.join(eager_only)} have no effect in compiled blocks "
+                          f"(saved-tensor hooks are eager-only, layers/recompute.py); only 'states' applies there",
+                          stacklevel=3)
+        yield ",".join(k for k in RECOMPUTE_ITEMS if k in active)
+    finally:
+        if items:
+            set_recompute(user)
+
+
 # ---- the loop ----------------------------------------------------------------------------------------------------
 def _shard_reduce_key(grad: torch.Tensor):
     """For a DTensor gradient: (mesh, the mesh dims its local squared norm must be summed over); None when a
@@ -310,7 +349,13 @@ def train(cfg: TrainConfig) -> dict:
     """Run training as configured; return ``{"losses": {step: loss}, "eval": {step: loss}, "step", "stopped"}``.
 
     Raises TrainingError on a non-finite loss / grad norm (before that step's optimizer update).
+    ``--recompute`` holds for the run only (MAMBA_PARALLEL_RECOMPUTE is restored when it returns).
     """
+    with recompute_option(cfg.recompute, cfg.compile):
+        return _train(cfg)
+
+
+def _train(cfg: TrainConfig) -> dict:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is visible to torch (use --device cpu)")
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
