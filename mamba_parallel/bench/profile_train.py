@@ -35,7 +35,7 @@ _RULES: tuple[tuple[str, str], ...] = (
     ("conv", r"conv1d|causal_conv"),
     ("norm", r"norm_(fwd|bwd)|rms_norm|layer_norm|layernorm|rmsnorm"),
     ("cross_entropy", r"ce_chunk_kernel|cross_entropy|linearce|log_softmax|nll_loss|softmax"),
-    ("optimizer", r"adam|multi_tensor_apply|foreach|clip_grad|lamb|sgd"),
+    ("optimizer", r"adam|multi_tensor_apply|foreach|clip_grad|lamb(?!da)|sgd"),
     ("matmul", r"gemm|nvjet|cutlass|xmma|wgmma|cublas|splitk|aten::(mm|addmm|bmm|matmul|linear|baddbmm)$|dot_kernel"),
     ("copy/cast/elementwise", r"elementwise|vectorized|copy|memcpy|memset|cat|fill|reduce|index|gather|scatter|"
                               r"clone|contiguous|transpose|where|aten::"),

@@ -89,7 +89,10 @@ def selective_scan_fwd_kernel(
             st_out = hlast_ptr + pid_b * dn + d_off
             st_step = 1
         y = tl.zeros([P, BD * R, V], dtype=tl.float32)
-        for n0 in range(0, nh, UNROLL):  # UNROLL states per iteration: independent work for the scheduler
+        # UNROLL states per iteration: independent work for the scheduler. With the row-per-thread layout the
+        # loop is software-pipelined over 2 stages: the next states' A / carry / B / C rows are fetched (async
+        # copies) while these are scanned (H200: b8 d4096 L4096 forward 2.67 -> 2.23 ms; 3 stages: 2.48).
+        for n0 in tl.range(0, nh, UNROLL, num_stages=2 if LANES else 1):
             for k in tl.static_range(UNROLL):
                 n = n0 + k
                 A_n = (tl.load(A_ptr + s_row + n * dim).to(tl.float32) * LOG2E)[None, :, None]
