@@ -25,7 +25,7 @@ from mamba_parallel.bench._timing import COPY_TBPS, DTYPES, graph_us, median_ms,
 
 # (b, d, L, n) -> (peer fwd ms, peer fwd+bwd ms)
 SCAN_SHAPES = {(8, 4096, 4096, 16): (2.44, 12.25), (4, 5120, 8192, 16): (3.43, 15.74)}
-DEFAULT_SWEEP = ("v3", "v4")  # the variants the default (auto) chooses between, timed beside it
+DEFAULT_SWEEP = ("v3", "v4", "v4+v3")  # what the default (auto) chooses between, and plain v4
 
 
 def scan_inputs(b, d, L, n, dtype, device="cuda", seed=0):
@@ -67,14 +67,15 @@ def bench_scan(b, d, L, n, dtype) -> dict:
 
 def parse_sweep_item(item: str) -> tuple[str | None, str | None]:
     """'v2' | 'v2:T,BDf,Wf,BDb,Wb' | 'T,BDf,Wf,BDb,Wb' -> (impl or None, cfg or None), validated."""
-    from mamba_parallel.ops.selective_scan.triton_common import IMPLS, parse_config
+    from mamba_parallel.ops.selective_scan.triton_common import IMPLS, MIXED, parse_config
 
+    names = IMPLS + tuple(MIXED)
     if ":" in item:
         impl, _, cfg = item.rpartition(":")
     else:  # a bare item is a tile config when it has commas, else a variant name
         impl, cfg = ("", item) if "," in item else (item, "")
-    if impl and impl not in IMPLS:
-        raise SystemExit(f"bench_selective_scan: --sweep {item!r}: variant must be one of {IMPLS}")
+    if impl and impl not in names:
+        raise SystemExit(f"bench_selective_scan: --sweep {item!r}: variant must be one of {names}")
     if cfg:
         try:
             parse_config(cfg)
@@ -146,7 +147,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype of the scans")
     ap.add_argument("--sweep", nargs="*", default=list(DEFAULT_SWEEP), metavar="[IMPL:]CFG",
-                    help="kernel variants (v2 v3 v4, MAMBA_PARALLEL_SCAN_IMPL) and / or tile configs "
+                    help="kernel variants (v2 v3 v4 v4+v3, MAMBA_PARALLEL_SCAN_IMPL) and / or tile configs "
                          "'T,BDf,Wf,BDb,Wb' to time besides the default, e.g. v4 or v3:16,128,4,128,4 (default: "
                          f"{' '.join(DEFAULT_SWEEP)}; see ops/selective_scan/VARIANTS.md)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-step kernels")

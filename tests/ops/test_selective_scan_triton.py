@@ -22,14 +22,14 @@ from mamba_parallel.ops.selective_scan.triton_tiles import scan_adjoint, scan_fo
 GRAD_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
 
 
-CPU_DUPLICATES = ("v3",)  # interpreter code paths already run by v2 (but for its lane paths)
+CPU_DUPLICATES = ("v3", "v4+v3")  # interpreter code paths already run by v2 (but for their lane paths)
 BROAD_TESTS = ("test_full_features_all_gradients", "test_custom_op_registration", "test_lane_paths_emulated",
                "test_sparse_checkpoints")
 ONCE_TESTS = ("test_token_scans", "test_default_variant_and_removed_ones")  # no variant involved
-LANE_CFG = {"v3": "8,32,1,32,1", "v4": "8,16,1,16,1"}  # one warp: 32 rows per program
+LANE_CFG = {"v3": "8,32,1,32,1", "v4": "8,16,1,16,1", "v4+v3": "8,16,1,32,1"}  # one warp: 32 rows per program
 
 
-@pytest.fixture(autouse=True, params=IMPLS)
+@pytest.fixture(autouse=True, params=IMPLS + ("v4+v3",))
 def impl(request, monkeypatch):
     """Every test runs once per kernel variant (MAMBA_PARALLEL_SCAN_IMPL)."""
     is_gpu = request.node.get_closest_marker("gpu") is not None
@@ -237,9 +237,9 @@ def test_default_variant_and_removed_ones(monkeypatch):
     assert DEFAULT_IMPL == "auto" and V4_BELOW_WARPS_PER_SM == 6
     assert scan_impl(8, 4096, 16, gpu, False) == "v3"  # 1024 warps: 7.8 per SM
     assert scan_impl(8, 5120, 16, gpu, False) == "v3"  # mamba-2.8b
-    assert scan_impl(4, 5120, 16, gpu, False) == "v4"  # 640 warps: 4.8 per SM
-    assert scan_impl(8, 1536, 16, gpu, False) == "v4"  # mamba-130m
-    assert scan_impl(8, 2048, 16, gpu, False) == "v4"  # mamba-370m, and mamba-1.4b at tp 2
+    assert scan_impl(4, 5120, 16, gpu, False) == "v4+v3"  # 640 warps: 4.8 per SM
+    assert scan_impl(8, 1536, 16, gpu, False) == "v4+v3"  # mamba-130m
+    assert scan_impl(8, 2048, 16, gpu, False) == "v4+v3"  # mamba-370m, and mamba-1.4b at tp 2
     assert pick_impl(4, 5120, 15, gpu, False) == "v3"  # v4 halves the states over two rows
     assert pick_impl(4, 5120, 16, gpu, False, varlen=True) == "v3"
     assert scan_impl(4, 5120, 16, gpu, True) == scan_impl(4, 5120, 16, cpu, False) == "v3"
@@ -267,8 +267,8 @@ GPU_OTHER_VARIANT_CASES = ((torch.bfloat16, None), (torch.bfloat16, "cu_seqlens"
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("mode", [None, "seq_idx", "cu_seqlens"])
 def test_gpu_realistic(dtype, mode, impl, nan_poison):
-    if impl == "v2" and (dtype, mode) not in GPU_OTHER_VARIANT_CASES:
-        pytest.skip("v2 (the default's fallback code) runs a representative subset (bf16, fp32, every varlen mode)")
+    if impl in ("v2", "v4+v3") and (dtype, mode) not in GPU_OTHER_VARIANT_CASES:
+        pytest.skip("v2 (the fallback code) and v4+v3 (v4's forward, v3's backward) run a representative subset")
     b = 1 if mode == "cu_seqlens" else 2
     L = 700 if mode == "cu_seqlens" else 704  # v3 / v4 take their lane paths at L % 16 == 0 only
     kw = make_inputs(b=b, d=256, L=L, n=16, dtype=dtype, device="cuda", mode=mode, g=2 if mode is None else None)

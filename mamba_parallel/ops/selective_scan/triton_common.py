@@ -92,24 +92,40 @@ REMOVED_IMPLS = ("v1", "v5")  # dominated on the H200 (issue #5, VARIANTS.md)
 V4_BELOW_WARPS_PER_SM = 6
 
 
+# What the custom ops receive: a variant of IMPLS, or "v4+v3" = v4's forward with v3's backward (the default at few
+# warps per SM: v3's pipelined backward beats v4's at every timed shape, b4 d5120 L8192 9.9 vs 11.3 ms, while v4's
+# extra rows fill the SMs in the forward). Both keep chunks of 16 tokens, so the checkpoints are the same.
+MIXED = {"v4+v3": ("v4", "v3")}
+
+
+def fwd_variant(impl: str) -> str:
+    """The variant whose forward kernel runs for ``impl``."""
+    return MIXED[impl][0] if impl in MIXED else impl
+
+
+def bwd_variant(impl: str) -> str:
+    """The variant whose backward kernel runs for ``impl``."""
+    return MIXED[impl][1] if impl in MIXED else impl
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def pick_impl(batch: int, d: int, n: int, device: torch.device, interpreted: bool, varlen: bool = False) -> str:
-    """The default variant for a scan of ``batch`` x ``d`` channels with ``n`` states: v4 when v3's warps (one per
-    32 channels) would leave the GPU's SMs short of work and n is even, else v3 (always v3 in the interpreter and
-    with cu_seqlens, where both run v2's generic code)."""
+    """The default variant for a scan of ``batch`` x ``d`` channels with ``n`` states: "v4+v3" (v4's forward, v3's
+    backward) when v3's warps (one per 32 channels) would leave the GPU's SMs short of work and n is even, else v3
+    (always v3 in the interpreter and with cu_seqlens, where both run v2's generic code)."""
     if interpreted or varlen or device.type != "cuda" or n % 2:
         return "v3"
     warps = -(-batch * d // 32)
-    return "v4" if warps < V4_BELOW_WARPS_PER_SM * _sm_count(device) else "v3"
+    return "v4+v3" if warps < V4_BELOW_WARPS_PER_SM * _sm_count(device) else "v3"
 
 
 def scan_impl(batch: int, d: int, n: int, device: torch.device, interpreted: bool, varlen: bool = False) -> str:
-    """``MAMBA_PARALLEL_SCAN_IMPL=auto|v2|v3|v4`` (default auto: ``pick_impl``), read when a forward runs (its
-    backward follows it).
+    """``MAMBA_PARALLEL_SCAN_IMPL=auto|v2|v3|v4|v4+v3`` (default auto: ``pick_impl``), read when a forward runs
+    (its backward follows it; v4+v3: v4's forward, v3's backward).
 
     v2: one thread per channel, every token of a chunk in its registers (two-level ``tl.associative_scan`` over
         the tokens, dB / dC summed over the program's channels by ``tl.reduce``): any layout, cu_seqlens.
@@ -126,8 +142,8 @@ def scan_impl(batch: int, d: int, n: int, device: torch.device, interpreted: boo
                          f"ops/selective_scan/VARIANTS.md); use auto or one of {IMPLS} (default {DEFAULT_IMPL})")
     if impl == "auto":
         return pick_impl(batch, d, n, device, interpreted, varlen)
-    if impl not in IMPLS:
-        raise ValueError(f"MAMBA_PARALLEL_SCAN_IMPL={impl!r} is not auto or one of {IMPLS}")
+    if impl not in IMPLS and impl not in MIXED:
+        raise ValueError(f"MAMBA_PARALLEL_SCAN_IMPL={impl!r} is not auto or one of {IMPLS + tuple(MIXED)}")
     return impl
 
 

@@ -16,7 +16,7 @@ import triton
 
 from mamba_parallel.ops.backend import interpret_mode
 from mamba_parallel.ops.selective_scan.triton_bwd import selective_scan_bwd_kernel
-from mamba_parallel.ops.selective_scan.triton_common import scan_config, scan_impl
+from mamba_parallel.ops.selective_scan.triton_common import bwd_variant, fwd_variant, scan_config, scan_impl
 from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kernel
 
 
@@ -107,7 +107,8 @@ def selective_scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
     """u, delta, z (b, d, L); A (d, n); B, C (b, [g,] n, L); sid (b, L) int32 -> y (b, d, L),
     last_state (nstates, d, n) fp32, checkpoints (b, nckpt, n, d) fp32 (state-major; empty unless save_ckpt),
     ypre (b, d, L) = y before the z gate (empty unless save_ckpt and z is given). impl: 'v2' | 'v3' | 'v4'
-    (triton_common.scan_impl)."""
+    (triton_common.scan_impl; 'v4+v3' runs v4's forward)."""
+    impl = fwd_variant(impl)
     b, d, L = u.shape
     n = A.shape[1]
     cfg = _config(u, B, impl)
@@ -158,7 +159,8 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, v
     b, d, L = u.shape
     n = A.shape[1]
     return (u.new_empty((b, d, L)), u.new_empty((nstates, d, n), dtype=torch.float32),
-            u.new_empty((b, _ckpt_slots(u, B, impl), n, d) if save_ckpt else (0,), dtype=torch.float32),
+            u.new_empty((b, _ckpt_slots(u, B, fwd_variant(impl)), n, d) if save_ckpt else (0,),
+                        dtype=torch.float32),
             u.new_empty((b, d, L) if save_ckpt and z is not None else (0,)))
 
 
@@ -169,7 +171,9 @@ def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
                        ypre: torch.Tensor, dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool,
                        varlen: bool, impl: str) -> list[torch.Tensor]:
     """Gradients [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state] in the inputs' dtypes and
-    shapes; an absent optional input gets an empty tensor. impl: the forward's 'v2' | 'v3' | 'v4'."""
+    shapes; an absent optional input gets an empty tensor. impl: the forward's 'v2' | 'v3' | 'v4' | 'v4+v3'
+    (v3's backward)."""
+    impl = bwd_variant(impl)
     b, d, L = u.shape
     n = A.shape[1]
     cfg = _config(u, B, impl)
