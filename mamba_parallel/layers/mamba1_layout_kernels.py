@@ -4,7 +4,8 @@ in_proj writes [x | z] channels-last ((b, L, 2 d_inner) memory); the conv / scan
 unit token stride. These kernels take every tensor through its strides and tile (BD channels, BL tokens): Triton
 coalesces each load / store along whichever axis has unit stride and transposes the tile through shared memory,
 so a layout change costs one read and one write (torch's transposing copy runs far below bandwidth).
-Launchers are ``torch.library`` custom ops so torch.compile treats them as opaque.
+Launchers are ``torch.library`` custom ops (``*_op``) so torch.compile treats them as opaque; ``copy_``, ``gate_fwd``
+and ``gate_bwd`` call them through the eager fast path (ops/eager_fastpath.py: the Python body directly in eager).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import triton
 import triton.language as tl
 
 from mamba_parallel.ops.backend import interpret_mode
+from mamba_parallel.ops.eager_fastpath import fastpath
 
 
 @triton.jit
@@ -69,8 +71,7 @@ def _grid_and_tile(t: torch.Tensor):
     return (triton.cdiv(d, bd), triton.cdiv(L, bl), b), dict(BD=bd, BL=bl, num_warps=8)
 
 
-@torch.library.custom_op("mamba_parallel::m1_copy_", mutates_args=("dst",))
-def copy_(src: torch.Tensor, dst: torch.Tensor) -> None:
+def _copy(src: torch.Tensor, dst: torch.Tensor) -> None:
     """dst (b, d, L) <- src (b, d, L), any strides and dtypes (cast on store)."""
     if src.numel() == 0:
         return
@@ -78,13 +79,16 @@ def copy_(src: torch.Tensor, dst: torch.Tensor) -> None:
     copy_kernel[grid](src, dst, dst.shape[1], dst.shape[2], *src.stride(), *dst.stride(), **meta)
 
 
-@copy_.register_fake
+copy_op = torch.library.custom_op("mamba_parallel::m1_copy_", mutates_args=("dst",))(_copy)
+copy_ = fastpath(copy_op, _copy)
+
+
+@copy_op.register_fake
 def _(src, dst):
     return None
 
 
-@torch.library.custom_op("mamba_parallel::m1_gate_fwd", mutates_args=())
-def gate_fwd(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+def _gate_fwd(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """y, z (b, d, L) any strides -> y * silu(z) as a contiguous (b, L, d) in y.dtype (out_proj's input)."""
     b, d, L = y.shape
     out = torch.empty((b, L, d), device=y.device, dtype=y.dtype)
@@ -95,14 +99,17 @@ def gate_fwd(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@gate_fwd.register_fake
+gate_fwd_op = torch.library.custom_op("mamba_parallel::m1_gate_fwd", mutates_args=())(_gate_fwd)
+gate_fwd = fastpath(gate_fwd_op, _gate_fwd)
+
+
+@gate_fwd_op.register_fake
 def _(y, z):
     b, d, L = y.shape
     return y.new_empty((b, L, d))
 
 
-@torch.library.custom_op("mamba_parallel::m1_gate_bwd", mutates_args=("dz",))
-def gate_bwd(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
+def _gate_bwd(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
     """dout (b, L, d) any strides; y, z (b, d, L); writes dz (b, d, L) (any strides, e.g. the z half of in_proj's
     output gradient) and returns dy (b, d, L) contiguous in y.dtype (the scan's output gradient)."""
     dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
@@ -114,6 +121,10 @@ def gate_bwd(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor, dz: torch.Ten
     return dy
 
 
-@gate_bwd.register_fake
+gate_bwd_op = torch.library.custom_op("mamba_parallel::m1_gate_bwd", mutates_args=("dz",))(_gate_bwd)
+gate_bwd = fastpath(gate_bwd_op, _gate_bwd)
+
+
+@gate_bwd_op.register_fake
 def _(dout, y, z, dz):
     return torch.empty_like(y, memory_format=torch.contiguous_format)

@@ -26,6 +26,7 @@ from mamba_parallel.ops.conv1d.triton_conv1d_bwd import conv1d_bwd_kernel
 from mamba_parallel.ops.conv1d.triton_conv1d_bwd_scan import MAX_WIDTH, conv1d_bwd_scan_kernel
 from mamba_parallel.ops.conv1d.triton_conv1d_fwd import conv1d_fwd_kernel
 from mamba_parallel.ops.conv1d.triton_conv1d_update import conv1d_update_kernel
+from mamba_parallel.ops.eager_fastpath import eager, fastpath
 from mamba_parallel.ops.grad_arena import grad_slot
 
 
@@ -180,10 +181,9 @@ def _final_state(x, initial_state, seq_idx, w: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------- forward op
 
-@torch.library.custom_op("mamba_parallel::causal_conv1d_fwd", mutates_args=())
-def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              initial_state: Optional[torch.Tensor], seq_idx: Optional[torch.Tensor], silu: bool,
-              return_final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _conv_fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   initial_state: Optional[torch.Tensor], seq_idx: Optional[torch.Tensor], silu: bool,
+                   return_final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x (b, d, L), weight (d, w) -> y (b, d, L) in x's layout, final_state (b, d, w-1) (or (b, d, 0) unless asked)."""
     b, d, L = x.shape
     w = weight.shape[1]
@@ -194,6 +194,9 @@ def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         return y, final
     _launch_fwd(x, weight, bias, initial_state, seq_idx, None, y, silu)
     return y, final
+
+
+_conv_fwd = torch.library.custom_op("mamba_parallel::causal_conv1d_fwd", mutates_args=())(_conv_fwd_impl)
 
 
 def _launch_fwd(x, weight, bias, initial_state, seq_idx, dy, out, silu):
@@ -220,11 +223,10 @@ def _(x, weight, bias, initial_state, seq_idx, silu, return_final_state):
 
 # --------------------------------------------------------------------------------------------------- backward op
 
-@torch.library.custom_op("mamba_parallel::causal_conv1d_bwd", mutates_args=("dx_out",))
-def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              initial_state: Optional[torch.Tensor], seq_idx: Optional[torch.Tensor], dy: torch.Tensor,
-              dfinal: Optional[torch.Tensor], silu: bool, dx_out: Optional[torch.Tensor]
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _conv_bwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   initial_state: Optional[torch.Tensor], seq_idx: Optional[torch.Tensor], dy: torch.Tensor,
+                   dfinal: Optional[torch.Tensor], silu: bool, dx_out: Optional[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dx (b, d, L) x's layout, dweight (d, w), dbias (d,) or empty, dinitial_state (b, d, w-1) or empty.
 
     With dx_out (b, d, L) given (a gradient-arena slice, any strides), dx is written there and the returned dx is
@@ -260,6 +262,10 @@ def _conv_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     if dx_out is not None:
         dx = x.new_empty((0,))
     return dx, dweight, dbias, dinit
+
+
+_conv_bwd = torch.library.custom_op("mamba_parallel::causal_conv1d_bwd", mutates_args=("dx_out",))(_conv_bwd_impl)
+fastpath(_conv_bwd, _conv_bwd_impl)
 
 
 def _bwd_grid(x, variant: str):
@@ -337,8 +343,10 @@ def _backward(ctx, dy, dfinal):
     x, weight, bias, initial_state, seq_idx = ctx.saved_tensors
     if not ctx.return_final_state:
         dfinal = None
+    if dy is None:  # only the final state reached the loss (eager fast path: unused gradients are None)
+        dy = torch.zeros_like(x)
     dx_out = ctx.x_slot.get() if ctx.x_slot is not None else None
-    dx, dweight, dbias, dinit = _conv_bwd(x, weight, bias, initial_state, seq_idx, dy, dfinal, ctx.silu, dx_out)
+    dx, dweight, dbias, dinit = eager(_conv_bwd)(x, weight, bias, initial_state, seq_idx, dy, dfinal, ctx.silu, dx_out)
     if dx_out is not None:
         dx = dx_out
     return (dx, dweight, dbias if bias is not None else None, dinit if initial_state is not None else None,
@@ -346,13 +354,13 @@ def _backward(ctx, dy, dfinal):
 
 
 _conv_fwd.register_autograd(_backward, setup_context=_setup_context)
+fastpath(_conv_fwd, _conv_fwd_impl, setup_context=_setup_context, backward=_backward)
 
 
 # ------------------------------------------------------------------------------------------------------ update op
 
-@torch.library.custom_op("mamba_parallel::causal_conv1d_update", mutates_args=("conv_state",))
-def _conv_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 state_indices: Optional[torch.Tensor], silu: bool) -> torch.Tensor:
+def _conv_update_impl(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                      bias: Optional[torch.Tensor], state_indices: Optional[torch.Tensor], silu: bool) -> torch.Tensor:
     """x (b, d), conv_state (B, d, w-1) shifted in place -> y (b, d) in x.dtype."""
     b, d = x.shape
     w = weight.shape[1]
@@ -367,6 +375,11 @@ def _conv_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
         num_warps=4,
     )
     return y
+
+
+_conv_update = torch.library.custom_op("mamba_parallel::causal_conv1d_update",
+                                       mutates_args=("conv_state",))(_conv_update_impl)
+fastpath(_conv_update, _conv_update_impl)
 
 
 @_conv_update.register_fake
@@ -389,7 +402,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         return naive.causal_conv1d(x, weight, bias, activation, initial_state, seq_idx, return_final_state)
     if activation not in (None, "silu"):
         raise ValueError(f"causal_conv1d: activation must be None or 'silu', got {activation!r}")
-    y, final = _conv_fwd(x, weight, bias, initial_state, seq_idx, activation == "silu", bool(return_final_state))
+    y, final = eager(_conv_fwd)(x, weight, bias, initial_state, seq_idx, activation == "silu", bool(return_final_state))
     return (y, final) if return_final_state else y
 
 
@@ -401,7 +414,7 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
         return naive.causal_conv1d_update(x, conv_state, weight, bias, activation, state_indices)
     if activation not in (None, "silu"):
         raise ValueError(f"causal_conv1d_update: activation must be None or 'silu', got {activation!r}")
-    return _conv_update(x, conv_state, weight, bias, state_indices, activation == "silu")
+    return eager(_conv_update)(x, conv_state, weight, bias, state_indices, activation == "silu")
 
 
 __all__ = ["causal_conv1d", "causal_conv1d_update"]

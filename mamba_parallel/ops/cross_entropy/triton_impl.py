@@ -16,6 +16,7 @@ import triton
 
 from mamba_parallel.ops.cross_entropy import naive
 from mamba_parallel.ops.cross_entropy.triton_ce_kernel import ce_chunk_kernel
+from mamba_parallel.ops.eager_fastpath import eager, fastpath
 
 # Default chunk: about this many fp32 logits (512 MiB). Larger chunks keep the matmuls efficient.
 CHUNK_ELEMENTS = 1 << 27
@@ -95,10 +96,9 @@ def _chunk_loop(hidden, weight, labels, ignore_index, chunk, row_scale, need_los
 
 # ---------------------------------------------------------------------- "mean" / "sum": gradients in the forward
 
-@torch.library.custom_op("mamba_parallel::linear_cross_entropy_fused", mutates_args=())
-def _ce_fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int, chunk: int,
-              mean: bool, need_dh: bool, need_dw: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ce_fused_impl(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int, chunk: int,
+                   mean: bool, need_dh: bool, need_dw: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (N, d), weight (V, d) same dtype, labels (N,) -> loss () fp32, and the gradient of the loss as
     dh_raw (N, d) hidden.dtype or (0,), dW_raw (V, d) fp32 or (0,), scale () fp32 with grad = raw * scale."""
     ones = hidden.new_ones(1, dtype=torch.float32)
@@ -106,6 +106,9 @@ def _ce_fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     scale = 1.0 / (labels != ignore_index).sum().float() if mean else ones[0].clone()
     return (losses.sum() * scale, dh if need_dh else hidden.new_empty((0,)),
             dw if need_dw else hidden.new_empty((0,), dtype=torch.float32), scale)
+
+
+_ce_fused = torch.library.custom_op("mamba_parallel::linear_cross_entropy_fused", mutates_args=())(_ce_fused_impl)
 
 
 @_ce_fused.register_fake
@@ -135,16 +138,19 @@ def _fused_backward(ctx, g, _gdh, _gdw, _gscale):
 
 
 _ce_fused.register_autograd(_fused_backward, setup_context=_fused_setup)
+fastpath(_ce_fused, _ce_fused_impl, setup_context=_fused_setup, backward=_fused_backward)
 
 
 # ------------------------------------------------------------------ "none": per-row losses, backward recomputes
 
-@torch.library.custom_op("mamba_parallel::linear_cross_entropy_rows", mutates_args=())
-def _ce_rows(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int,
-             chunk: int) -> torch.Tensor:
+def _ce_rows_impl(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                  chunk: int) -> torch.Tensor:
     """-> losses (N,) fp32, 0 on ignored rows."""
     losses, _, _ = _chunk_loop(hidden, weight, labels, ignore_index, chunk, None, True, False, False)
     return losses
+
+
+_ce_rows = torch.library.custom_op("mamba_parallel::linear_cross_entropy_rows", mutates_args=())(_ce_rows_impl)
 
 
 @_ce_rows.register_fake
@@ -152,15 +158,19 @@ def _(hidden, weight, labels, ignore_index, chunk):
     return hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
 
 
-@torch.library.custom_op("mamba_parallel::linear_cross_entropy_rows_bwd", mutates_args=())
-def _ce_rows_bwd(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, grad_losses: torch.Tensor,
-                 ignore_index: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _ce_rows_bwd_impl(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, grad_losses: torch.Tensor,
+                      ignore_index: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """grad_losses (N,) -> dh (N, d) hidden.dtype, dW (V, d) weight.dtype."""
     g = grad_losses.float()
     gmax = g.abs().max().clamp_min(torch.finfo(torch.float32).tiny)  # rows scaled into [-1, 1], gmax applied after
     _, dh, dw = _chunk_loop(hidden, weight, labels, ignore_index, chunk, (g / gmax).contiguous(), False, True, True,
                             dh_post=gmax)
     return dh, (dw * gmax).to(weight.dtype)
+
+
+_ce_rows_bwd = torch.library.custom_op("mamba_parallel::linear_cross_entropy_rows_bwd",
+                                       mutates_args=())(_ce_rows_bwd_impl)
+fastpath(_ce_rows_bwd, _ce_rows_bwd_impl)
 
 
 @_ce_rows_bwd.register_fake
@@ -176,11 +186,12 @@ def _rows_setup(ctx, inputs, output):
 
 def _rows_backward(ctx, grad_losses):
     hidden, weight, labels = ctx.saved_tensors
-    dh, dw = _ce_rows_bwd(hidden, weight, labels, grad_losses, ctx.ignore_index, ctx.chunk)
+    dh, dw = eager(_ce_rows_bwd)(hidden, weight, labels, grad_losses, ctx.ignore_index, ctx.chunk)
     return dh, dw, None, None, None
 
 
 _ce_rows.register_autograd(_rows_backward, setup_context=_rows_setup)
+fastpath(_ce_rows, _ce_rows_impl, setup_context=_rows_setup, backward=_rows_backward)
 
 
 # ------------------------------------------------------------------------------------------- public-named entry
@@ -206,10 +217,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     lab = labels.contiguous()
     chunk = int(chunk_size) if chunk_size is not None else _default_chunk(h.shape[0], w.shape[0])
     if reduction == "none":
-        return _ce_rows(h, w, lab, int(ignore_index), chunk)
+        return eager(_ce_rows)(h, w, lab, int(ignore_index), chunk)
     grad_on = torch.is_grad_enabled()
-    loss, _, _, _ = _ce_fused(h, w, lab, int(ignore_index), chunk, reduction == "mean",
-                           grad_on and h.requires_grad, grad_on and w.requires_grad)
+    loss, _, _, _ = eager(_ce_fused)(h, w, lab, int(ignore_index), chunk, reduction == "mean",
+                                     grad_on and h.requires_grad, grad_on and w.requires_grad)
     return loss
 
 

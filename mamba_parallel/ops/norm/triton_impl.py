@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import triton
 
+from mamba_parallel.ops.eager_fastpath import eager, fastpath
 from mamba_parallel.ops.grad_arena import grad_slot, tag_view
 from mamba_parallel.ops.norm import naive
 from mamba_parallel.ops.norm.triton_norm_bwd import norm_bwd_kernel
@@ -89,10 +90,9 @@ def _tagged_rows(t: Optional[torch.Tensor], d: int) -> Optional[torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------------- forward op
 
-@torch.library.custom_op("mamba_parallel::rms_norm_fwd", mutates_args=())
-def _norm_fwd(x: torch.Tensor, z: Optional[torch.Tensor], residual: Optional[torch.Tensor], weight: torch.Tensor,
-              eps: float, group_size: int, norm_before_gate: bool, store_residual: bool,
-              residual_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _norm_fwd_impl(x: torch.Tensor, z: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                   weight: torch.Tensor, eps: float, group_size: int, norm_before_gate: bool, store_residual: bool,
+                   residual_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x/z/residual (M, d) -> y (M, d) x.dtype, residual_out (M, d) residual_dtype (or empty), rstd (G, M) fp32."""
     m, d = x.shape
     groups = d // group_size
@@ -112,6 +112,9 @@ def _norm_fwd(x: torch.Tensor, z: Optional[torch.Tensor], residual: Optional[tor
         STORE_RES=store_residual, BLOCK_N=block, num_warps=warps,
     )
     return y, res_out, rstd
+
+
+_norm_fwd = torch.library.custom_op("mamba_parallel::rms_norm_fwd", mutates_args=())(_norm_fwd_impl)
 
 
 @_norm_fwd.register_fake
@@ -148,11 +151,10 @@ def _launch_bwd(dy: torch.Tensor, dres_out: Optional[torch.Tensor], xin: torch.T
     return dw_part.sum(0).to(weight.dtype)
 
 
-@torch.library.custom_op("mamba_parallel::rms_norm_bwd", mutates_args=())
-def _norm_bwd(dy: torch.Tensor, dres_out: Optional[torch.Tensor], xin: torch.Tensor, z: Optional[torch.Tensor],
-              weight: torch.Tensor, rstd: torch.Tensor, group_size: int, norm_before_gate: bool,
-              dx_dtype: torch.dtype, dres_dtype: Optional[torch.dtype]
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _norm_bwd_impl(dy: torch.Tensor, dres_out: Optional[torch.Tensor], xin: torch.Tensor,
+                   z: Optional[torch.Tensor], weight: torch.Tensor, rstd: torch.Tensor, group_size: int,
+                   norm_before_gate: bool, dx_dtype: torch.dtype, dres_dtype: Optional[torch.dtype]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dx (M, d) dx_dtype, dresidual (M, d) dres_dtype (or empty), dz (M, d) (or empty), dweight (d,)."""
     m, d = xin.shape
     dx = torch.empty((m, d), dtype=dx_dtype, device=xin.device)
@@ -162,6 +164,10 @@ def _norm_bwd(dy: torch.Tensor, dres_out: Optional[torch.Tensor], xin: torch.Ten
                      device=xin.device)
     dw = _launch_bwd(dy, dres_out, xin, z, weight, rstd, group_size, norm_before_gate, dx, dres, dz)
     return dx, dres, dz, dw
+
+
+_norm_bwd = torch.library.custom_op("mamba_parallel::rms_norm_bwd", mutates_args=())(_norm_bwd_impl)
+fastpath(_norm_bwd, _norm_bwd_impl)
 
 
 @_norm_bwd.register_fake
@@ -191,10 +197,13 @@ def _backward(ctx, dy, dres_out, _drstd):
     xin, z, weight, rstd = ctx.saved_tensors
     if not ctx.store_residual:
         dres_out = None
+    if dy is None:  # only the residual output reached the loss (eager fast path: unused gradients are None)
+        dy = torch.zeros(xin.shape, dtype=ctx.x_dtype, device=xin.device)
     if ctx.x_slot is not None or ctx.z_slot is not None:
         return _backward_into_slots(ctx, dy, xin, z, weight, rstd)  # never with a residual: no slot then
-    dx, dres, dz, dw = _norm_bwd(dy.contiguous(), None if dres_out is None else dres_out.contiguous(), xin, z,
-                                 weight, rstd, ctx.group_size, ctx.norm_before_gate, ctx.x_dtype, ctx.res_dtype)
+    dres_out = None if dres_out is None else dres_out.contiguous()
+    dx, dres, dz, dw = eager(_norm_bwd)(dy.contiguous(), dres_out, xin, z, weight, rstd, ctx.group_size,
+                                        ctx.norm_before_gate, ctx.x_dtype, ctx.res_dtype)
     return (dx, dz if z is not None else None, dres if ctx.res_dtype is not None else None, dw,
             None, None, None, None, None)
 
@@ -214,6 +223,7 @@ def _backward_into_slots(ctx, dy, xin, z, weight, rstd):
 
 
 _norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+fastpath(_norm_fwd, _norm_fwd_impl, setup_context=_setup_context, backward=_backward)
 
 
 # ------------------------------------------------------------------------------------------- public-named entries
@@ -227,7 +237,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.
     if _fp64(x, weight):  # the kernels compute in fp32; fp64 (gradcheck) keeps the exact reference
         return naive.rms_norm(x, weight, eps)
     d = x.shape[-1]
-    y, _, _ = _norm_fwd(_rows(x, d), None, None, weight, float(eps), d, False, False, x.dtype)
+    y, _, _ = eager(_norm_fwd)(_rows(x, d), None, None, weight, float(eps), d, False, False, x.dtype)
     return y.view(x.shape)
 
 
@@ -238,8 +248,8 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
         return naive.add_rms_norm(x, residual, weight, eps, residual_in_fp32)
     d = x.shape[-1]
     res_dtype = torch.float32 if residual_in_fp32 else x.dtype
-    y, res_out, _ = _norm_fwd(_rows(x, d), None, _rows(residual, d), weight, float(eps), d, False, True,
-                              res_dtype)
+    y, res_out, _ = eager(_norm_fwd)(_rows(x, d), None, _rows(residual, d), weight, float(eps), d, False, True,
+                                     res_dtype)
     return y.view(x.shape), res_out.view(x.shape)
 
 
@@ -250,8 +260,8 @@ def gated_rms_norm(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Ten
         return naive.gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate)
     d = x.shape[-1]
     gs = d if group_size is None else int(group_size)
-    y, _, _ = _norm_fwd(_tagged_rows(x, d), _tagged_rows(z, d), None, weight, float(eps), gs,
-                        bool(norm_before_gate), False, x.dtype)
+    y, _, _ = eager(_norm_fwd)(_tagged_rows(x, d), _tagged_rows(z, d), None, weight, float(eps), gs,
+                               bool(norm_before_gate), False, x.dtype)
     return y.view(x.shape)
 
 

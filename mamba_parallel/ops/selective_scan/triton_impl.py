@@ -15,6 +15,7 @@ import torch
 import triton
 
 from mamba_parallel.ops.backend import interpret_mode
+from mamba_parallel.ops.eager_fastpath import eager, fastpath
 from mamba_parallel.ops.selective_scan.triton_bwd import selective_scan_bwd_kernel
 from mamba_parallel.ops.selective_scan.triton_common import bwd_variant, fwd_variant, scan_config, scan_impl
 from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kernel
@@ -98,12 +99,11 @@ def _strides(u, delta, z, B4, C4, sid) -> tuple[int, ...]:
             sid.stride(0) if sid is not None else 0)
 
 
-@torch.library.custom_op("mamba_parallel::selective_scan_fwd", mutates_args=())
-def selective_scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                       D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
-                       initial_state: torch.Tensor | None, sid: torch.Tensor | None, delta_softplus: bool,
-                       varlen: bool, nstates: int, save_ckpt: bool, impl: str) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                        torch.Tensor, torch.Tensor]:
+def _scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+              D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
+              initial_state: torch.Tensor | None, sid: torch.Tensor | None, delta_softplus: bool,
+              varlen: bool, nstates: int, save_ckpt: bool, impl: str) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor, torch.Tensor]:
     """u, delta, z (b, d, L); A (d, n); B, C (b, [g,] n, L); sid (b, L) int32 -> y (b, d, L),
     last_state (nstates, d, n) fp32, checkpoints (b, nckpt, n, d) fp32 (state-major; empty unless save_ckpt),
     ypre (b, d, L) = y before the z gate (empty unless save_ckpt and z is given). impl: 'v2' | 'v3' | 'v4'
@@ -154,6 +154,9 @@ def selective_scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
     return y, hlast, ckpt, ypre
 
 
+selective_scan_fwd = torch.library.custom_op("mamba_parallel::selective_scan_fwd", mutates_args=())(_scan_fwd)
+
+
 @selective_scan_fwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates, save_ckpt, impl):
     b, d, L = u.shape
@@ -164,12 +167,11 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, v
             u.new_empty((b, d, L) if save_ckpt and z is not None else (0,)))
 
 
-@torch.library.custom_op("mamba_parallel::selective_scan_bwd", mutates_args=())
-def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                       D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
-                       initial_state: torch.Tensor | None, sid: torch.Tensor | None, ckpt: torch.Tensor,
-                       ypre: torch.Tensor, dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool,
-                       varlen: bool, impl: str) -> list[torch.Tensor]:
+def _scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+              D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
+              initial_state: torch.Tensor | None, sid: torch.Tensor | None, ckpt: torch.Tensor,
+              ypre: torch.Tensor, dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool,
+              varlen: bool, impl: str) -> list[torch.Tensor]:
     """Gradients [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state] in the inputs' dtypes and
     shapes; an absent optional input gets an empty tensor. impl: the forward's 'v2' | 'v3' | 'v4' | 'v4+v3'
     (v3's backward)."""
@@ -242,6 +244,10 @@ def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
             dh0.to(initial_state.dtype) if dh0 is not None else empty()]
 
 
+selective_scan_bwd = torch.library.custom_op("mamba_parallel::selective_scan_bwd", mutates_args=())(_scan_bwd)
+fastpath(selective_scan_bwd, _scan_bwd)
+
+
 @selective_scan_bwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, dlast, delta_softplus, varlen,
       impl):
@@ -262,8 +268,8 @@ def _backward(ctx, dy, dlast, _dckpt, _dypre):
         raise RuntimeError("selective_scan: backward through a forward that ran without grad enabled")
     if dy is None:  # only last_state reached the loss
         dy = torch.zeros_like(u)
-    grads = selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, dlast,
-                               ctx.delta_softplus, ctx.varlen, ctx.impl)
+    grads = eager(selective_scan_bwd)(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy,
+                                      dlast, ctx.delta_softplus, ctx.varlen, ctx.impl)
     du, ddt, dA, dB, dC, dD, dz, ddtb, dh0 = grads
     none_if_absent = lambda g, t: g if t is not None else None  # noqa: E731
     return (du, ddt, dA, dB, dC, none_if_absent(dD, D), none_if_absent(dz, z), none_if_absent(ddtb, delta_bias),
@@ -271,6 +277,7 @@ def _backward(ctx, dy, dlast, _dckpt, _dypre):
 
 
 selective_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
+fastpath(selective_scan_fwd, _scan_fwd, setup_context=_setup_context, backward=_backward)
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
@@ -291,7 +298,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         varlen, nstates = False, b
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save_ckpt = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    y, last, _, _ = selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus,
-                                    varlen, nstates, save_ckpt,
-                                       scan_impl(b, d, A.shape[1], u.device, _interpreted(u), varlen))
+    y, last, _, _ = eager(selective_scan_fwd)(u, delta, A, B, C, D, z, delta_bias, initial_state, sid,
+                                              delta_softplus, varlen, nstates, save_ckpt,
+                                              scan_impl(b, d, A.shape[1], u.device, _interpreted(u), varlen))
     return (y, last) if return_last_state else y

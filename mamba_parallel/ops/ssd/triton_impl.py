@@ -17,6 +17,7 @@ import torch
 import triton
 from torch import Tensor
 
+from mamba_parallel.ops.eager_fastpath import eager, fastpath
 from mamba_parallel.ops.grad_arena import grad_slot
 from mamba_parallel.ops.ssd.triton_dt import dt_backward, dt_forward
 from mamba_parallel.ops.ssd.triton_dbc import dbc_bwd
@@ -119,12 +120,11 @@ def _backward(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus
             cast(dinit, initial_states))
 
 
-@torch.library.custom_op("mamba_parallel::ssd_chunk_scan_fwd", mutates_args=())
-def ssd_fwd_op(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
-               z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool, dt_min: float, dt_max: float,
-               initial_states: Optional[Tensor], seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor],
-               keep_final: bool = True, keep_states: bool = True
-               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _ssd_fwd_impl(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
+                  z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool, dt_min: float, dt_max: float,
+                  initial_states: Optional[Tensor], seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                  keep_final: bool = True, keep_states: bool = True
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> y, final_states (fp32), y before the gate (empty without z), dt_proc, dA_cs, states entering chunks.
 
     keep_final=False: the caller drops final_states (no gradient reaches them), so the backward need not keep
@@ -132,6 +132,9 @@ def ssd_fwd_op(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_siz
     are not kept for the backward, which recomputes them (MAMBA_PARALLEL_RECOMPUTE=states)."""
     return _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states,
                     seq_idx, cu_seqlens)
+
+
+ssd_fwd_op = torch.library.custom_op("mamba_parallel::ssd_chunk_scan_fwd", mutates_args=())(_ssd_fwd_impl)
 
 
 @ssd_fwd_op.register_fake
@@ -151,17 +154,20 @@ def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, in
             x.new_empty(rows, nc, H, P, N))
 
 
-@torch.library.custom_op("mamba_parallel::ssd_chunk_scan_bwd", mutates_args=())
-def ssd_bwd_op(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
-               chunk_size: int, D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
-               dt_softplus: bool, dt_min: float, dt_max: float, initial_states: Optional[Tensor],
-               seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor], ypre: Tensor, dtp: Tensor, acs: Tensor,
-               hin: Tensor, final: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                    Tensor]:
+def _ssd_bwd_impl(dy: Tensor, dfinal: Optional[Tensor], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                  chunk_size: int, D: Optional[Tensor], z: Optional[Tensor], dt_bias: Optional[Tensor],
+                  dt_softplus: bool, dt_min: float, dt_max: float, initial_states: Optional[Tensor],
+                  seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor], ypre: Tensor, dtp: Tensor, acs: Tensor,
+                  hin: Tensor, final: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                       Tensor]:
     """ypre: y before the gate (empty without z). -> dx, ddt, dA, dB, dC, dD, dz, ddt_bias, dinitial_states
     (the last four empty when the input is None)."""
     return _backward(dy.contiguous(), dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max,
                      initial_states, seq_idx, cu_seqlens, ypre, dtp, acs, hin, final)
+
+
+ssd_bwd_op = torch.library.custom_op("mamba_parallel::ssd_chunk_scan_bwd", mutates_args=())(_ssd_bwd_impl)
+fastpath(ssd_bwd_op, _ssd_bwd_impl)
 
 
 @ssd_bwd_op.register_fake
@@ -198,7 +204,7 @@ def _autograd_backward(ctx, dy, dfinal, *_unused):
      final) = ctx.saved_tensors
     chunk_size, dt_softplus, dt_min, dt_max = ctx.args
     has_D, has_z, has_bias, has_init, _, _ = ctx.has
-    if ctx.final_shape is not None:  # keep_final=False: the wrapper dropped them, so dfinal is autograd's zeros
+    if ctx.final_shape is not None:  # keep_final=False: the wrapper dropped them (dfinal: zeros or None)
         dfinal = None
         final = torch.zeros(ctx.final_shape, dtype=torch.float32, device=x.device)  # only read times dfinal = 0
     if dy is None:
@@ -209,7 +215,7 @@ def _autograd_backward(ctx, dy, dfinal, *_unused):
             dy.contiguous(), dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max,
             initial_states, seq_idx, cu_seqlens, ypre, dtp, acs, hin, final, outs)
     else:
-        dx, ddt, dA, dB, dC, dD, dz, dbias, dinit = ssd_bwd_op(
+        dx, ddt, dA, dB, dC, dD, dz, dbias, dinit = eager(ssd_bwd_op)(
             dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states,
             seq_idx, cu_seqlens, ypre, dtp, acs, hin, final)
     return (dx, ddt, dA, dB, dC, None, dD if has_D else None, dz if has_z else None, dbias if has_bias else None,
@@ -217,6 +223,7 @@ def _autograd_backward(ctx, dy, dfinal, *_unused):
 
 
 ssd_fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+fastpath(ssd_fwd_op, _ssd_fwd_impl, setup_context=_setup_context, backward=_autograd_backward)
 
 
 def recompute_states_requested() -> bool:
@@ -235,7 +242,7 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
     initial_states (b, h, p, n) or (nseq, h, p, n) with cu_seqlens -> y (b, L, h, p) [, final (.., h, p, n) fp32].
     chunk_size must be a power of two >= 16.
     """
-    y, final, *_ = ssd_fwd_op(x, dt, A, B, C, int(chunk_size), D, z, dt_bias, bool(dt_softplus),
-                              float(dt_limit[0]), float(dt_limit[1]), initial_states, seq_idx, cu_seqlens,
-                              bool(return_final_states), not recompute_states_requested())
+    y, final, *_ = eager(ssd_fwd_op)(x, dt, A, B, C, int(chunk_size), D, z, dt_bias, bool(dt_softplus),
+                                     float(dt_limit[0]), float(dt_limit[1]), initial_states, seq_idx, cu_seqlens,
+                                     bool(return_final_states), not recompute_states_requested())
     return (y, final) if return_final_states else y
