@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", action="store_true", help="also keep the Chrome trace (trace.json) under --out")
     p.add_argument("--host-python", action="store_true",
                    help="also run the steps under cProfile and write host_python.txt under --out: the Python "
-                        "functions the host spends the step in (for host-bound steps; cProfile slows them)")
+                        "functions the host spends the step in (for host-bound steps; cProfile slows them; main "
+                        "thread only: on CUDA the backward's Python runs on autograd's device thread, see the "
+                        "host-ops table for it)")
     return p
 
 
