@@ -23,13 +23,18 @@ for stage in "$@"; do case $stage in
     for k in ${KERNELS:-ssd selective_scan ops}; do
       run 150 python3 -m mamba_parallel.bench.bench_$k --json "$OUT/$k.json"
     done ;;
-  train1)  # one GPU, the ANCHORS setting: seq 2048, batch 8, fp32 master + bf16 autocast, fused AdamW
-    for p in ${PRESETS:-mamba2-130m mamba2-370m mamba2-1.3b mamba2-2.7b mamba-130m mamba-1.4b}; do
-      run 150 python3 -m mamba_parallel.bench.bench_train --preset "$p" --steps 5 --warmup-steps 2 --json "$OUT/train1_$p.json"
+  train1)  # one GPU, the ANCHORS setting: seq 2048, batch 8, fp32 master + bf16 autocast, fused AdamW, no clipping;
+           # GRAPH=1 adds the CUDA-graph step, RECOMPUTE=items the activation recompute
+    for p in ${PRESETS:-mamba2-130m mamba2-370m mamba2-1.3b mamba2-2.7b mamba-130m mamba-370m mamba-1.4b mamba-2.8b}; do
+      run 150 python3 -m mamba_parallel.bench.bench_train --preset "$p" --steps 5 --warmup-steps 2 --grad-clip 0 \
+        ${RECOMPUTE:+--recompute "$RECOMPUTE"} --json "$OUT/train1_$p.json"
+      [ -n "${GRAPH:-}" ] && run 150 python3 -m mamba_parallel.bench.bench_train --preset "$p" --steps 5 --warmup-steps 2 \
+        --grad-clip 0 --cuda-graph --json "$OUT/train1_graph_$p.json"
     done ;;
   profile) # where one step's time goes: kernel table by category, host issue time (Markdown + JSON)
     for p in ${PROFILE_PRESETS:-mamba2-1.3b mamba-130m}; do
-      run 150 python3 -m mamba_parallel.bench.profile_train --preset "$p" --steps 3 --warmup-steps 2 --out "$OUT/profile_$p"
+      run 150 python3 -m mamba_parallel.bench.profile_train --preset "$p" --steps 3 --warmup-steps 2 --grad-clip 0 \
+        --host-python --out "$OUT/profile_$p"
     done ;;
   dp)      # data parallel over 2 GPUs (FSDP2 and DDP), 8 sequences per GPU
     for p in ${DP_PRESETS:-mamba2-370m mamba2-1.3b}; do
