@@ -243,9 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not run: merge these scaling.json files and rewrite the table and plot in --out")
     a = ap.parse_args(argv)
     if a.recompute:  # refused here, not once per torchrun run
-        from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS
+        from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS, parse_items
 
-        unknown = sorted({v.strip() for v in a.recompute.split(",") if v.strip()} - RECOMPUTE_ITEMS.keys())
+        unknown = parse_items(a.recompute)[1]
         if unknown:
             ap.error(f"--recompute: unknown item(s) {', '.join(unknown)}; expected a comma list of "
                      f"{', '.join(RECOMPUTE_ITEMS)}")

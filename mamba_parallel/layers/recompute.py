@@ -44,6 +44,13 @@ _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 _parsed: tuple[str, frozenset[str]] = ("", NOTHING)  # (raw MAMBA_PARALLEL_RECOMPUTE, its items)
 
 
+def parse_items(raw: str) -> tuple[frozenset[str], list[str]]:
+    """A comma list ('conv, gate') -> (its names, those not in RECOMPUTE_ITEMS, sorted): one parser for the
+    variable and the ``--recompute`` flags."""
+    items = frozenset(v.strip() for v in raw.split(",") if v.strip())
+    return items, sorted(items - RECOMPUTE_ITEMS.keys())
+
+
 def recompute_items() -> frozenset[str]:
     """MAMBA_PARALLEL_RECOMPUTE: comma-separated names from RECOMPUTE_ITEMS (default: none). Each trades one more
     kernel per layer in the backward for less activation memory (docs/memory.md: to time on a GPU). Parsed again
@@ -52,8 +59,7 @@ def recompute_items() -> frozenset[str]:
     raw = os.environ.get(RECOMPUTE_ENV, "")
     if raw == _parsed[0]:
         return _parsed[1]
-    items = frozenset(v.strip() for v in raw.split(",") if v.strip())
-    unknown = sorted(items - RECOMPUTE_ITEMS.keys())
+    items, unknown = parse_items(raw)
     if unknown:
         raise ValueError(f"{RECOMPUTE_ENV}={raw!r}: unknown {', '.join(unknown)}; expected a comma-separated "
                          f"subset of {', '.join(RECOMPUTE_ITEMS)}")

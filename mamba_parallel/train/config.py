@@ -119,9 +119,9 @@ class TrainConfig:
             if ch and v is not None and v not in ch:
                 need(False, f.name, f"must be one of {ch}, got {v!r}")
         if self.recompute:
-            from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS  # lazy: imports torch and the layers
+            from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS, parse_items  # lazy: imports torch, layers
 
-            unknown = sorted({v.strip() for v in self.recompute.split(",") if v.strip()} - RECOMPUTE_ITEMS.keys())
+            unknown = parse_items(self.recompute)[1]
             need(not unknown, "recompute", f"unknown item(s) {', '.join(unknown)} in {self.recompute!r}; expected a "
                                            f"comma list of {', '.join(RECOMPUTE_ITEMS)}")
         need(self.seq_len % self.cp == 0, "seq_len", f"{self.seq_len} is not divisible by --cp {self.cp}")

@@ -25,7 +25,8 @@ from mamba_parallel.config import ConfigError
 from mamba_parallel.distributed.data_parallel import DistEnv, init_distributed
 from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
 from mamba_parallel.distributed.parallelize import parallelize
-from mamba_parallel.layers.recompute import RECOMPUTE_ENV, RECOMPUTE_ITEMS, recompute_items, set_recompute
+from mamba_parallel.layers.recompute import (RECOMPUTE_ENV, RECOMPUTE_ITEMS, parse_items, recompute_items,
+                                             set_recompute)
 from mamba_parallel.train import checkpoint as ckpt
 from mamba_parallel.train.config import TrainConfig
 from mamba_parallel.train.cuda_graph import GraphedTrainStep, check_graph_layout
@@ -207,10 +208,6 @@ def _drop_metrics_after(out: str, step: int) -> None:
 
 
 # ---- --recompute ------------------------------------------------------------------------------------------------
-def _names(items: str) -> frozenset[str]:
-    return frozenset(v.strip() for v in items.split(",") if v.strip())
-
-
 @contextlib.contextmanager
 def recompute_option(items: str, compiled: bool = False):
     """``--recompute ITEMS`` for the duration of a run: MAMBA_PARALLEL_RECOMPUTE set to ``items`` in this process
@@ -221,7 +218,7 @@ def recompute_option(items: str, compiled: bool = False):
     main_rank = os.environ.get("RANK", "0") == "0"
     user = os.environ.get(RECOMPUTE_ENV)
     if items:
-        if user and _names(user) != _names(items) and main_rank:
+        if user and parse_items(user)[0] != parse_items(items)[0] and main_rank:
             warnings.warn(f"--recompute {items} overrides {RECOMPUTE_ENV}={user} for this run", stacklevel=3)
         try:
             set_recompute(items)
