@@ -89,7 +89,7 @@ class _Setup:
         from mamba_parallel.train.trainer import _autocast, _grad_norm, build_parallel_model, choose_dims
 
         self.cfg = resolve_config(preset=a.preset, seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype,
-                                  device=a.device, dp_mode=a.dp_mode, tp=a.tp, cp=a.cp,
+                                  device=a.device, dp_mode=a.dp_mode, tp=a.tp, cp=a.cp, recompute=a.recompute,
                                   activation_checkpointing=a.activation_checkpointing, compile=a.compile,
                                   out="unused")
         self.env = env = init_distributed(self.cfg.device)
@@ -265,9 +265,17 @@ def _python_profile(s: "_Setup", steps: int, path: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torch.profiler import ProfilerActivity, profile
+    from mamba_parallel.train.trainer import recompute_option
 
     a = build_parser().parse_args(argv)
+    with recompute_option(a.recompute, a.compile):  # bench_train's --recompute, for the profiled run only
+        return _profile(a)
+
+
+def _profile(a: argparse.Namespace) -> int:
+    """``main`` with its flags parsed and --recompute in effect."""
+    from torch.profiler import ProfilerActivity, profile
+
     if a.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {a.steps}")
     if getattr(a, "cuda_graph", False):

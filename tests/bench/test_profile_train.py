@@ -81,3 +81,16 @@ def test_cuda_run_finds_our_kernels(tmp_path):
         assert cats[cat]["launches_per_step"] > 0, cat
     assert 0 < r["busy_ms_per_step"] <= r["kernel_ms_per_step"] + 1e-6
     assert 0 < r["busy_fraction"] <= 1 and r["verdict"]
+
+
+def test_recompute_flag_applies_to_the_profiled_run(monkeypatch, tmp_path):
+    """--recompute (inherited from bench_train's parser) is in effect while the steps run, and restored after."""
+    from mamba_parallel.bench import profile_train
+    from mamba_parallel.layers.recompute import RECOMPUTE_ENV, recompute_items
+
+    monkeypatch.delenv(RECOMPUTE_ENV, raising=False)
+    seen = []
+    monkeypatch.setattr(profile_train, "_profile", lambda a: seen.append(recompute_items()) or 0)
+    assert profile_train.main(["--preset", "tiny-mamba2", "--device", "cpu", "--recompute", "conv,gate",
+                               "--out", str(tmp_path)]) == 0
+    assert seen == [frozenset({"conv", "gate"})] and recompute_items() == frozenset()
