@@ -7,6 +7,12 @@ checkpoints taken every ``chunk`` tokens (or every ``ckpt_every`` chunks), so th
 stored. Carries, checkpoints, A and dA are state-major ((., n, d)): a warp's accesses to one state are one
 coalesced access. ``impl`` (v2 | v3 | v4, ``triton_common.scan_impl``) picks the launch: rows per channel, the
 register-chain / lane-shuffle paths (``_lanes``) and states per loop iteration.
+
+The backward kernel leaves partial sums (dB / dC per channel block or warp, dA / dD / d delta_bias per sequence);
+``triton_finish.finish_bwd`` reduces them all in one launch (a small model's step is bound by host launch cost),
+casting into the outputs. ``scan_bwd_impl`` can write dB / dC straight into a caller's buffer (e.g. slices of the
+x_proj output's gradient) and return dA times a scale (A for d A_log); the custom op's body calls it with fresh
+outputs.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from mamba_parallel.ops.backend import interpret_mode
 from mamba_parallel.ops.eager_fastpath import eager, fastpath
 from mamba_parallel.ops.selective_scan.triton_bwd import selective_scan_bwd_kernel
 from mamba_parallel.ops.selective_scan.triton_common import bwd_variant, fwd_variant, scan_config, scan_impl
+from mamba_parallel.ops.selective_scan.triton_finish import finish_bwd
 from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kernel
 
 
@@ -28,7 +35,8 @@ def _as4d(t: torch.Tensor) -> torch.Tensor:
 
 def _bc32(t: torch.Tensor) -> torch.Tensor:
     """B / C as (b, g, n, L) fp32: they are small (no d axis) and read n times per token, so converting them once
-    here saves the kernels a conversion per element and state."""
+    here saves the kernels a conversion per element and state. An fp32 (b, g, n, L) tensor (a caller that
+    converted once for the forward and backward) comes back as is, without a copy."""
     return _as4d(t).float()
 
 
@@ -167,14 +175,19 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, v
             u.new_empty((b, d, L) if save_ckpt and z is not None else (0,)))
 
 
-def _scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-              D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
-              initial_state: torch.Tensor | None, sid: torch.Tensor | None, ckpt: torch.Tensor,
-              ypre: torch.Tensor, dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool,
-              varlen: bool, impl: str) -> list[torch.Tensor]:
+def scan_bwd_impl(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                  D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
+                  initial_state: torch.Tensor | None, sid: torch.Tensor | None, ckpt: torch.Tensor,
+                  ypre: torch.Tensor, dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool,
+                  varlen: bool, impl: str, dB_out: torch.Tensor | None = None, dC_out: torch.Tensor | None = None,
+                  dA_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Gradients [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state] in the inputs' dtypes and
     shapes; an absent optional input gets an empty tensor. impl: the forward's 'v2' | 'v3' | 'v4' | 'v4+v3'
-    (v3's backward)."""
+    (v3's backward). B / C: (b, [g,] n, L) of any dtype (e.g. the layer's bf16 views, or fp32 (b, g, n, L)
+    tensors a caller converted once for the forward: no copy then).
+    dB_out / dC_out (B-shaped (b, [g,] n, L), any strides and dtype, e.g. slices of the caller's x_proj output
+    gradient): dB / dC are written there and the list holds empty placeholders for them. dA_scale (d, n): the
+    returned dA is dA * dA_scale (A = -exp(A_log) with dA_scale = A gives d A_log)."""
     impl = bwd_variant(impl)
     b, d, L = u.shape
     n = A.shape[1]
@@ -185,6 +198,10 @@ def _scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Te
         raise RuntimeError(f"selective_scan_bwd: checkpoints {tuple(ckpt.shape)} do not match the tile config "
                            f"(chunk {cfg.chunk}, every {cfg.ckpt_every}); was MAMBA_PARALLEL_SCAN_CFG or "
                            f"MAMBA_PARALLEL_SCAN_CKPT_EVERY changed between forward and backward?")
+    for name, out, like in (("dB_out", dB_out, B), ("dC_out", dC_out, C)):
+        if out is not None and out.shape != like.shape:
+            raise ValueError(f"selective_scan_bwd: {name} {tuple(out.shape)} must have B / C's shape "
+                             f"{tuple(like.shape)}")
     B4, C4 = _bc32(B), _bc32(C)
     G = B4.shape[1]
     bd = cfg.bwd_block_d
@@ -233,15 +250,29 @@ def _scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Te
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, HAS_DLAST=dl is not None,
         FAST_EXP=not _interpreted(u), BD=bd, KC=kc, num_warps=cfg.bwd_warps, **meta,
     )
-    # channel blocks never straddle a group: sum the per-block partials of each group
-    dB = dBp.view(b, G, nblk // G, n, L).sum(2).to(B.dtype).view(B.shape)
-    dC = dCp.view(b, G, nblk // G, n, L).sum(2).to(C.dtype).view(C.shape)
     empty = lambda: u.new_empty((0,))  # noqa: E731  (distinct tensors: custom-op outputs may not alias)
-    return [du, ddt, dA.sum(0).t().to(A.dtype).contiguous(), dB, dC,
-            dD.sum(0).to(D.dtype) if dD is not None else empty(),
+    dB = torch.empty(B.shape, device=dev, dtype=B.dtype) if dB_out is None else dB_out
+    dC = torch.empty(C.shape, device=dev, dtype=C.dtype) if dC_out is None else dC_out
+    dA_out = torch.empty((d, n), device=dev, dtype=A.dtype)
+    dD_out = torch.empty((d,), device=dev, dtype=D.dtype) if D is not None else None
+    ddtb_out = torch.empty((d,), device=dev, dtype=delta_bias.dtype) if delta_bias is not None else None
+    # one launch for the sums over channel blocks (blocks never straddle a group) and over sequences
+    finish_bwd(dBp, dCp, dA, dD, ddtb, G, _as4d(dB), _as4d(dC), dA_out, dD_out, ddtb_out, dA_scale=dA_scale)
+    return [du, ddt, dA_out, dB if dB_out is None else empty(), dC if dC_out is None else empty(),
+            dD_out if dD_out is not None else empty(),
             dz if dz is not None else empty(),
-            ddtb.sum(0).to(delta_bias.dtype) if ddtb is not None else empty(),
+            ddtb_out if ddtb_out is not None else empty(),
             dh0.to(initial_state.dtype) if dh0 is not None else empty()]
+
+
+def _scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+              D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
+              initial_state: torch.Tensor | None, sid: torch.Tensor | None, ckpt: torch.Tensor,
+              ypre: torch.Tensor, dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool,
+              varlen: bool, impl: str) -> list[torch.Tensor]:
+    """The custom op's body: ``scan_bwd_impl`` with fresh outputs for every gradient."""
+    return scan_bwd_impl(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, dlast,
+                         delta_softplus, varlen, impl)
 
 
 selective_scan_bwd = torch.library.custom_op("mamba_parallel::selective_scan_bwd", mutates_args=())(_scan_bwd)
