@@ -11,9 +11,9 @@ made token-major once for x_proj and the scan; the gate writes out_proj's (b, L,
 gate writes dz straight into in_proj's output gradient and the conv's dx is copied into its other half: nothing
 is concatenated or transposed by torch. MAMBA_PARALLEL_RECOMPUTE=conv,dt,gate rebuilds the conv output (its
 token-major copy), the scan's delta and out_proj's input in the backward instead of keeping them
-(layers/recompute.py, docs/memory.md). Training on the Triton path with nothing recomputed or replaced runs the
-middle (conv .. gate) as one autograd node with the same kernels (layers/mamba1_fused.py): fewer launches and
-less host work per layer.
+(layers/recompute.py, docs/memory.md). Training on the Triton path with nothing replaced (and no ``gate``
+recompute) runs the middle (conv .. gate) as one autograd node with the same kernels (layers/mamba1_fused.py):
+fewer launches and less host work per layer.
 Local sizes come from the attributes ``d_inner``, ``d_state``, ``dt_rank`` (tensor parallelism rewrites them).
 """
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from mamba_parallel import ops
 from mamba_parallel.layers import init
 from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
-from mamba_parallel.layers.mamba1_fused import fused_ok, mamba1_inner
+from mamba_parallel.layers.mamba1_fused import FUSED_RECOMPUTE, fused_ok, mamba1_inner
 from mamba_parallel.layers.mamba1_layout import gate_to_token_last, split_xz, token_major
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, run_saving
@@ -147,8 +147,10 @@ class Mamba(nn.Module):
         xz = self.in_proj(hidden_states)
         if xz.shape[-1] != 2 * d_inner:
             raise ValueError(f"Mamba: in_proj gives {xz.shape[-1]} features, expected 2 * d_inner = {2 * d_inner}")
-        if conv_state is None and fused_ok(self, Mamba, xz) and not recompute_plan(self, Mamba):
-            return self.out_proj(mamba1_inner(self, xz, seq_idx))  # one autograd node (layers/mamba1_fused.py)
+        if conv_state is None and fused_ok(self, Mamba, xz):
+            plan = recompute_plan(self, Mamba)
+            if plan <= FUSED_RECOMPUTE:  # one autograd node (layers/mamba1_fused.py); it always rebuilds dt
+                return self.out_proj(mamba1_inner(self, xz, seq_idx, recompute_conv="conv" in plan))
         x, z, xz_grad = split_xz(xz, d_inner)  # channels-last (b, d_inner, L) views of xz
 
         conv_kwargs, scan_kwargs = {}, {}

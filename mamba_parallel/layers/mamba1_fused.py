@@ -9,7 +9,9 @@ gradients, A's chain rule). Here one ``autograd.Function`` runs the same kernels
 
 - forward: the conv writes its output token-major directly (no layout copy), B and C become fp32 in one copy
   (kept for the backward, 2 n fp32 values per token: the scan would otherwise convert them again there), and
-  A = -exp(A_log) is built state-major once (the kernels' layout, kept for the backward);
+  A = -exp(A_log) is built state-major once (the kernels' layout, kept for the backward); delta (dt_proj's
+  output, d_inner values per token) is not kept: the backward runs its small matmul again, as mamba_ssm's fused
+  path does, and with MAMBA_PARALLEL_RECOMPUTE=conv the conv output is rebuilt there too;
 - backward: one buffer receives x_proj's output gradient (ddt_low from the dt matmul, dB / dC straight from the
   scan's finishing kernel), x's two gradients meet in one matmul (du + W^T dx_dbl, accumulated in place), the
   scan's finishing kernel returns d(A_log) directly, and the conv writes dx into the x half of in_proj's output
@@ -18,7 +20,8 @@ gradients, A's chain rule). Here one ``autograd.Function`` runs the same kernels
 Same numerics as the modular path: the same kernels in the same dtypes (weights cast to the activations' dtype, as
 autocast does; the weight gradients of the two token-major matmuls are summed over the batch in fp32 instead of in
 the activation dtype). ``Mamba.forward`` takes this path when ``fused_ok`` allows (the Triton path, training, the
-plain sub-modules, nothing recomputed or overridden); ``MAMBA_PARALLEL_MAMBA1_FUSED=0`` turns it off.
+plain sub-modules, nothing overridden) and no ``gate`` recompute is asked for; ``MAMBA_PARALLEL_MAMBA1_FUSED=0``
+turns it off.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from torch._C import _len_torch_dispatch_stack
 from torch.autograd.function import once_differentiable
 
 ENV = "MAMBA_PARALLEL_MAMBA1_FUSED"
+# MAMBA_PARALLEL_RECOMPUTE items the fused node handles itself (dt always); with "gate" the modular layer runs
+FUSED_RECOMPUTE = frozenset({"conv", "dt"})
 
 
 def _plain(module: nn.Module, cls: type) -> bool:
@@ -71,16 +76,22 @@ def _expand(w: torch.Tensor, b: int) -> torch.Tensor:
     return w.unsqueeze(0).expand(b, -1, -1)
 
 
+def _conv_token_major(conv, x, w2, conv_b, seq_idx):
+    """silu(conv(x)) written token-major (x_proj and the scan stream along L): no layout copy."""
+    xc = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    conv._launch_fwd(x, w2, conv_b, None, seq_idx, None, xc, True)
+    return xc
+
+
 class _Mamba1Inner(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xz, conv_w, conv_b, xproj_w, dt_w, dt_b, A_log, D, seq_idx, d_inner: int, r: int, n: int):
+    def forward(ctx, xz, conv_w, conv_b, xproj_w, dt_w, dt_b, A_log, D, seq_idx, d_inner: int, r: int, n: int,
+                recompute_conv: bool):
         conv, scan, layout = _kernels()
         b, L, _ = xz.shape
         d, cdt = d_inner, xz.dtype
         x, z = xz[..., :d].transpose(1, 2), xz[..., d:].transpose(1, 2)  # channels-last (b, d, L) views
-        w2 = conv_w[:, 0, :]
-        xc = torch.empty((b, d, L), device=xz.device, dtype=cdt)  # token-major: x_proj and the scan stream along L
-        conv._launch_fwd(x, w2, conv_b, None, seq_idx, None, xc, True)
+        xc = _conv_token_major(conv, x, conv_w[:, 0, :], conv_b, seq_idx)
         wx, wdt = xproj_w.to(cdt), dt_w.to(cdt)  # what autocast would cast (no-op without it)
         x_dbl = torch.bmm(_expand(wx, b), xc)  # (b, r + 2n, L)
         dt = torch.bmm(_expand(wdt, b), x_dbl[:, :r])  # (b, d, L); its bias is added in fp32 inside the scan
@@ -93,8 +104,9 @@ class _Mamba1Inner(torch.autograd.Function):
         impl = scan.scan_impl(b, d, n, xz.device, scan._interpreted(xc), False)
         y, _, ckpt, _ = scan._scan_fwd(xc, dt, A, B4, C4, D32, None, dtb32, None, sid, True, False, b, True, impl)
         out = layout._gate_fwd(y, z)  # (b, L, d) contiguous: out_proj's input
-        ctx.save_for_backward(xz, conv_w, conv_b, wx, wdt, xc, x_dbl, dt, B4, C4, A, D32, dtb32, sid, ckpt, y,
-                              seq_idx)
+        # dt is rebuilt in the backward (one small matmul), xc too with recompute_conv (one conv)
+        ctx.save_for_backward(xz, conv_w, conv_b, wx, wdt, None if recompute_conv else xc, x_dbl, B4, C4, A, D32,
+                              dtb32, sid, ckpt, y, seq_idx)
         ctx.meta = (d, r, n, impl, D.dtype, dt_b.dtype, A_log.dtype)
         return out
 
@@ -102,31 +114,39 @@ class _Mamba1Inner(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         conv, scan, layout = _kernels()
-        xz, conv_w, conv_b, wx, wdt, xc, x_dbl, dt, B4, C4, A, D32, dtb32, sid, ckpt, y, seq_idx = ctx.saved_tensors
+        xz, conv_w, conv_b, wx, wdt, xc, x_dbl, B4, C4, A, D32, dtb32, sid, ckpt, y, seq_idx = ctx.saved_tensors
         d, r, n, impl, d_dtype, dtb_dtype, alog_dtype = ctx.meta
         b, L, _ = xz.shape
         x, z = xz[..., :d].transpose(1, 2), xz[..., d:].transpose(1, 2)
+        if xc is None:
+            xc = _conv_token_major(conv, x, conv_w[:, 0, :], conv_b, seq_idx)
+        dt = torch.bmm(_expand(wdt, b), x_dbl[:, :r])  # the forward's values (the same matmul)
         dxz = torch.empty_like(xz)  # in_proj's output gradient: the gate fills the z half, the conv the x half
         dy = layout._gate_bwd(dout, y, z, dxz[..., d:].transpose(1, 2))
         dx_dbl = torch.empty_like(x_dbl)  # x_proj's output gradient: [ddt_low | dB | dC]
         du, ddt, dA_log, _, _, dD, _, ddtb, _ = scan.scan_bwd_impl(
             xc, dt, A, B4, C4, D32, None, dtb32, None, sid, ckpt, xc.new_empty((0,)), dy, None, True, False, impl,
             dB_out=dx_dbl[:, r:r + n].unsqueeze(1), dC_out=dx_dbl[:, r + n:].unsqueeze(1), dA_scale=A)
+        del dy, dt  # activation-sized: free before the next ones are made (peak memory of the largest models)
         torch.bmm(_expand(wdt.t(), b), ddt, out=dx_dbl[:, :r])
         dwdt = torch.bmm(ddt, x_dbl[:, :r].transpose(1, 2)).sum(0, dtype=torch.float32)  # (d, r)
         dwx = torch.bmm(dx_dbl, xc.transpose(1, 2)).sum(0, dtype=torch.float32)  # (r + 2n, d)
+        del ddt
         dxc = du.baddbmm_(_expand(wx.t(), b), dx_dbl)  # x's two gradients: the scan's and x_proj's
         _, dw2, dcb, _ = conv._conv_bwd_impl(x, conv_w[:, 0, :], conv_b, None, seq_idx, dxc, None, True,
                                              dxz[..., :d].transpose(1, 2))
         need = ctx.needs_input_grad
         grads = (dxz, dw2.view_as(conv_w), dcb if conv_b is not None else None, dwx, dwdt, ddtb.to(dtb_dtype),
                  dA_log.to(alog_dtype), dD.to(d_dtype))
-        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None)
+        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None)
 
 
-def mamba1_inner(layer: nn.Module, xz: torch.Tensor, seq_idx: torch.Tensor | None) -> torch.Tensor:
+def mamba1_inner(layer: nn.Module, xz: torch.Tensor, seq_idx: torch.Tensor | None,
+                 recompute_conv: bool = False) -> torch.Tensor:
     """xz (b, L, 2 d_inner) in_proj's output -> y * silu(z) (b, L, d_inner) contiguous (out_proj's input), the
-    middle of ``layer`` (a Mamba) as one autograd node. Call only where ``fused_ok`` allows."""
+    middle of ``layer`` (a Mamba) as one autograd node. ``recompute_conv``: rebuild the conv output in the backward
+    instead of keeping it. Call only where ``fused_ok`` allows."""
     conv1d, dt_proj = layer.conv1d, layer.dt_proj
     return _Mamba1Inner.apply(xz, conv1d.weight, conv1d.bias, layer.x_proj.weight, dt_proj.weight, dt_proj.bias,
-                              layer.A_log, layer.D, seq_idx, layer.d_inner, layer.dt_rank, layer.d_state)
+                              layer.A_log, layer.D, seq_idx, layer.d_inner, layer.dt_rank, layer.d_state,
+                              recompute_conv)
