@@ -43,3 +43,22 @@ class CountingLM:
         self.calls.append((*input_ids.shape, inference_params.seqlen_offset))
         nxt = (input_ids + 1) % self.config.vocab_size
         return F.one_hot(nxt, self.config.vocab_size + 4).float()  # 4 padding logits past the vocab
+
+
+def saved_bytes(module, fn):
+    """Runs fn() recording what autograd keeps -> (fn's result, bytes of the distinct non-parameter storages)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages = {}
+
+    def observe(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            storages[st.data_ptr()] = st.nbytes()
+
+    def pack(t):
+        observe(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())

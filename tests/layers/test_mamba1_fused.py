@@ -3,7 +3,7 @@ gradients, taken only where it applies."""
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, saved_bytes
 
 from mamba_parallel.layers import Mamba
 from mamba_parallel.layers.mamba1_fused import ENV, fused_ok
@@ -125,21 +125,6 @@ def test_where_the_fused_path_does_not_apply(monkeypatch):
     assert "_Mamba1InnerBackward" not in nodes
 
 
-def _saved_bytes(m, fn):
-    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
-    storages = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            storages[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(storages.values())
-
-
 def test_fused_keeps_no_delta_and_rebuilds_the_conv_on_request(monkeypatch):
     """delta is never kept (rebuilt by its matmul); MAMBA_PARALLEL_RECOMPUTE=conv (or conv,dt) drops the conv
     output too; gradients bit-identical either way."""
@@ -152,10 +137,10 @@ def test_fused_keeps_no_delta_and_rebuilds_the_conv_on_request(monkeypatch):
         monkeypatch.setenv(RECOMPUTE_ENV, items)
         grads[items], nodes = _run(m, h, monkeypatch, fused=True)
         assert "_Mamba1InnerBackward" in nodes
-        saved[items] = _saved_bytes(m, lambda: m(h.detach().requires_grad_()))[1]
+        saved[items] = saved_bytes(m, lambda: m(h.detach().requires_grad_()))[1]
     monkeypatch.setenv(RECOMPUTE_ENV, "")
     monkeypatch.setenv(ENV, "0")
-    modular = _saved_bytes(m, lambda: m(h.detach().requires_grad_()))[1]
+    modular = saved_bytes(m, lambda: m(h.detach().requires_grad_()))[1]
     for g, r in zip(grads["conv,dt"], grads[""]):
         assert torch.equal(g, r)
     assert saved[""] - saved["conv,dt"] == 4 * b * L * m.d_inner  # the conv output

@@ -8,6 +8,7 @@ the doc's table.
 
 import pytest
 import torch
+from helpers import saved_bytes
 
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
@@ -16,25 +17,6 @@ from mamba_parallel.layers.recompute import RECOMPUTE_ENV, recompute_items
 pytest.importorskip("triton")
 
 F32 = 4
-
-
-def _saved_bytes(module, fn):
-    """Runs fn() recording what autograd keeps -> (fn's result, bytes of the distinct non-parameter storages)."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    storages = {}
-
-    def observe(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            storages[st.data_ptr()] = st.nbytes()
-
-    def pack(t):
-        observe(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(storages.values())
 
 
 def _mamba2():
@@ -80,7 +62,7 @@ def test_mamba2_saved_bytes_match_the_table(triton_backend, recompute):
     m = _mamba2()
     b, L = 2, 32
     h = torch.randn(b, L, m.d_model, requires_grad=True)
-    out, saved = _saved_bytes(m, lambda: m(h))
+    out, saved = saved_bytes(m, lambda: m(h))
     assert saved == _mamba2_expected(m, b, L, recompute)
     out.sum().backward()
 
@@ -88,7 +70,7 @@ def test_mamba2_saved_bytes_match_the_table(triton_backend, recompute):
 def _run_with_grads(m, h, **kw):
     m.zero_grad(set_to_none=True)
     h = h.detach().requires_grad_(True)
-    out, saved = _saved_bytes(m, lambda: m(h, **kw))
+    out, saved = saved_bytes(m, lambda: m(h, **kw))
     torch.manual_seed(1)
     out.backward(torch.randn_like(out))
     grads = {name: p.grad.clone() for name, p in m.named_parameters()}
@@ -145,7 +127,7 @@ def test_ssd_scan_keeps_final_states_only_when_returned(triton_backend, packed):
     for ret in (True, False):
         leaves = {k: v.clone().requires_grad_(True) for k, v in inputs.items()}
         holder = torch.nn.Module()  # parameters: none; every saved tensor counts
-        out, saved = _saved_bytes(holder, lambda: ssd_chunk_scan(**leaves, chunk_size=16, dt_softplus=True,
+        out, saved = saved_bytes(holder, lambda: ssd_chunk_scan(**leaves, chunk_size=16, dt_softplus=True,
                                                                   return_final_states=ret, **kw))
         y = out[0] if ret else out
         y.backward(gy)  # no gradient into the final states
