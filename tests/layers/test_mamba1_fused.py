@@ -28,10 +28,11 @@ def _run(m, h, monkeypatch, fused: bool, fn=None, **kwargs):
     m.zero_grad()
     h = h.detach().requires_grad_()
     out = (fn or m)(h, **kwargs)
-    nodes, todo = set(), [out.grad_fn]
+    nodes, seen, todo = set(), set(), [out.grad_fn]
     while todo:
         node = todo.pop()
-        if node is not None and node.name() not in nodes:
+        if node is not None and node not in seen:
+            seen.add(node)
             nodes.add(node.name())
             todo.extend(f for f, _ in node.next_functions)
     w = torch.linspace(-1, 1, out.numel(), device=h.device).view_as(out)
