@@ -26,12 +26,16 @@ turns it off.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 
 import torch
 import torch.nn as nn
 from torch._C import _len_torch_dispatch_stack
 from torch.autograd.function import once_differentiable
+
+from mamba_parallel.layers.mamba1_layout import _fast
 
 ENV = "MAMBA_PARALLEL_MAMBA1_FUSED"
 # MAMBA_PARALLEL_RECOMPUTE items the fused node handles itself (dt always); with "gate" the modular layer runs
@@ -47,8 +51,6 @@ def fused_ok(layer: nn.Module, base: type, xz: torch.Tensor) -> bool:
     """Whether ``layer`` (a ``base`` = Mamba instance) may run its middle through ``mamba1_inner``: training with
     autograd on the Triton path, sub-steps and sub-modules as the class defines them (context parallelism replaces
     run_conv / run_scan, tensor parallelism wraps x_proj), no parametrisations, no dispatch mode watching ops."""
-    from mamba_parallel.layers.mamba1_layout import _fast
-
     if os.environ.get(ENV) == "0" or not (torch.is_grad_enabled() and xz.requires_grad):
         return False
     if torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0 or type(xz) is not torch.Tensor:
@@ -63,13 +65,11 @@ def fused_ok(layer: nn.Module, base: type, xz: torch.Tensor) -> bool:
     return _fast(xz)
 
 
+@functools.cache
 def _kernels():
-    import importlib
-
-    conv = importlib.import_module("mamba_parallel.ops.conv1d.triton_impl")
-    scan = importlib.import_module("mamba_parallel.ops.selective_scan.triton_impl")
-    from mamba_parallel.layers import mamba1_layout_kernels as layout
-    return conv, scan, layout
+    """The Triton modules (imported on first use: only where Triton runs)."""
+    return tuple(importlib.import_module(f"mamba_parallel.{m}") for m in (
+        "ops.conv1d.triton_impl", "ops.selective_scan.triton_impl", "layers.mamba1_layout_kernels"))
 
 
 def _expand(w: torch.Tensor, b: int) -> torch.Tensor:
