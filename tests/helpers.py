@@ -62,3 +62,15 @@ def saved_bytes(module, fn):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, sum(storages.values())
+
+
+def graph_node_names(t: torch.Tensor) -> set[str]:
+    """Names of the autograd nodes ``t`` hangs from (each node visited once)."""
+    names, seen, todo = set(), set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            names.add(node.name())
+            todo.extend(f for f, _ in node.next_functions)
+    return names

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dist_harness import spawn
-from helpers import assert_close
+from helpers import assert_close, graph_node_names
 
 pytest.importorskip("triton")
 
@@ -32,13 +32,7 @@ def _tokens(rank: int) -> torch.Tensor:
 def _step(model, tokens: torch.Tensor) -> dict:
     """Forward + backward -> loss, full gradients, and the names of the autograd nodes the loss hangs from."""
     loss = model(tokens[:, :-1], labels=tokens[:, 1:])
-    nodes, seen, todo = set(), set(), [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            nodes.add(node.name())
-            todo.extend(f for f, _ in node.next_functions)
+    nodes = graph_node_names(loss)
     loss.backward()
     inner = getattr(model, "module", model)  # DDP wraps the model
     grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()

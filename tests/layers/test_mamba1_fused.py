@@ -3,7 +3,7 @@ gradients, taken only where it applies."""
 
 import pytest
 import torch
-from helpers import assert_close, saved_bytes
+from helpers import assert_close, graph_node_names, saved_bytes
 
 from mamba_parallel.layers import Mamba
 from mamba_parallel.layers.mamba1_fused import ENV, fused_ok
@@ -28,13 +28,7 @@ def _run(m, h, monkeypatch, fused: bool, fn=None, **kwargs):
     m.zero_grad()
     h = h.detach().requires_grad_()
     out = (fn or m)(h, **kwargs)
-    nodes, seen, todo = set(), set(), [out.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            nodes.add(node.name())
-            todo.extend(f for f, _ in node.next_functions)
+    nodes = graph_node_names(out)
     w = torch.linspace(-1, 1, out.numel(), device=h.device).view_as(out)
     (out.float() * w).sum().backward()
     return [out.detach(), h.grad] + [p.grad for p in m.parameters()], nodes
