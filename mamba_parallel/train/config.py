@@ -52,7 +52,9 @@ class TrainConfig:
     device: str | None = _f(None, "cpu or cuda (default: cuda when available)", choices=["cpu", "cuda"],
                             flag_type=str)
     dtype: str = _f("fp32", "fp32, or bf16 = bf16 autocast over fp32 master weights", choices=["fp32", "bf16"])
-    dp_mode: str = _f("fsdp", "data parallel: fsdp (FSDP2 fully_shard) or ddp", choices=["fsdp", "ddp"])
+    dp_mode: str = _f("fsdp", "data parallel: fsdp (FSDP2 fully_shard: weights, gradients and AdamW state sharded) "
+                              "or ddp (whole replicas: a little faster within one node when the model and its AdamW "
+                              "state fit on each GPU)", choices=["fsdp", "ddp"])
     dp_replicate: int = _f(1, "with --dp-mode fsdp: replicas of the FSDP group (HSDP: shard within a node, "
                               "replicate across nodes)")
     tp: int = _f(1, "tensor parallel degree (ranks of one tp group share a batch)")
