@@ -76,6 +76,16 @@ def _expand(w: torch.Tensor, b: int) -> torch.Tensor:
     return w.unsqueeze(0).expand(b, -1, -1)
 
 
+def _xz_views(xz: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """in_proj's output (b, L, 2d) -> x, z as channels-last (b, d, L) views."""
+    return xz[..., :d].transpose(1, 2), xz[..., d:].transpose(1, 2)
+
+
+def _delta(wdt: torch.Tensor, x_dbl: torch.Tensor, r: int) -> torch.Tensor:
+    """dt_proj's output (b, d, L) from x_proj's (b, r + 2n, L); its bias is added in fp32 inside the scan."""
+    return torch.bmm(_expand(wdt, x_dbl.shape[0]), x_dbl[:, :r])
+
+
 def _conv_token_major(conv, x, w2, conv_b, seq_idx):
     """silu(conv(x)) written token-major (x_proj and the scan stream along L): no layout copy."""
     xc = torch.empty(x.shape, device=x.device, dtype=x.dtype)
@@ -88,13 +98,13 @@ class _Mamba1Inner(torch.autograd.Function):
     def forward(ctx, xz, conv_w, conv_b, xproj_w, dt_w, dt_b, A_log, D, seq_idx, d_inner: int, r: int, n: int,
                 recompute_conv: bool):
         conv, scan, layout = _kernels()
-        b, L, _ = xz.shape
+        b = xz.shape[0]
         d, cdt = d_inner, xz.dtype
-        x, z = xz[..., :d].transpose(1, 2), xz[..., d:].transpose(1, 2)  # channels-last (b, d, L) views
+        x, z = _xz_views(xz, d)
         xc = _conv_token_major(conv, x, conv_w[:, 0, :], conv_b, seq_idx)
         wx, wdt = xproj_w.to(cdt), dt_w.to(cdt)  # what autocast would cast (no-op without it)
         x_dbl = torch.bmm(_expand(wx, b), xc)  # (b, r + 2n, L)
-        dt = torch.bmm(_expand(wdt, b), x_dbl[:, :r])  # (b, d, L); its bias is added in fp32 inside the scan
+        dt = _delta(wdt, x_dbl, r)
         bc = x_dbl[:, r:].float()  # (b, 2n, L) fp32 once, for both passes
         B4, C4 = bc[:, :n].unsqueeze(1), bc[:, n:].unsqueeze(1)
         # (d, n) view of a state-major (n, d) tensor: the kernels' layout, so the scan makes no transposed copy
@@ -116,11 +126,11 @@ class _Mamba1Inner(torch.autograd.Function):
         conv, scan, layout = _kernels()
         xz, conv_w, conv_b, wx, wdt, xc, x_dbl, B4, C4, A, D32, dtb32, sid, ckpt, y, seq_idx = ctx.saved_tensors
         d, r, n, impl, d_dtype, dtb_dtype, alog_dtype = ctx.meta
-        b, L, _ = xz.shape
-        x, z = xz[..., :d].transpose(1, 2), xz[..., d:].transpose(1, 2)
+        b = xz.shape[0]
+        x, z = _xz_views(xz, d)
         if xc is None:
             xc = _conv_token_major(conv, x, conv_w[:, 0, :], conv_b, seq_idx)
-        dt = torch.bmm(_expand(wdt, b), x_dbl[:, :r])  # the forward's values (the same matmul)
+        dt = _delta(wdt, x_dbl, r)  # the forward's values (the same matmul)
         dxz = torch.empty_like(xz)  # in_proj's output gradient: the gate fills the z half, the conv the x half
         dy = layout._gate_bwd(dout, y, z, dxz[..., d:].transpose(1, 2))
         dx_dbl = torch.empty_like(x_dbl)  # x_proj's output gradient: [ddt_low | dB | dC]
