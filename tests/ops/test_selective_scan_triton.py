@@ -195,22 +195,35 @@ def test_token_scans(P, V, seq):
 
 
 @pytest.mark.parametrize("mode", ["seq_idx"])
-def test_lane_paths_emulated(impl, mode, monkeypatch):
-    """v3 / v4's GPU paths (sequential token chains, lane-shuffle sums of dB / dC, v4's row pairs) in the
-    interpreter, the shuffles emulated by gathers over rows: their index arithmetic, against the reference."""
+@pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "loop"])
+def test_lane_paths_emulated(impl, mode, unrolled, monkeypatch):
+    """v3 / v4's GPU paths (sequential token chains, lane-shuffle sums of dB / dC, v4's row pairs; v4's forward
+    with its states unrolled or in the loop) in the interpreter, the shuffles emulated by gathers over rows: their
+    index arithmetic, against the reference."""
     if impl not in LANE_CFG:
         pytest.skip("no lane path")
+    if not unrolled and impl == "v3":
+        pytest.skip("v3 always runs the state loop")
     monkeypatch.setattr(triton_impl, "EMULATE_LANES_IN_INTERPRETER", True)
+    if not unrolled:
+        monkeypatch.setattr(triton_impl, "V4_UNROLLED_STATES", 0)
     monkeypatch.setenv("MAMBA_PARALLEL_SCAN_CFG", LANE_CFG[impl])
-    check(run_both(make_inputs(d=32, L=19, n=4, mode=mode)), torch.float32)
+    kw = make_inputs(d=32, L=19, n=4, mode=mode)
+    check(run_both(kw), torch.float32)
+    check(run_both(kw, grads=False), torch.float32)  # no checkpoints kept: the unrolled carries only
 
 
-def test_sparse_checkpoints(impl, monkeypatch):
+@pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "loop"])
+def test_sparse_checkpoints(impl, unrolled, monkeypatch):
     """MAMBA_PARALLEL_SCAN_CKPT_EVERY: the forward keeps every K-th chunk's state, the backward recomputes the rest
     per segment (5 chunks, K = 3: a full segment and a partial one), with seq_idx restarts inside the recomputed
     chunks. v2's generic code and the lane paths of v3 / v4 (one / two rows per channel, emulated shuffles)."""
+    if not unrolled and impl not in ("v4", "v4+v3"):
+        pytest.skip("only v4's forward unrolls its states")
     every = 3
     monkeypatch.setenv("MAMBA_PARALLEL_SCAN_CKPT_EVERY", str(every))
+    if not unrolled:
+        monkeypatch.setattr(triton_impl, "V4_UNROLLED_STATES", 0)
     d = 8
     if impl in LANE_CFG:
         monkeypatch.setattr(triton_impl, "EMULATE_LANES_IN_INTERPRETER", True)

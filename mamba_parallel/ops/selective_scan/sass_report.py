@@ -34,6 +34,7 @@ def _nvidia_bin(name: str) -> str:
 def compile_sm90(fn, args: dict, constexprs: dict, num_warps: int):
     """args: name -> '*bf16'-style pointer type or an int value (specialised as the JIT does) -> CompiledKernel."""
     signature, attrs, consts = {}, {}, dict(constexprs)
+    maxnreg = consts.pop("maxnreg", None)  # a launch option, not a constexpr
     names = fn.arg_names
     for i, name in enumerate(names):
         if name not in constexprs and name not in args:  # a defaulted constexpr left out
@@ -53,7 +54,7 @@ def compile_sm90(fn, args: dict, constexprs: dict, num_warps: int):
             if v % 16 == 0:
                 attrs[(names.index(name),)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn, signature, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "maxnreg": maxnreg})
 
 
 def ptxas_usage(ptx: str) -> dict:
@@ -142,7 +143,7 @@ def variant_kernels(variant: str, cfg: str | None = None, ckpt_every: int = 1, b
     from mamba_parallel.ops.selective_scan.triton_bwd import selective_scan_bwd_kernel
     from mamba_parallel.ops.selective_scan.triton_common import scan_config
     from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kernel
-    from mamba_parallel.ops.selective_scan.triton_impl import _rows_per_channel, _unroll
+    from mamba_parallel.ops.selective_scan.triton_impl import _rows_per_channel, _unroll, _unrolled_meta
 
     if cfg:
         os.environ["MAMBA_PARALLEL_SCAN_CFG"] = cfg
@@ -168,12 +169,13 @@ def variant_kernels(variant: str, cfg: str | None = None, ckpt_every: int = 1, b
         nblk = d * r // 32
         bwd_tile.update(LANE_SUM=True, LP=tile["P"].bit_length() - 1, LV=tile["V"].bit_length() - 1, R=r,
                         UNROLL=_unroll(variant, n // r, True, r))
-        fwd_tile.update(LANES=True, R=r, UNROLL=_unroll(variant, n // r, False, r))
+        fwd_tile.update(LANES=True, R=r, UNROLL=_unroll(variant, n // r, False, r),
+                        **_unrolled_meta(variant, n, True, False, False))
     fwd = (dict(fwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks,
                 nslots=nchunks if ckpt_every == 1 else 2, ncks=ncks,
                 **strides),
            dict(flags, SAVE_YPRE=True, BD=c.fwd_block_d, **fwd_tile), c.fwd_warps,
-           c.chunk * fwd_tile.get("UNROLL", 1))
+           c.chunk * (fwd_tile["NS"] // fwd_tile["R"] if fwd_tile.get("NS") else fwd_tile.get("UNROLL", 1)))
     bwd = (dict(bwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nblk=nblk, ncks=ncks,
                 **strides),
            dict(flags, HAS_DLAST=False, BD=c.bwd_block_d, **bwd_tile), c.bwd_warps,

@@ -31,6 +31,13 @@ def exp2(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines holding ``ptrs`` (GPU only; no data comes back, the dummy result is unused)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def segment_flags(sid_row, t, mt, L, end, VARLEN: tl.constexpr):
     """seq_idx of one row at tokens t (mt = t < L) -> (s_cur, start, end): start marks tokens whose state restarts
     (a new sequence; with VARLEN also token 0); with VARLEN, end marks each packed sequence's last token, otherwise

@@ -8,6 +8,11 @@ state-major buffer (the state loop is a runtime loop, so a register carry per st
 row-per-thread layout (LANES) each thread reads back what it wrote, otherwise a barrier guards it. With gradients
 the buffer keeps the state entering every chunk (or every K-th: triton_sparse_ckpt.py), all the backward
 recomputes from.
+
+With a constexpr state count (NS, v4 at n = 16: 8 states per row) the state loop is unrolled instead: A and the
+carries stay in registers for the whole sequence (slots of a tile), the next state's B / C rows are loaded while
+one state scans, and the rows of u / delta / z two chunks ahead are prefetched into L2 (PREFETCH): H200, b4 d5120
+L8192 bf16 forward 3.76 -> 2.83 ms (VARIANTS.md). The carry buffer is then written only for checkpoints.
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags
-from mamba_parallel.ops.selective_scan.triton_tiles import (delta_tile, last_token, load_tile, rows_sum, scan_forward,
-                                                            state_row, store_tile)
+from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, prefetch_l2, segment_flags
+from mamba_parallel.ops.selective_scan.triton_tiles import (_at, _put, delta_tile, last_token, load_tile, rows_sum,
+                                                            scan_forward, state_row, state_rows, store_tile)
 
 
 @triton.jit
@@ -31,7 +36,7 @@ def selective_scan_fwd_kernel(
     HAS_H0: tl.constexpr, HAS_SID: tl.constexpr, VARLEN: tl.constexpr, SAVE_YPRE: tl.constexpr,
     FAST_EXP: tl.constexpr, BD: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
     R: tl.constexpr = 1, LANES: tl.constexpr = False, UNROLL: tl.constexpr = 1, EMU: tl.constexpr = False,
-    KC: tl.constexpr = 1,
+    KC: tl.constexpr = 1, NS: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, CKPT: tl.constexpr = True,
 ):
     """One program: channels [pid_d * BD, +BD) of sequence pid_b, chunks of S = P * V tokens; R (1 or 2, dividing
     n) rows per channel, row R c + h scanning states [h n / R, (h + 1) n / R). LANES: the row-per-thread layout is
@@ -43,6 +48,8 @@ def selective_scan_fwd_kernel(
     KC > 1 (triton_sparse_ckpt.py): the checkpoints are every KC-th chunk's entering state, in ck (b, ncks, n, d)
     (slot 0 filled by the host), st being a ping-pong pair.
     Writes y (b, d, L) contiguous, ypre (y before the z gate) when SAVE_YPRE, hlast (b or nseq, d, n) fp32.
+    NS > 0 (LANES, no VARLEN, NS / R <= S): n = NS known, the row's states unrolled; st is then only written when
+    CKPT (checkpoints for the backward). PREFETCH > 0: prefetch u / delta / z that many chunks ahead (GPU only).
     """
     pid_d = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
@@ -68,6 +75,15 @@ def selective_scan_fwd_kernel(
     dn = dim * dstate
     s_row = half * nh * dim + offs_d  # row offsets in an (n, d) state slab: a state's channels are contiguous
     first_row = (half == 0)[None, :, None]  # the row that stores a channel's outputs
+    if NS > 0:
+        NH: tl.constexpr = NS // R
+        # A (times log2 e) and the carries of the row's states in registers: state k in token slot k of a tile
+        # (a masked load gives zeros in the tiles' layout, so slot reads / writes are register moves)
+        A_k = load_tile(u_ptr + pid_b * su_b, pid_d * BD, su_d, su_l, L, L, P, BD * R, V, R)
+        hc = A_k
+        for k in tl.static_range(NH):
+            A_k = _put(A_k, tl.load(A_ptr + s_row + k * dim) * LOG2E, k // V, k % V, P, V)
+            hc = _put(hc, tl.load(st_ptr + pid_b * nslots * dn + s_row + k * dim), k // V, k % V, P, V)
 
     for c in range(nchunks):
         t = c * (P * V) + tok
@@ -75,6 +91,12 @@ def selective_scan_fwd_kernel(
         t2 = c * (P * V) + tok2
         mt2 = t2 < L
         t0 = c * (P * V)
+        if PREFETCH > 0:  # DRAM latency off the chain: L2 holds these rows by the time they are loaded
+            tn = tl.minimum(t0 + PREFETCH * (P * V), L - 1)
+            prefetch_l2(u_ptr + pid_b * su_b + offs_d * su_d + tn * su_l)
+            prefetch_l2(dt_ptr + pid_b * sdt_b + offs_d * sdt_d + tn * sdt_l)
+            if HAS_Z:
+                prefetch_l2(z_ptr + pid_b * sz_b + offs_d * sz_d + tn * sz_l)
         u = load_tile(u_ptr + pid_b * su_b, pid_d * BD, su_d, su_l, t0, L, P, BD * R, V, R)
         _, dt = delta_tile(dt_ptr + pid_b * sdt_b, pid_d * BD, sdt_d, sdt_l, t0, L, mt, bias, P, BD * R, V, R,
                            HAS_DTB, SOFTPLUS)
@@ -89,34 +111,57 @@ def selective_scan_fwd_kernel(
             st_out = hlast_ptr + pid_b * dn + d_off
             st_step = 1
         y = tl.zeros([P, BD * R, V], dtype=tl.float32)
-        # UNROLL states per iteration: independent work for the scheduler. With the row-per-thread layout the
-        # loop is software-pipelined over 2 stages: the next states' A / carry / B / C rows are fetched (async
-        # copies) while these are scanned (H200: b8 d4096 L4096 forward 2.67 -> 2.23 ms; 3 stages: 2.48).
-        for n0 in tl.range(0, nh, UNROLL, num_stages=2 if LANES else 1):
-            for k in tl.static_range(UNROLL):
-                n = n0 + k
-                A_n = (tl.load(A_ptr + s_row + n * dim).to(tl.float32) * LOG2E)[None, :, None]
-                B_n = state_row(B_base, n, nh, sB_n, sB_l, t2, mt2, first_row, R)
-                C_n = state_row(C_base, n, nh, sC_n, sC_l, t2, mt2, first_row, R)
-                a = exp2(dt * A_n, FAST_EXP)
-                bx = dtu * B_n
+        if NS > 0:
+            Bn = state_rows(B_base, 0, NH, sB_n, sB_l, t0, L, P, BD * R, V, R)
+            Cn = state_rows(C_base, 0, NH, sC_n, sC_l, t0, L, P, BD * R, V, R)
+            for k in tl.static_range(NH):
+                B_n = Bn
+                C_n = Cn
+                if k + 1 < NH:  # the next state's rows are in flight while this one scans
+                    Bn = state_rows(B_base, k + 1, NH, sB_n, sB_l, t0, L, P, BD * R, V, R)
+                    Cn = state_rows(C_base, k + 1, NH, sC_n, sC_l, t0, L, P, BD * R, V, R)
+                a = exp2(dt * _at(A_k, k // V, k % V, P, V)[None, :, None], FAST_EXP)
                 if HAS_SID:
-                    if VARLEN and HAS_H0:  # a packed sequence starts from its own initial state
-                        hin = tl.load(h0_ptr + s_cur * dn + drow + n, mask=start, other=0.0).to(tl.float32)
-                        bx += a * hin
                     a = tl.where(start, 0.0, a)
-                hs = scan_forward(a, bx, tl.load(st_in + n * dim), v_idx, p_idx, P, V, LANES)
+                hs = scan_forward(a, dtu * B_n, _at(hc, k // V, k % V, P, V), v_idx, p_idx, P, V, LANES)
                 y += hs * C_n
-                if VARLEN:
-                    tl.store(hlast_ptr + s_cur * dn + drow + n, hs, mask=end)
-                    if c + 1 < nchunks:  # the packed sequences' final states are stored at their ends
+                h_last = last_token(hs, v_idx, p_idx, P, V)
+                hc = _put(hc, h_last, k // V, k % V, P, V)
+                if CKPT:
+                    if KC == 1:
+                        if c + 1 < nchunks:
+                            tl.store(st_out + k * dim, h_last)
+                    elif ((c + 1) % KC == 0) & (c + 1 < nchunks):
+                        tl.store(ck_ptr + (pid_b * ncks + (c + 1) // KC) * dn + s_row + k * dim, h_last)
+        else:
+            # UNROLL states per iteration: independent work for the scheduler. With the row-per-thread layout the
+            # loop is software-pipelined over 2 stages: the next states' A / carry / B / C rows are fetched (async
+            # copies) while these are scanned (H200: b8 d4096 L4096 forward 2.67 -> 2.23 ms; 3 stages: 2.48).
+            for n0 in tl.range(0, nh, UNROLL, num_stages=2 if LANES else 1):
+                for k in tl.static_range(UNROLL):
+                    n = n0 + k
+                    A_n = (tl.load(A_ptr + s_row + n * dim).to(tl.float32) * LOG2E)[None, :, None]
+                    B_n = state_row(B_base, n, nh, sB_n, sB_l, t2, mt2, first_row, R)
+                    C_n = state_row(C_base, n, nh, sC_n, sC_l, t2, mt2, first_row, R)
+                    a = exp2(dt * A_n, FAST_EXP)
+                    bx = dtu * B_n
+                    if HAS_SID:
+                        if VARLEN and HAS_H0:  # a packed sequence starts from its own initial state
+                            hin = tl.load(h0_ptr + s_cur * dn + drow + n, mask=start, other=0.0).to(tl.float32)
+                            bx += a * hin
+                        a = tl.where(start, 0.0, a)
+                    hs = scan_forward(a, bx, tl.load(st_in + n * dim), v_idx, p_idx, P, V, LANES)
+                    y += hs * C_n
+                    if VARLEN:
+                        tl.store(hlast_ptr + s_cur * dn + drow + n, hs, mask=end)
+                        if c + 1 < nchunks:  # the packed sequences' final states are stored at their ends
+                            tl.store(st_out + n * st_step, last_token(hs, v_idx, p_idx, P, V))
+                    else:
                         tl.store(st_out + n * st_step, last_token(hs, v_idx, p_idx, P, V))
-                else:
-                    tl.store(st_out + n * st_step, last_token(hs, v_idx, p_idx, P, V))
-                if KC > 1:
-                    if ((c + 1) % KC == 0) & (c + 1 < nchunks):
-                        tl.store(ck_ptr + (pid_b * ncks + (c + 1) // KC) * dn + s_row + n * dim,
-                                 last_token(hs, v_idx, p_idx, P, V))
+                    if KC > 1:
+                        if ((c + 1) % KC == 0) & (c + 1 < nchunks):
+                            tl.store(ck_ptr + (pid_b * ncks + (c + 1) // KC) * dn + s_row + n * dim,
+                                     last_token(hs, v_idx, p_idx, P, V))
         y = rows_sum(y, R, LANES, EMU)
         if HAS_D:
             y += Dv * u
@@ -128,3 +173,6 @@ def selective_scan_fwd_kernel(
         store_tile(y_ptr + pid_b * dim * L, y, pid_d * BD, L, 1, t0, L, P, BD * R, V, R)
         if not LANES:  # with the row-per-thread layout each thread reloads the carries it stored itself
             tl.debug_barrier()  # the next chunk's entering state, for other layouts
+    if NS > 0:
+        for k in tl.static_range(NH):
+            tl.store(hlast_ptr + pid_b * dn + d_off + k, _at(hc, k // V, k % V, P, V))

@@ -76,6 +76,23 @@ def _unroll(impl: str, states_per_row: int, bwd: bool, rows: int) -> int:
 # Tests set this to run the lane paths in the interpreter with the shuffles emulated (kernels' EMU).
 EMULATE_LANES_IN_INTERPRETER = False
 
+# v4's forward with n / 2 <= this many states per row unrolls the state loop (the kernel's NS path: A and carries
+# in registers, u / delta / z prefetched into L2 two chunks ahead), capped at 168 registers so that three 4-warp
+# programs share an SM. H200, b4 d5120 L8192 bf16: 3.76 -> 2.83 ms (VARIANTS.md). Tests set 0 for the loop path.
+V4_UNROLLED_STATES = 8
+PREFETCH_CHUNKS = 2
+V4_UNROLLED_MAXNREG = 168
+
+
+def _unrolled_meta(impl: str, n: int, lanes: bool, varlen: bool, interpreted: bool) -> dict:
+    """Forward constexprs / launch options of v4's unrolled-states path, or {} for the state loop."""
+    r = _rows_per_channel(impl, n)
+    if r != 2 or not lanes or varlen or n // r > V4_UNROLLED_STATES:
+        return {}
+    if interpreted:
+        return dict(NS=n)
+    return dict(NS=n, PREFETCH=PREFETCH_CHUNKS, maxnreg=V4_UNROLLED_MAXNREG)
+
 
 def _lanes(u, delta, z, block_d: int, warps: int, chunk: int, d_per_group: int, impl: str, n: int,
            varlen: bool) -> bool:
@@ -151,6 +168,7 @@ def _scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Te
     else:
         meta["UNROLL"] = 1  # v2's code: its register use was only measured without unrolling
     meta["KC"] = cfg.ckpt_every if sparse else 1
+    meta.update(_unrolled_meta(impl, n, lanes, varlen, _interpreted(u)), CKPT=save_ckpt)
     selective_scan_fwd_kernel[(d // cfg.fwd_block_d, b)](
         u, delta, zz, B4, C4, A.t().contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), y, ypre, hlast,
         states, ck, L, d, n, d // B4.shape[1], nchunks, nslots, ncks, *_strides(u, delta, zz, B4, C4, sid),

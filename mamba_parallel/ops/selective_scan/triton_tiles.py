@@ -226,6 +226,18 @@ def state_row(base, n, nh, s_n, s_l, t2, mt2, first_row, R: tl.constexpr):
 
 
 @triton.jit
+def state_rows(base, n, nh, s_n, s_l, t0, L, P: tl.constexpr, ROWS: tl.constexpr, V: tl.constexpr, R: tl.constexpr):
+    """B or C of state n (row R c + h: state n + h nh) at the chunk's tokens as a (P, ROWS, V) tile: each row
+    loads its own state's tokens, through load_tile's pointer-tile shape so that the layout is the tiles'. Not for
+    the pipelined state loop, whose asynchronous copies would stage one tile per row."""
+    i = tl.arange(0, P * ROWS)
+    tp = t0 + (i // ROWS) * V
+    offs = ((n + (i % ROWS) % R * nh) * s_n + tp * s_l)[:, None] + (tl.arange(0, V) * s_l)[None, :]
+    m = (tp[:, None] + tl.arange(0, V)[None, :]) < L
+    return tl.reshape(tl.load(base + offs, mask=m, other=0.0), (P, ROWS, V))
+
+
+@triton.jit
 def delta_tile(dt_base, c0, s_d, s_l, t0, L, mt, bias, P: tl.constexpr, ROWS: tl.constexpr, V: tl.constexpr,
                R: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr):
     """The chunk's delta as load_tile gives it -> (raw = delta + bias, the scans' delta = softplus(raw) or raw,
