@@ -17,6 +17,8 @@ outputs.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -78,7 +80,8 @@ EMULATE_LANES_IN_INTERPRETER = False
 
 # v4's forward with n / 2 <= this many states per row unrolls the state loop (the kernel's NS path: A and carries
 # in registers, u / delta / z prefetched into L2 two chunks ahead), capped at 168 registers so that three 4-warp
-# programs share an SM. H200, b4 d5120 L8192 bf16: 3.76 -> 2.83 ms (VARIANTS.md). Tests set 0 for the loop path.
+# programs share an SM. H200, b4 d5120 L8192 bf16: 3.76 -> 2.83 ms (VARIANTS.md). Tests set 0 for the loop path;
+# MAMBA_PARALLEL_SCAN_V4_UNROLLED=0 does the same (A/B timings).
 V4_UNROLLED_STATES = 8
 PREFETCH_CHUNKS = 2
 V4_UNROLLED_MAXNREG = 168
@@ -87,7 +90,8 @@ V4_UNROLLED_MAXNREG = 168
 def _unrolled_meta(impl: str, n: int, lanes: bool, varlen: bool, interpreted: bool) -> dict:
     """Forward constexprs / launch options of v4's unrolled-states path, or {} for the state loop."""
     r = _rows_per_channel(impl, n)
-    if r != 2 or not lanes or varlen or n // r > V4_UNROLLED_STATES:
+    off = os.environ.get("MAMBA_PARALLEL_SCAN_V4_UNROLLED", "1").strip() == "0"
+    if off or r != 2 or not lanes or varlen or n // r > V4_UNROLLED_STATES:
         return {}
     if interpreted:
         return dict(NS=n)
