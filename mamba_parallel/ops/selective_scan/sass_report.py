@@ -170,7 +170,7 @@ def variant_kernels(variant: str, cfg: str | None = None, ckpt_every: int = 1, b
         bwd_tile.update(LANE_SUM=True, LP=tile["P"].bit_length() - 1, LV=tile["V"].bit_length() - 1, R=r,
                         UNROLL=_unroll(variant, n // r, True, r))
         fwd_tile.update(LANES=True, R=r, UNROLL=_unroll(variant, n // r, False, r),
-                        **_unrolled_meta(variant, n, True, False, False))
+                        **_unrolled_meta(variant, n, c.chunk, True, False, False))
     fwd = (dict(fwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks,
                 nslots=nchunks if ckpt_every == 1 else 2, ncks=ncks,
                 **strides),

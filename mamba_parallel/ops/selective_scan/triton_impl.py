@@ -87,11 +87,12 @@ PREFETCH_CHUNKS = 2
 V4_UNROLLED_MAXNREG = 168
 
 
-def _unrolled_meta(impl: str, n: int, lanes: bool, varlen: bool, interpreted: bool) -> dict:
-    """Forward constexprs / launch options of v4's unrolled-states path, or {} for the state loop."""
+def _unrolled_meta(impl: str, n: int, chunk: int, lanes: bool, varlen: bool, interpreted: bool) -> dict:
+    """Forward constexprs / launch options of v4's unrolled-states path, or {} for the state loop (a row's states
+    sit in the token slots of a chunk tile, so they must not outnumber the chunk's tokens)."""
     r = _rows_per_channel(impl, n)
     off = os.environ.get("MAMBA_PARALLEL_SCAN_V4_UNROLLED", "1").strip() == "0"
-    if off or r != 2 or not lanes or varlen or n // r > V4_UNROLLED_STATES:
+    if off or r != 2 or not lanes or varlen or n // r > min(V4_UNROLLED_STATES, chunk):
         return {}
     if interpreted:
         return dict(NS=n)
@@ -172,7 +173,7 @@ def _scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Te
     else:
         meta["UNROLL"] = 1  # v2's code: its register use was only measured without unrolling
     meta["KC"] = cfg.ckpt_every if sparse else 1
-    meta.update(_unrolled_meta(impl, n, lanes, varlen, _interpreted(u)), CKPT=save_ckpt)
+    meta.update(_unrolled_meta(impl, n, cfg.chunk, lanes, varlen, _interpreted(u)), CKPT=save_ckpt)
     selective_scan_fwd_kernel[(d // cfg.fwd_block_d, b)](
         u, delta, zz, B4, C4, A.t().contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), y, ypre, hlast,
         states, ck, L, d, n, d // B4.shape[1], nchunks, nslots, ncks, *_strides(u, delta, zz, B4, C4, sid),
