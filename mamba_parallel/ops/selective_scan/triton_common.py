@@ -1,4 +1,4 @@
-"""Pieces shared by the Mamba-1 scan kernels: exp2 / softplus, and the variant / tile choice.
+"""Pieces shared by the Mamba-1 scan kernels: exp2 / softplus / L2 prefetch, and the variant / tile choice.
 
 The kernels (triton_fwd.py, triton_bwd.py) give one thread a channel (a row of the tile) and keep a chunk's S tokens
 in its registers, so the token scans, the carries and the sums over tokens stay inside the thread (triton_tiles.py).
