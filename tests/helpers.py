@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mamba_parallel.inference.cache import InferenceParams
+from mamba_parallel.models.outputs import CausalLMOutput
 
 # Relative-RMS error bounds per dtype (kernel vs reference computed in fp32 / fp64).
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -42,7 +43,7 @@ class CountingLM:
     def __call__(self, input_ids, inference_params=None, num_last_tokens=0):
         self.calls.append((*input_ids.shape, inference_params.seqlen_offset))
         nxt = (input_ids + 1) % self.config.vocab_size
-        return F.one_hot(nxt, self.config.vocab_size + 4).float()  # 4 padding logits past the vocab
+        return CausalLMOutput(logits=F.one_hot(nxt, self.config.vocab_size + 4).float())  # 4 padding logits
 
 
 def saved_bytes(module, fn):

@@ -2,16 +2,20 @@
 no Triton (ops fall back to their references), no tokenizers / pyarrow / tensorboard / NVML. Each check runs in a
 fresh interpreter where those imports are blocked."""
 
+import os
 import subprocess
 import sys
 
 BLOCK = "import sys\nfor m in ('triton', 'tokenizers', 'pyarrow', 'tensorboard', 'pynvml', 'transformers'):\n" \
         "    sys.modules[m] = None\n"
 
+# A checkout that is not the installed copy (a worktree, an uninstalled clone) is found through PYTHONPATH.
+_PYTHONPATH = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+
 
 def _run(code: str, tmp_path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", BLOCK + code], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+                          timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", **_PYTHONPATH})
 
 
 def test_models_run_without_triton(tmp_path):
@@ -21,7 +25,7 @@ from mamba_parallel import MambaLMHeadModel, get_preset
 for name in ("tiny-mamba", "tiny-mamba2", "tiny-hybrid"):
     model = MambaLMHeadModel(get_preset(name))
     ids = torch.randint(0, 256, (2, 21))
-    loss = model(ids[:, :-1], labels=ids[:, 1:])
+    loss = model(ids[:, :-1], targets=ids[:, 1:]).loss
     loss.backward()
     assert model.generate(ids[:, :4], max_new_tokens=3, temperature=0).shape == (2, 7)
 print("ok")

@@ -56,13 +56,13 @@ def greedy_loop(run, cache, prompt: torch.Tensor, gen_len: int, vocab: int, cloc
     prompt (b, L) -> (new tokens (b, gen_len), prefill ms (to the first new token), decode ms of the rest).
     """
     t0 = clock.mark()
-    logits = run(prompt, inference_params=cache, num_last_tokens=1)[:, -1, :vocab]
+    logits = run(prompt, inference_params=cache, num_last_tokens=1).logits[:, -1, :vocab]
     cache.seqlen_offset = prompt.shape[1]
     token = logits.argmax(dim=-1)
     t1 = clock.mark()
     tokens = [token]
     for _ in range(gen_len - 1):
-        logits = run(token[:, None], inference_params=cache)[:, -1, :vocab]
+        logits = run(token[:, None], inference_params=cache).logits[:, -1, :vocab]
         cache.seqlen_offset += 1
         token = logits.argmax(dim=-1)
         tokens.append(token)

@@ -103,7 +103,7 @@ def run_timing(args) -> dict:
 
     def step():
         with autocast:
-            loss = model(ids, labels=labels)
+            loss = model(ids, targets=labels).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -162,8 +162,8 @@ def run_parity(args) -> dict:
     def run(m, dtype, x, y, s, reduce):
         m.zero_grad(set_to_none=True)
         with torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            loss = m(x, labels=y, seq_idx=s)
-            logits = m(x, seq_idx=s)[0, :, :64].float()
+            loss = m(x, targets=y, seq_idx=s).loss
+            logits = m(x, seq_idx=s).logits[0, :, :64].float()
         loss.backward()
         grads = {k: p.grad.float() for k, p in m.named_parameters()}
         if reduce:

@@ -175,7 +175,7 @@ def _run(a: argparse.Namespace, cfg, recompute: str) -> int:
             mark()
             return loss
         with _autocast(cfg, env.device):
-            loss = model(inputs, labels=labels)
+            loss = model(inputs, targets=labels).loss
         mark()
         loss.backward()
         mark()

@@ -113,7 +113,7 @@ class _Setup:
     def step(self) -> torch.Tensor:
         """bench_train's timed step: forward + loss, backward, grad-norm clip, optimizer step, zero grads."""
         with self._autocast(self.cfg, self.env.device):
-            loss = self.model(self.inputs, labels=self.labels)
+            loss = self.model(self.inputs, targets=self.labels).loss
         loss.backward()
         if self.grad_clip > 0:
             self._grad_norm(self.model, self.grad_clip)

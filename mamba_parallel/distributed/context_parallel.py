@@ -2,7 +2,7 @@
 
 ``apply_context_parallel(model, cp_mesh)`` turns an unmodified single-device ``MambaLMHeadModel`` into its CP form
 in place. Every rank then receives a contiguous slice of every sequence (rank 0 the first; ``input_ids``,
-``labels``, ``seq_idx`` and ``position_ids`` are slices of the global ones) and returns its slice of the logits or
+``targets``, ``seq_idx`` and ``position_ids`` are slices of the global ones) and returns its slice of the logits or
 the GLOBAL mean loss. Per instance it overrides:
 
 - ``mixer.run_conv`` (Mamba / Mamba2): halo exchange of the last d_conv - 1 conv inputs (distributed/cp_ops.py);
@@ -95,10 +95,10 @@ def _run_scan_mamba1(mixer: Mamba, ctx: CPContext, u, delta, A, B, C, D=None, z=
                              group=ctx.group, meta=ctx.meta(seq_idx, _conv_width(mixer) - 1))
 
 
-def _cp_lm_loss(model: nn.Module, ctx: CPContext, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """hidden_states (b, L_local, d), labels (b, L_local) -> the mean CE over the labels != -100 of the WHOLE
-    sequences (the same scalar on every cp rank)."""
-    hidden, flat = hidden_states.flatten(0, 1), labels.flatten()
+def _cp_lm_loss(model: nn.Module, ctx: CPContext, hidden_states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """hidden_states (b, L_local, d), targets (b, L_local) already shifted -> the mean CE over the targets != -100
+    of the WHOLE sequences (the same scalar on every cp rank)."""
+    hidden, flat = hidden_states.flatten(0, 1), targets.flatten()
     if getattr(model, "_tp_applied", False):
         from mamba_parallel.distributed.tensor_parallel import vocab_parallel_linear_cross_entropy
 
@@ -114,6 +114,13 @@ def _cp_lm_loss(model: nn.Module, ctx: CPContext, hidden_states: torch.Tensor, l
 def _refuse_generate(*args, **kwargs):
     raise RuntimeError("context parallel: generate() is not supported on a cp-sharded model (each rank holds a "
                        "slice of the sequence); load the checkpoint in one process to generate")
+
+
+def _refuse_labels(module, args, kwargs):
+    if kwargs.get("labels") is not None:
+        raise ValueError("context parallel: pass targets= (this rank's slice of the already shifted targets), "
+                         "not labels=: a slice cannot be shifted across its boundary with the next rank")
+    return None
 
 
 def _backbone_pre_hook(module, args, kwargs):
@@ -152,6 +159,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
             raise ParallelConfigError(f"context parallel: layer {i} has a {type(mixer).__name__} mixer, which has no "
                                       f"cp form (cp > 1 supports Mamba, Mamba2 and MHA layers)")
     model.backbone.register_forward_pre_hook(_backbone_pre_hook, with_kwargs=True)
+    model.register_forward_pre_hook(_refuse_labels, with_kwargs=True)
     model.lm_loss = functools.partial(_cp_lm_loss, model, ctx)
     model.generate = _refuse_generate
     model._cp_applied, model.cp_mesh, model.cp_context = True, cp_mesh, ctx

@@ -248,7 +248,8 @@ class TPTiedLMHead(TPLMHead):
         return self._embedding[0].weight
 
 
-def vocab_parallel_lm_loss(model, group, hidden_states: Tensor, labels: Tensor) -> Tensor:
-    """hidden (b, L, d) full on every rank, labels (b, L) -> mean CE over labels != -100; logits stay sharded."""
+def vocab_parallel_lm_loss(model, group, hidden_states: Tensor, targets: Tensor) -> Tensor:
+    """hidden (b, L, d) full on every rank, targets (b, L) already shifted -> mean CE over targets != -100; logits
+    stay sharded."""
     return vocab_parallel_linear_cross_entropy(hidden_states.flatten(0, 1), model.lm_head.weight,
-                                               labels.flatten(), group)
+                                               targets.flatten(), group)

@@ -12,9 +12,9 @@ graph would freeze at its capture value.
 Use through ``decode_runner`` (what ``generate`` calls):
 
     run, cache = decode_runner(model, batch, max_seqlen, dtype, cuda_graph=True)
-    logits = run(prompt, inference_params=cache, num_last_tokens=1)   # eager prefill into the static cache
+    logits = run(prompt, inference_params=cache, num_last_tokens=1).logits  # eager prefill, static cache
     cache.seqlen_offset = prompt.shape[1]
-    logits = run(token[:, None], inference_params=cache)              # graph replay
+    logits = run(token[:, None], inference_params=cache).logits             # graph replay
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from mamba_parallel.inference.cache import InferenceParams
+from mamba_parallel.models.outputs import CausalLMOutput
 
 # model attribute holding {(batch_size, dtype): GraphedDecoder}: a graph is captured once per batch size
 _ATTR = "_mp_graphed_decoders"
@@ -71,7 +72,7 @@ class GraphedDecoder:
             torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
-                self.logits = model(self.input_ids, inference_params=self.cache)
+                self.logits = model(self.input_ids, inference_params=self.cache).logits
             self.new_cache()
 
     def new_cache(self) -> InferenceParams:
@@ -87,8 +88,9 @@ class GraphedDecoder:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, inference_params: InferenceParams | None = None,
-                 num_last_tokens: int = 0) -> torch.Tensor:
-        """input_ids (b, L) -> logits (b, L or num_last_tokens, padded_vocab), like ``model(...)``.
+                 num_last_tokens: int = 0) -> CausalLMOutput:
+        """input_ids (b, L) -> CausalLMOutput with logits (b, L or num_last_tokens, padded_vocab), like
+        ``model(...)``.
 
         One token (L == 1) after prefill replays the graph and returns the STATIC logits buffer (overwritten by
         the next replay: use it before the next call). Anything else (the prompt) runs the model eagerly.
@@ -105,7 +107,7 @@ class GraphedDecoder:
                                  f"{self.cache.seqlen_offset}")
             self.input_ids.copy_(input_ids)
             self.graph.replay()
-            return self.logits
+            return CausalLMOutput(logits=self.logits)
         return self.model(input_ids, inference_params=self.cache, num_last_tokens=num_last_tokens)
 
 

@@ -62,7 +62,7 @@ def _decode(run, cache: InferenceParams, logits: torch.Tensor, max_new_tokens: i
         new_tokens.append(token)
         if step == max_new_tokens - 1 or (eos_token_id is not None and bool(done.all())):
             break
-        logits = run(token[:, None], inference_params=cache)[:, -1, :vocab]
+        logits = run(token[:, None], inference_params=cache).logits[:, -1, :vocab]
         cache.seqlen_offset += 1
     return torch.stack(new_tokens, dim=1)
 
@@ -95,7 +95,7 @@ def _generate_ragged(model, prompts: list[torch.Tensor], max_new_tokens: int, ca
             stop += 1
         group = torch.stack([prompts[i] for i in order[start:stop]])
         view = _row_view(cache, start, stop) if (start, stop) != (0, b) else cache
-        last_logits.append(model(group, inference_params=view, num_last_tokens=1)[:, -1, :vocab])
+        last_logits.append(model(group, inference_params=view, num_last_tokens=1).logits[:, -1, :vocab])
         start = stop
     # Mamba steps only test offset > 0; the longest prompt bounds every row's position (cache capacity checks).
     cache.seqlen_offset = longest
@@ -142,7 +142,7 @@ def generate(model, input_ids: torch.Tensor | list[torch.Tensor], max_new_tokens
         return input_ids
     vocab = model.config.vocab_size
     run, cache = _runner(model, b, L + max_new_tokens, cache_dtype, cuda_graph)
-    logits = run(input_ids, inference_params=cache, num_last_tokens=1)[:, -1, :vocab]
+    logits = run(input_ids, inference_params=cache, num_last_tokens=1).logits[:, -1, :vocab]
     cache.seqlen_offset = L
     new = _decode(run, cache, logits, max_new_tokens, vocab, **sampling)
     return torch.cat([input_ids, new], dim=1)

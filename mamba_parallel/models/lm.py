@@ -23,6 +23,18 @@ from mamba_parallel.layers.mamba2 import Mamba2
 from mamba_parallel.layers.mlp import GatedMLP
 from mamba_parallel.layers.norm import RMSNorm, add_norm, make_norm
 from mamba_parallel.layers.packing import seq_idx_from_cu_seqlens
+from mamba_parallel.models.outputs import CausalLMOutput
+
+
+def shift_labels(labels: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """labels (b, L) in transformers' form -> targets (b, L): targets[:, t] = labels[:, t + 1], the last position
+    -100 (no target); with packed sequences (seq_idx (b, L)) also each sequence's last position, so no position
+    is scored against the next sequence's first token."""
+    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    if seq_idx is not None:
+        boundary = torch.nn.functional.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (0, 1), value=False)
+        targets = targets.masked_fill(boundary, -100)
+    return targets
 
 
 class MixerModel(nn.Module):
@@ -120,32 +132,60 @@ class MambaLMHeadModel(nn.Module):
         init.mark_no_weight_decay(self)
 
     # ---- forward ------------------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, inference_params=None,
+    def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None, return_logits: bool | None = None, inference_params=None,
                 num_last_tokens: int = 0, seq_idx: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids (b, L) -> logits (b, L, padded_vocab) in the hidden dtype, or with labels (b, L) the mean
-        cross-entropy over labels != -100 (labels already shifted: labels[:, t] is the target of position t).
+                cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> CausalLMOutput:
+        """input_ids (b, L) -> ``CausalLMOutput(loss, logits)`` (models/outputs.py).
 
-        num_last_tokens > 0: logits of the last positions only (b, num_last_tokens, padded_vocab).
+        labels (b, L): transformers' meaning: shifted here, so position t is scored against labels[:, t + 1];
+        -100 is ignored; loss = the mean cross-entropy over the kept positions. targets (b, L): the same loss
+        with targets ALREADY shifted (targets[:, t] is the target of position t), what a data loader of
+        (inputs, next tokens) gives, and the only form context parallel accepts (a rank cannot shift across its
+        slice). With either, the loss is formed chunk by chunk (``lm_loss``) and ``logits`` is None unless
+        ``return_logits=True``; without, logits (b, L, padded_vocab) in the hidden dtype (the last
+        ``num_last_tokens`` positions only when > 0) and loss None.
+
+        attention_mask (b, L) is accepted for ``model(**tokenizer(...))`` calls; it must be all ones (a Mamba
+        layer has no padding mask: pass unpadded rows, or packed sequences through seq_idx / cu_seqlens).
         """
-        hidden_states = self.backbone(input_ids, inference_params=inference_params, seq_idx=seq_idx,
-                                      cu_seqlens=cu_seqlens, position_ids=position_ids)
+        if labels is not None and targets is not None:
+            raise ValueError("pass labels (shifted inside, as in transformers) or targets (already shifted), "
+                             "not both")
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("attention_mask has zeros: padded rows are not supported (a Mamba layer would read "
+                             "the padding into its state); pass rows without padding, or pack the sequences "
+                             "with seq_idx / cu_seqlens")
         if labels is not None:
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got "
                                  f"{tuple(labels.shape)}")
-            return self.lm_loss(hidden_states, labels)
-        if num_last_tokens > 0:
-            hidden_states = hidden_states[:, -num_last_tokens:]
-        return self.lm_head(hidden_states)
+            if seq_idx is None and cu_seqlens is not None:
+                seq_idx = seq_idx_from_cu_seqlens(cu_seqlens.to(torch.int32), input_ids.shape[1])
+            targets = shift_labels(labels, seq_idx)
+        elif targets is not None and targets.shape != input_ids.shape:
+            raise ValueError(f"targets must have the shape of input_ids {tuple(input_ids.shape)}, got "
+                             f"{tuple(targets.shape)}")
+        hidden_states = self.backbone(input_ids, inference_params=inference_params, seq_idx=seq_idx,
+                                      cu_seqlens=cu_seqlens, position_ids=position_ids)
+        loss = logits = None
+        if targets is not None:
+            loss = self.lm_loss(hidden_states, targets)
+        if targets is None or return_logits:
+            if num_last_tokens > 0:
+                hidden_states = hidden_states[:, -num_last_tokens:]
+            logits = self.lm_head(hidden_states)
+        return CausalLMOutput(loss=loss, logits=logits)
 
-    def lm_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """hidden_states (b, L, d_model), labels (b, L) int64 -> mean CE over labels != -100 (scalar, fp32).
+    def lm_loss(self, hidden_states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """hidden_states (b, L, d_model), targets (b, L) int64, already shifted -> mean CE over targets != -100
+        (scalar, fp32).
 
-        Logits are formed chunk by chunk inside the op, never all at once. Tensor parallelism overrides this
-        method with a vocab-parallel loss.
+        Logits are formed chunk by chunk inside the op, never all at once. Tensor / context parallelism replace
+        this with their own loss (vocab-parallel, sequence-sharded).
         """
-        return ops.linear_cross_entropy(hidden_states.flatten(0, 1), self.lm_head.weight, labels.flatten())
+        return ops.linear_cross_entropy(hidden_states.flatten(0, 1), self.lm_head.weight, targets.flatten())
 
     # ---- inference ----------------------------------------------------------------------------------------------
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None) -> InferenceParams:

@@ -109,8 +109,8 @@ class GraphedTrainStep:
     """One training step of ``model`` + ``optimizer`` as a CUDA graph, captured at the first call.
 
     ``step(inputs, labels) -> (loss, grad_norm)``: inputs / labels (grad_accum, b, L) int64 (or (b, L) when
-    grad_accum == 1) on any device; loss = mean over micro-batches of ``model(inputs[i], labels=labels[i])`` (0-d
-    fp32), grad_norm = the global gradient norm before clipping (0-d fp32; None when ``grad_clip`` is None). Both
+    grad_accum == 1; labels already shifted) on any device; loss = mean over micro-batches of
+    ``model(inputs[i], targets=labels[i]).loss`` (0-d fp32), grad_norm = the global gradient norm before clipping (0-d fp32; None when ``grad_clip`` is None). Both
     are the graph's static outputs: read them before the next call.
 
     ``grad_clip``: clip the global norm to this (0: compute the norm, do not clip; None: no norm at all, the
@@ -165,7 +165,7 @@ class GraphedTrainStep:
         total = None
         for i in range(self.grad_accum):
             with self._autocast():
-                loss = self.model(self._inputs[i], labels=self._labels[i])
+                loss = self.model(self._inputs[i], targets=self._labels[i]).loss
             (loss / self.grad_accum).backward()
             part = loss.detach().float()
             total = part if total is None else total + part

@@ -2,7 +2,7 @@
 
 Precision: fp32 master weights (and optimizer state); ``--dtype bf16`` runs forward/backward under
 ``torch.autocast(bf16)`` (FSDP2 gathers and reduces in fp32). Loss: the model's own chunked cross-entropy
-(``model(input_ids, labels=labels)``), mean over the micro-batch; averaged over micro-steps and ranks.
+(``model(input_ids, targets=next_tokens).loss``), mean over the micro-batch; averaged over micro-steps and ranks.
 ``--cuda-graph`` replays the whole step (micro-steps, clipping, AdamW) as one CUDA graph (train/cuda_graph.py).
 """
 
@@ -319,7 +319,7 @@ def _eager_step(model, batches: RankBatches, consumed: int, cfg: TrainConfig, de
         inputs, labels = batches.batch(consumed + micro * batches.global_batch, device)
         sync = micro == cfg.grad_accum - 1
         with (model.no_sync() if ddp and not sync else contextlib.nullcontext()), _autocast(cfg, device):
-            loss = model(inputs, labels=labels)
+            loss = model(inputs, targets=labels).loss
         (loss / cfg.grad_accum).backward()
         loss_sum += loss.detach().float()
     return loss_sum / cfg.grad_accum
@@ -333,7 +333,7 @@ def evaluate(model, batches: RankBatches, n_batches: int, cfg: TrainConfig, devi
     for i in range(n_batches):
         inputs, labels = batches.batch(i * batches.global_batch, device)
         with _autocast(cfg, device):
-            total += model(inputs, labels=labels).double()
+            total += model(inputs, targets=labels).loss.double()
     model.train()
     total /= n_batches
     if dist.is_initialized():

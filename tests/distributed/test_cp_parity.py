@@ -54,9 +54,9 @@ def inputs(L: int, packed: bool, ignore: bool = True):
 
 def run_model(model, ids, labels, seq):
     """-> (logits, loss, {name: grad}) of one forward without / one with labels (+ backward)."""
-    logits = model(ids, seq_idx=seq).detach()
+    logits = model(ids, seq_idx=seq).logits.detach()
     model.zero_grad()
-    loss = model(ids, labels=labels, seq_idx=seq)
+    loss = model(ids, targets=labels, seq_idx=seq).loss
     loss.backward()
     return logits, loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -156,7 +156,8 @@ def _refusals(model, rank: int) -> dict:
     ids = torch.zeros(1, 10, dtype=torch.long)
     cases = {"short": lambda: model(ids[:, :2]),
              "cu_seqlens": lambda: model(ids, cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32)),
-             "generate": lambda: model.generate(ids, 2)}
+             "generate": lambda: model.generate(ids, 2),
+             "labels": lambda: model(ids, labels=ids)}
     for key, call in cases.items():
         try:
             call()
@@ -212,7 +213,7 @@ def _ranks(rank: int, world: int) -> dict:
     ids, labels, seq = ids[dp_rank:dp_rank + 1, sl], labels[dp_rank:dp_rank + 1, sl], seq[dp_rank:dp_rank + 1, sl]
     losses, first_grads = [], None
     for step in range(STEPS):
-        loss = model(ids, labels=labels, seq_idx=seq)
+        loss = model(ids, targets=labels, seq_idx=seq).loss
         loss.backward()
         if step == 0:
             first_grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
@@ -233,7 +234,7 @@ def dpcp_reference():
     ids, labels, seq = inputs(24, True, ignore=False)
     losses, first_grads = [], None
     for step in range(STEPS):
-        loss = model(ids, labels=labels, seq_idx=seq)
+        loss = model(ids, targets=labels, seq_idx=seq).loss
         loss.backward()
         if step == 0:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -287,6 +288,7 @@ def test_cp_refuses_what_it_cannot_shard(results):
         assert errs["short"] and "d_conv - 1" in errs["short"], errs["short"]
         assert errs["cu_seqlens"] and "seq_idx" in errs["cu_seqlens"], errs["cu_seqlens"]
         assert errs["generate"] and "generate" in errs["generate"], errs["generate"]
+        assert errs["labels"] and "targets=" in errs["labels"], errs["labels"]
 
 
 @pytest.mark.parametrize("kind", ["conv", "ssd", "sel"])

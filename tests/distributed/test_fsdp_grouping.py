@@ -41,7 +41,7 @@ def _train(model, rank: int) -> dict:
     opt = build_optimizer(model, 3e-3, 0.1)
     losses, grads = [], None
     for tokens in _batches(rank):
-        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        loss = model(tokens[:, :-1], targets=tokens[:, 1:]).loss
         loss.backward()
         grads = grads or _full_grads(model)
         opt.step()
@@ -61,7 +61,7 @@ def _gathers_per_step(model, rank: int) -> int:
     tokens = _batches(rank)[0]
     for _ in range(2):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+            model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
     return sum(e.count for e in prof.key_averages() if e.key == "c10d::_allgather_base_")
 
 
@@ -85,7 +85,7 @@ def _checkpoint_across_k(rank: int, ckpt_root: str) -> dict:
         return model, opt, build_scheduler(opt, 0, 10, 0.1)
 
     def step(model, opt, sched, tokens) -> float:
-        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        loss = model(tokens[:, :-1], targets=tokens[:, 1:]).loss
         loss.backward()
         opt.step()
         sched.step()
@@ -147,7 +147,7 @@ def reference() -> dict:
     opt = build_optimizer(model, 3e-3, 0.1)
     losses, grads = [], None
     for tokens in batches:
-        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        loss = model(tokens[:, :-1], targets=tokens[:, 1:]).loss
         loss.backward()
         grads = grads or _full_grads(model)
         opt.step()

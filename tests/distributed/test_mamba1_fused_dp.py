@@ -31,7 +31,7 @@ def _tokens(rank: int) -> torch.Tensor:
 
 def _step(model, tokens: torch.Tensor) -> dict:
     """Forward + backward -> loss, full gradients, and the names of the autograd nodes the loss hangs from."""
-    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    loss = model(tokens[:, :-1], targets=tokens[:, 1:]).loss
     nodes = graph_node_names(loss)
     loss.backward()
     inner = getattr(model, "module", model)  # DDP wraps the model

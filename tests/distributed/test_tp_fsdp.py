@@ -53,7 +53,7 @@ def _train(model, opt, dims, steps):
     ids, labels = (t[_my_rows(dims)] for t in batch(GLOBAL_BATCH, ignore=False, seed=30))
     losses = []
     for _ in range(steps):
-        loss = model(ids, labels=labels)
+        loss = model(ids, targets=labels).loss
         loss.backward()
         opt.step()
         opt.zero_grad()

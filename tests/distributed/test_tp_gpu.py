@@ -48,8 +48,8 @@ def _worker(rank, world):
         ref = _build(case).cuda()
         ids, labels = (t.cuda() for t in batch(b=2, L=512))
         tp = apply_tensor_parallel(copy.deepcopy(ref), mesh, sequence_parallel=True)
-        logits = rel_errs({"x": full(tp(ids)).float()}, {"x": ref(ids).float()})["x"]
-        lt, lr = tp(ids, labels=labels), ref(ids, labels=labels)
+        logits = rel_errs({"x": full(tp(ids).logits).float()}, {"x": ref(ids).logits.float()})["x"]
+        lt, lr = tp(ids, targets=labels).loss, ref(ids, targets=labels).loss
         lt.backward()
         lr.backward()
         out[case, "fp32"] = {"logits": logits, "loss": abs(lt.item() - lr.item()) / lr.item(),

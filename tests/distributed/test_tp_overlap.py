@@ -95,8 +95,8 @@ def _model_checks(world, calls):
         for overlap in (False, True):
             model = apply_tensor_parallel(copy.deepcopy(ref), mesh, sequence_parallel=True, overlap_comm=overlap)
             n0 = len(calls)
-            logits = model(ids).detach()
-            loss = model(ids, labels=labels)
+            logits = model(ids).logits.detach()
+            loss = model(ids, targets=labels).loss
             loss.backward()
             runs[overlap] = (logits, loss.detach(), grads(model), len(calls) - n0)
         out[case] = runs
@@ -186,8 +186,8 @@ def _gpu_worker(rank, world):
     runs = {}
     for overlap in (False, True):
         model = apply_tensor_parallel(copy.deepcopy(ref), mesh, sequence_parallel=True, overlap_comm=overlap)
-        logits = model(ids).detach().float().cpu()
-        loss = model(ids, labels=labels)
+        logits = model(ids).logits.detach().float().cpu()
+        loss = model(ids, targets=labels).loss
         loss.backward()
         runs[overlap] = {"logits": logits, "grads": {k: v.cpu() for k, v in grads(model).items()}}
     out["model"] = (rel_errs({"x": runs[True]["logits"]}, {"x": runs[False]["logits"]})["x"],

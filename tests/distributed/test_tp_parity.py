@@ -43,7 +43,7 @@ def _train(model, opt, steps, seed=20):
     losses = []
     ids, labels = batch(seed=seed)  # one batch, seen again: the loss must fall
     for _ in range(steps):
-        loss = model(ids, labels=labels)
+        loss = model(ids, targets=labels).loss
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -63,10 +63,10 @@ def one_step_errors(model, ref, ids, labels, rows: slice = slice(None), global_l
     ``ref`` on all of it: relative errors of the logits (on ``rows``), of the loss (``global_loss`` turns this rank's
     loss into the whole batch's) and of every gradient ({name: err}, inf = missing)."""
     my_ids, my_labels = ids[rows], labels[rows]
-    logits = rel_errs({"x": full(model(my_ids)).detach()}, {"x": ref(my_ids).detach()})["x"]
-    loss = model(my_ids, labels=my_labels)
+    logits = rel_errs({"x": full(model(my_ids).logits).detach()}, {"x": ref(my_ids).logits.detach()})["x"]
+    loss = model(my_ids, targets=my_labels).loss
     loss.backward()
-    ref_loss = ref(ids, labels=labels)
+    ref_loss = ref(ids, targets=labels).loss
     ref_loss.backward()
     return {"logits": logits, "loss": abs(global_loss(loss.item()) - ref_loss.item()) / abs(ref_loss.item()),
             "grads": rel_errs(grads(model), grads(ref))}
@@ -88,11 +88,11 @@ def bf16_parity(make_tp, ref, ids, labels, device_type: str) -> dict:
     """
     r32, r16 = copy.deepcopy(ref), copy.deepcopy(ref)
     tp = make_tp(copy.deepcopy(ref))
-    logits32 = r32(ids).detach().float()
-    r32(ids, labels=labels).backward()
+    logits32 = r32(ids).logits.detach().float()
+    r32(ids, targets=labels).loss.backward()
     with torch.autocast(device_type, dtype=torch.bfloat16):
-        lt, lr = full(tp(ids)).detach().float(), r16(ids).detach().float()
-        loss_t, loss_r = tp(ids, labels=labels), r16(ids, labels=labels)
+        lt, lr = full(tp(ids).logits).detach().float(), r16(ids).logits.detach().float()
+        loss_t, loss_r = tp(ids, targets=labels).loss, r16(ids, targets=labels).loss
     loss_t.backward()
     loss_r.backward()
     g32 = {k: v.cpu() for k, v in grads(r32).items()}

@@ -22,15 +22,15 @@ def test_decode_matches_full_forward(name):
     b, L, prefill, chunk = 2, 23, 7, 5  # odd lengths: the prefill is not a multiple of the scan chunk (16)
     ids = torch.randint(0, model.config.vocab_size, (b, L), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        full = model(ids)
+        full = model(ids).logits
         cache = model.allocate_inference_cache(b, L)
-        pieces = [model(ids[:, :prefill], inference_params=cache)]
+        pieces = [model(ids[:, :prefill], inference_params=cache).logits]
         cache.seqlen_offset = prefill
         # A second multi-token chunk resumes from the cached conv / SSM / KV states.
-        pieces.append(model(ids[:, prefill:prefill + chunk], inference_params=cache))
+        pieces.append(model(ids[:, prefill:prefill + chunk], inference_params=cache).logits)
         cache.seqlen_offset += chunk
         for t in range(prefill + chunk, L):
-            pieces.append(model(ids[:, t:t + 1], inference_params=cache))
+            pieces.append(model(ids[:, t:t + 1], inference_params=cache).logits)
             cache.seqlen_offset += 1
     assert_close(torch.cat(pieces, dim=1), full, name=f"{name} recurrent logits")
 
@@ -56,11 +56,11 @@ def test_cache_layout_and_reset(name):
     cache.seqlen_offset = 0
     ids = torch.randint(0, cfg.vocab_size, (3, 4))
     with torch.no_grad():
-        first = model(ids, inference_params=cache)
+        first = model(ids, inference_params=cache).logits
         cache.seqlen_offset = 4
         cache.reset(11, 3)
         assert cache.seqlen_offset == 0
-        assert_close(model(ids, inference_params=cache), first, name="logits after reset")
+        assert_close(model(ids, inference_params=cache).logits, first, name="logits after reset")
 
 
 def test_cache_overflow_is_a_clear_error():
@@ -76,12 +76,12 @@ def test_gpu_bf16_decode_matches_full_forward(name):
     model = _model(name).cuda().to(torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (2, 30), device="cuda")
     with torch.no_grad():
-        full = model(ids)
+        full = model(ids).logits
         cache = model.allocate_inference_cache(2, 30)
-        pieces = [model(ids[:, :17], inference_params=cache)]
+        pieces = [model(ids[:, :17], inference_params=cache).logits]
         cache.seqlen_offset = 17
         for t in range(17, 30):
-            pieces.append(model(ids[:, t:t + 1], inference_params=cache))
+            pieces.append(model(ids[:, t:t + 1], inference_params=cache).logits)
             cache.seqlen_offset += 1
     assert_close(torch.cat(pieces, dim=1).float(), full.float(), dtype=torch.bfloat16, factor=2,
                  name=f"{name} bf16 recurrent logits")
@@ -102,7 +102,7 @@ def test_decode_constants_follow_in_place_updates(name):
         cache = model.allocate_inference_cache(b, L)
         model(ids[:, :-1], inference_params=cache)
         cache.seqlen_offset = L - 1
-        return model(ids[:, -1:], inference_params=cache)
+        return model(ids[:, -1:], inference_params=cache).logits
 
     with torch.no_grad():
         decode_last()
@@ -112,7 +112,7 @@ def test_decode_constants_follow_in_place_updates(name):
         for m in mixers:
             m.A_log.add_(0.25)
         stepped = decode_last()
-        assert_close(stepped, model(ids)[:, -1:], name=f"{name} step after an in-place update")
+        assert_close(stepped, model(ids).logits[:, -1:], name=f"{name} step after an in-place update")
     assert all(m.__dict__["_decode_A_log"][1] is not c for m, c in zip(mixers, cached))
 
     from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32

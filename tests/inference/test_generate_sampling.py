@@ -19,7 +19,7 @@ def _greedy_by_full_forward(model, ids, n):
     """Reference greedy decoding: re-run the whole sequence for every new token."""
     with torch.no_grad():
         for _ in range(n):
-            nxt = model(ids)[:, -1, :model.config.vocab_size].argmax(-1)
+            nxt = model(ids).logits[:, -1, :model.config.vocab_size].argmax(-1)
             ids = torch.cat([ids, nxt[:, None]], dim=1)
     return ids
 

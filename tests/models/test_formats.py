@@ -53,7 +53,7 @@ def test_round_trip_identical_logits(tmp_path, cfg, fmt, safe):
     assert detect_format(tmp_path) == fmt
     loaded = load_pretrained(tmp_path).eval()
     with torch.no_grad():
-        assert torch.equal(loaded(_ids()), model(_ids()))
+        assert torch.equal(loaded(_ids()).logits, model(_ids()).logits)
     if fmt == "mamba_ssm":
         assert loaded.config == model.config
     else:  # HF keeps only the padded vocabulary
@@ -99,7 +99,7 @@ def test_old_mamba_ssm_config_and_safetensors_weights(tmp_path):
     config, fmt = load_config(tmp_path)
     assert fmt == "mamba_ssm" and config.layer == "Mamba1" and config.tie_embeddings and config.d_intermediate == 0
     with torch.no_grad():
-        assert torch.equal(load_pretrained(tmp_path)(_ids()), model(_ids()))
+        assert torch.equal(load_pretrained(tmp_path)(_ids()).logits, model(_ids()).logits)
 
 
 def test_mamba_ssm_runtime_keys_are_ignored_and_unsupported_ones_named(tmp_path):
@@ -126,7 +126,7 @@ def test_sharded_index_loads(tmp_path):
         {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
     (tmp_path / "config.json").write_text(model.config.to_json())
     with torch.no_grad():
-        assert torch.equal(load_pretrained(tmp_path)(_ids()), model(_ids()))
+        assert torch.equal(load_pretrained(tmp_path)(_ids()).logits, model(_ids()).logits)
 
 
 def test_device_and_dtype(tmp_path):
@@ -224,4 +224,4 @@ def test_model_methods_call_these(tmp_path):
     model.save_pretrained(tmp_path, format="hf")
     assert detect_format(tmp_path) == "hf"
     with torch.no_grad():
-        assert torch.equal(MambaLMHeadModel.from_pretrained(tmp_path)(_ids()), model(_ids()))
+        assert torch.equal(MambaLMHeadModel.from_pretrained(tmp_path)(_ids()).logits, model(_ids()).logits)

@@ -68,7 +68,7 @@ def test_logits_parity_both_directions(tmp_path, case):
     ours = load_pretrained(tmp_path / "from_hf").eval()
     with torch.no_grad():
         ref = hf(ids).logits
-        err = _max_rel_err(ours(ids), ref)
+        err = _max_rel_err(ours(ids).logits, ref)
     assert err <= MAX_REL_ERR, f"ours(HF weights) vs HF: max rel err {err:.2e}"
 
     # our save_pretrained(format="hf") -> HF's from_pretrained (new weights, so nothing carries over)
@@ -79,7 +79,7 @@ def test_logits_parity_both_directions(tmp_path, case):
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     with torch.no_grad():
         ref = hf2.eval()(ids).logits
-        err = _max_rel_err(ours(ids), ref)
+        err = _max_rel_err(ours(ids).logits, ref)
     assert err <= MAX_REL_ERR, f"ours vs HF(our weights): max rel err {err:.2e}"
 
 

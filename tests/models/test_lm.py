@@ -45,22 +45,68 @@ def test_state_dict_names_are_mamba_ssm_names():
 
 
 @pytest.mark.parametrize("name", ["tiny-mamba", "tiny-hybrid"])
-def test_loss_equals_cross_entropy_of_logits(name):
+def test_targets_loss_equals_cross_entropy_of_logits(name):
     model = _model(name)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (2, 13), generator=g)
-    labels = torch.randint(0, 256, (2, 13), generator=g)
-    labels[0, :4] = -100
-    labels[1, -1] = -100
-    loss = model(ids, labels=labels)
-    logits = model(ids)
-    ref = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-    assert loss.dim() == 0
-    assert_close(loss, ref, name="loss")
-    loss.backward()
+    targets = torch.randint(0, 256, (2, 13), generator=g)
+    targets[0, :4] = -100
+    targets[1, -1] = -100
+    out = model(ids, targets=targets)
+    assert out.logits is None, "only the loss was asked for: the logits must not be formed"
+    logits = model(ids).logits
+    ref = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+    assert out.loss.dim() == 0
+    assert_close(out.loss, ref, name="loss")
+    out.loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    with pytest.raises(ValueError, match="targets"):
+        model(ids, targets=targets[:, :5])
+
+
+def test_labels_are_shifted_inside_as_in_transformers():
+    """labels=ids scores position t against ids[t + 1] (transformers' ForCausalLMLoss), -100 ignored."""
+    model = _model("tiny-mamba2")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, 11), generator=g)
+    labels = ids.clone()
+    labels[0, 5] = -100
+    out = model(ids, labels=labels, return_logits=True)
+    ref = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+    assert_close(out.loss, ref, name="loss")
+    assert_close(model(ids, targets=F.pad(labels[:, 1:], (0, 1), value=-100)).loss, out.loss, name="targets")
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, labels=labels, targets=labels)
     with pytest.raises(ValueError, match="labels"):
         model(ids, labels=labels[:, :5])
+
+
+def test_labels_of_packed_sequences_never_cross_a_boundary():
+    model = _model("tiny-mamba2")
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out = model(ids, labels=ids, cu_seqlens=cu, return_logits=True)
+    keep = torch.ones(11, dtype=torch.bool)
+    keep[4] = False  # position 4 ends the first sequence: ids[5] starts the next, it is not its target
+    ref = F.cross_entropy(out.logits[0, :-1][keep].float(), ids[0, 1:][keep])
+    assert_close(out.loss, ref, name="packed loss")
+
+
+def test_output_reads_like_mamba_ssm_and_transformers():
+    model = _model("tiny-mamba")
+    ids = torch.randint(0, 256, (1, 7))
+    out = model(ids)
+    assert out.loss is None and out[0] is out.logits and out["logits"] is out.logits and len(out) == 1
+    both = model(ids, labels=ids, return_logits=True)
+    assert both[0] is both.loss and both[1] is both.logits and both.to_tuple() == (both.loss, both.logits)
+    assert both.keys() == ["loss", "logits"]
+    with pytest.raises(KeyError, match="logits"):
+        model(ids, labels=ids)["logits"]
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1, 1]]))
+    assert torch.equal(model(ids, attention_mask=torch.ones_like(ids)).logits, out.logits)
+    with pytest.raises(TypeError):
+        model(ids, ids)  # keyword-only: mamba_ssm's and transformers' second positional arguments differ
 
 
 def test_meta_build_to_empty_init_weights_is_a_real_tied_model():
@@ -80,7 +126,7 @@ def test_meta_build_to_empty_init_weights_is_a_real_tied_model():
     marked = {n.rsplit(".", 1)[-1] for n, p in meta.named_parameters() if getattr(p, "_no_weight_decay", False)}
     assert marked == {"A_log", "D", "dt_bias"}
     ids = torch.randint(0, 256, (1, 9))
-    assert_close(meta(ids), direct(ids), name="logits")
+    assert_close(meta(ids).logits, direct(ids).logits, name="logits")
     untied = MambaLMHeadModel(get_preset("tiny-mamba", tie_embeddings=False))
     assert untied.lm_head.weight is not untied.backbone.embedding.weight
 
@@ -119,9 +165,9 @@ def test_init_weights_on_fsdp2_shards_gives_single_device_values():
 def test_num_last_tokens_and_backbone():
     model = _model("tiny-mamba2")
     ids = torch.randint(0, 256, (3, 10))
-    full = model(ids)
+    full = model(ids).logits
     assert full.shape == (3, 10, 256)
-    assert_close(model(ids, num_last_tokens=2), full[:, -2:], name="last logits")
+    assert_close(model(ids, num_last_tokens=2).logits, full[:, -2:], name="last logits")
     hidden = model.backbone(ids)
     assert hidden.shape == (3, 10, 64)
     assert_close(model.lm_head(hidden), full, name="lm_head(backbone)")
@@ -135,27 +181,27 @@ def test_packed_sequences_match_separate_runs(name):
     g = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, 256, (1, n), generator=g) for n in lens]
     packed = torch.cat(seqs, dim=1)
-    separate = torch.cat([model(s) for s in seqs], dim=1)
+    separate = torch.cat([model(s).logits for s in seqs], dim=1)
     seq_idx = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lens)])[None]
-    assert_close(model(packed, seq_idx=seq_idx), separate, name="packed via seq_idx")
+    assert_close(model(packed, seq_idx=seq_idx).logits, separate, name="packed via seq_idx")
     cu = torch.tensor([0, 5, 14, 18], dtype=torch.int32)
-    assert_close(model(packed, cu_seqlens=cu), separate, name="packed via cu_seqlens")
+    assert_close(model(packed, cu_seqlens=cu).logits, separate, name="packed via cu_seqlens")
     # A mixer called directly with cu_seqlens only (no seq_idx) keeps the sequences apart as well.
     x = torch.randn(1, 18, 64)
     for mixer in (model.backbone.layers[0].mixer, model.backbone.layers[1].mixer):
         with torch.no_grad():
             sep = torch.cat([mixer(x[:, a:e]) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
             assert_close(mixer(x, cu_seqlens=cu), sep, name=f"{type(mixer).__name__} with cu_seqlens only")
-    plain = model(packed)  # without the boundaries, later sequences see earlier ones: must differ
+    plain = model(packed).logits  # without the boundaries, later sequences see earlier ones: must differ
     assert (plain[:, 5:] - separate[:, 5:]).abs().max() > 1e-3
 
 
 def test_low_precision_forward_keeps_dtype():
     model = _model("tiny-hybrid").to(torch.bfloat16)
     ids = torch.randint(0, 256, (2, 8))
-    logits = model(ids)
+    logits = model(ids).logits
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
-    ref = _model("tiny-hybrid")(ids)
+    ref = _model("tiny-hybrid")(ids).logits
     assert_close(logits, ref, dtype=torch.bfloat16, factor=3, name="bf16 logits")
 
 
@@ -182,10 +228,10 @@ def test_gpu_triton_kernels_match_reference_ops(name, L, monkeypatch):
     for backend in ("naive", "triton"):
         monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", backend)
         model.zero_grad()
-        loss = model(ids, labels=labels)
+        loss = model(ids, targets=labels).loss
         loss.backward()
         with torch.no_grad():
-            results[backend] = (model(ids), loss.detach(), model.backbone.embedding.weight.grad.clone())
+            results[backend] = (model(ids).logits, loss.detach(), model.backbone.embedding.weight.grad.clone())
     (lr, sr, gr), (lt, st, gt) = results["naive"], results["triton"]
     assert_close(lt, lr, dtype=torch.float16, name="logits")
     assert_close(st, sr, dtype=torch.float16, name="loss")

@@ -421,7 +421,7 @@ def test_gpu_models_match_the_op_path(monkeypatch, op_calls, preset):
         monkeypatch.setenv(ENV, flag)
         model.zero_grad(set_to_none=True)
         op_calls.clear()
-        loss = model(ids[:, :-1], labels=ids[:, 1:])
+        loss = model(ids[:, :-1], targets=ids[:, 1:]).loss
         loss.backward()
         assert (op_calls == []) == (flag == "1"), op_calls[:5]
         results[flag] = [loss.detach()] + [p.grad.detach().clone() for p in model.parameters()]

@@ -322,7 +322,7 @@ def _parallel_ranks(rank: int, world: int) -> dict:
             else:
                 apply_tensor_parallel(model, dims.submesh("tp"))
             copies.clear()
-            model(ids[:, sl], labels=labels[:, sl], seq_idx=seq[:, sl]).backward()
+            model(ids[:, sl], targets=labels[:, sl], seq_idx=seq[:, sl]).loss.backward()
             grads.append({n: p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                           for n, p in model.named_parameters()})
         diff = max(rel_err(grads[1][n], grads[0][n]) for n in grads[0])

@@ -58,7 +58,7 @@ def _eager(model, batches, dtype):
         total = torch.zeros((), device="cuda")
         for i in range(inputs.shape[0]):
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                loss = model(inputs[i], labels=labels[i])
+                loss = model(inputs[i], targets=labels[i]).loss
             (loss / inputs.shape[0]).backward()
             total += loss.detach().float()
         norms.append(_grad_norm(model, CLIP).float())

@@ -117,7 +117,7 @@ def test_tensor_lrs_follow_schedule_and_floats():
 # ---- undoing warm-up steps -----------------------------------------------------------------------------------------
 def _step(model, opt, ids):
     opt.zero_grad(set_to_none=True)
-    model(ids[:, :-1], labels=ids[:, 1:]).backward()
+    model(ids[:, :-1], targets=ids[:, 1:]).loss.backward()
     opt.step()
 
 

@@ -38,7 +38,7 @@ def _train(model, rank: int, bf16: bool) -> dict:
     losses, norms = [], []
     for tokens in _batches(rank):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+            loss = model(tokens[:, :-1], targets=tokens[:, 1:]).loss
         loss.backward()
         norms.append(float(_grad_norm(model, 0.5)))  # 0.5 < the norms here: clipping is active
         opt.step()
@@ -66,7 +66,7 @@ def _clip_matches_torch(mesh, rank: int) -> dict:
     model = _model()
     apply_fsdp(model, mesh, model.backbone.layers)
     tokens = _batches(rank)[0]
-    model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+    model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
     saved = [p.grad.to_local().clone() for p in model.parameters()]
     ours = _grad_norm(model, 0.5)
     ours_grads = [p.grad.to_local().clone() for p in model.parameters()]
@@ -89,7 +89,7 @@ def _all_gathers_per_step(mesh, rank: int, **kw) -> int:
     tokens = _batches(rank)[0]
     for i in range(2):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+            model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
     return sum(e.count for e in prof.key_averages() if e.key == "c10d::_allgather_base_")
 
 
