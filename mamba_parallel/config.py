@@ -27,6 +27,10 @@ ATTN_DEFAULTS: dict[str, Any] = dict(
     num_heads=None, num_heads_kv=None, head_dim=None, rotary_emb_dim=None, rotary_emb_base=10000.0,
     qkv_proj_bias=True, out_proj_bias=True, causal=True,
 )
+# The feed-forward of d_intermediate > 0: "swiglu" (mamba_ssm's GatedMLP: fc1 -> [value | gate]) or "relu2"
+# (Nemotron-H's fc2(relu(fc1(x))^2)); the width is rounded up to a multiple of multiple_of, as mamba_ssm does.
+MLP_DEFAULTS: dict[str, Any] = dict(activation="swiglu", bias=False, multiple_of=128)
+MLP_ACTIVATIONS = ("swiglu", "relu2")
 LAYER_KINDS = ("Mamba1", "Mamba2")
 
 
@@ -40,7 +44,9 @@ class MambaConfig:
 
     ``ssm_cfg["layer"]`` picks the mixer ("Mamba1" or "Mamba2"); other ``ssm_cfg`` keys override the mixer
     defaults above. ``attn_layer_idx`` lists the layers that are attention instead (hybrid stacks), configured by
-    ``attn_cfg``. ``d_intermediate > 0`` adds a gated MLP after every mixer.
+    ``attn_cfg``. ``d_intermediate > 0`` adds an MLP (``mlp_cfg``) after every mixer, as mamba_ssm does; or, when
+    ``mlp_layer_idx`` lists layers, those layers ARE MLP blocks (norm -> MLP -> residual, Nemotron-H's "-") and
+    the mixer layers carry none.
     """
 
     d_model: int = 2560
@@ -58,11 +64,15 @@ class MambaConfig:
     norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
     rescale_prenorm_residual: bool = True
+    mlp_layer_idx: list = field(default_factory=list)
+    mlp_cfg: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.ssm_cfg = dict(self.ssm_cfg or {})
         self.attn_cfg = dict(self.attn_cfg or {})
         self.attn_layer_idx = list(self.attn_layer_idx or [])
+        self.mlp_layer_idx = list(self.mlp_layer_idx or [])
+        self.mlp_cfg = dict(self.mlp_cfg or {})
         self.validate()
 
     # ---- derived values -------------------------------------------------------------------------------------
@@ -109,6 +119,24 @@ class MambaConfig:
             out["head_dim"] = self.d_model // out["num_heads"]
         return out
 
+    @property
+    def mlp_params(self) -> dict:
+        """mlp_cfg over MLP_DEFAULTS."""
+        return {**MLP_DEFAULTS, **self.mlp_cfg}
+
+    def layer_kind(self, i: int) -> str:
+        """What layer ``i`` is: "attention", "mlp" (an MLP block, mlp_layer_idx) or the SSM mixer (self.layer)."""
+        if i in self.attn_layer_idx:
+            return "attention"
+        if i in self.mlp_layer_idx:
+            return "mlp"
+        return self.layer
+
+    @property
+    def mlp_after_mixer(self) -> bool:
+        """True when every mixer is followed by an MLP (mamba_ssm's d_intermediate > 0 layout)."""
+        return self.d_intermediate > 0 and not self.mlp_layer_idx
+
     # ---- checks ---------------------------------------------------------------------------------------------
     def validate(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -144,6 +172,19 @@ class MambaConfig:
              f"{c['dt_min']}, {c['dt_max']}")
         bad = [i for i in self.attn_layer_idx if not (isinstance(i, int) and 0 <= i < self.n_layer)]
         need(not bad, "attn_layer_idx", f"indices {bad} are outside [0, n_layer={self.n_layer})")
+        bad = [i for i in self.mlp_layer_idx if not (isinstance(i, int) and 0 <= i < self.n_layer)]
+        need(not bad, "mlp_layer_idx", f"indices {bad} are outside [0, n_layer={self.n_layer})")
+        both = sorted(set(self.mlp_layer_idx) & set(self.attn_layer_idx))
+        need(not both, "mlp_layer_idx", f"layers {both} are also in attn_layer_idx (a layer is one kind)")
+        need(not self.mlp_layer_idx or self.d_intermediate > 0, "mlp_layer_idx",
+             "MLP blocks need their width: set d_intermediate > 0")
+        unknown = sorted(set(self.mlp_cfg) - set(MLP_DEFAULTS))
+        need(not unknown, "mlp_cfg", f"unknown key(s) {unknown}; known: {sorted(MLP_DEFAULTS)}")
+        mlp = self.mlp_params
+        need(mlp["activation"] in MLP_ACTIVATIONS, "mlp_cfg.activation",
+             f"must be one of {MLP_ACTIVATIONS}, got {mlp['activation']!r}")
+        need(isinstance(mlp["multiple_of"], int) and mlp["multiple_of"] >= 1, "mlp_cfg.multiple_of",
+             f"must be an integer >= 1, got {mlp['multiple_of']!r}")
         if self.attn_layer_idx:
             a = self.attn_params
             need(a["num_heads"] % a["num_heads_kv"] == 0, "attn_cfg.num_heads_kv",
@@ -165,8 +206,8 @@ class MambaConfig:
             raise ConfigError(f"MambaConfig: unknown field(s) {unknown}; known: {sorted(known)}")
         d = copy.deepcopy(d)
         for k in ("dt_limit", "A_init_range"):
-            if k in d.get("ssm_cfg", {}):
-                d["ssm_cfg"][k] = tuple(float(x) for x in d["ssm_cfg"][k])
+            if k in d.get("ssm_cfg", {}):  # 1e30: how to_json writes inf (mamba_ssm's encoding), read back as inf
+                d["ssm_cfg"][k] = tuple(math.inf if float(x) >= 1e30 else float(x) for x in d["ssm_cfg"][k])
         return cls(**d)
 
     def to_json(self) -> str:
@@ -187,6 +228,23 @@ def _m2(d_model: int, n_layer: int) -> dict:
                 pad_vocab_size_multiple=16)
 
 
+def _pattern_layers(pattern: str, kind: str) -> list[int]:
+    """Indices of ``kind`` in a Nemotron-H block pattern ("M" Mamba-2, "*" attention, "-" MLP)."""
+    return [i for i, c in enumerate(pattern) if c == kind]
+
+
+def _nemotron_h(d_model: int, pattern: str, d_intermediate: int, vocab_size: int, ssm: dict, attn: dict) -> dict:
+    """A Nemotron-H-shaped hybrid: one kind per layer, relu² MLP blocks, attention without rotary or bias."""
+    return dict(d_model=d_model, n_layer=len(pattern), d_intermediate=d_intermediate, vocab_size=vocab_size,
+                ssm_cfg={"layer": "Mamba2", **ssm}, attn_layer_idx=_pattern_layers(pattern, "*"),
+                attn_cfg={"qkv_proj_bias": False, "out_proj_bias": False, **attn},
+                mlp_layer_idx=_pattern_layers(pattern, "-"), mlp_cfg={"activation": "relu2"},
+                residual_in_fp32=False, pad_vocab_size_multiple=1, tie_embeddings=False)
+
+
+# Nemotron-H 8B's layer pattern: 24 Mamba-2, 24 MLP, 4 attention layers.
+NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
 PRESETS: dict[str, dict] = {
     "mamba-130m": _m1(768, 24),
     "mamba-370m": _m1(1024, 48),
@@ -198,6 +256,15 @@ PRESETS: dict[str, dict] = {
     "mamba2-780m": _m2(1536, 48),
     "mamba2-1.3b": _m2(2048, 48),
     "mamba2-2.7b": _m2(2560, 64),
+    # The 7B-8B class people fine-tune (shapes of the published checkpoints; buildable on the meta device).
+    # Mistral's Mamba-Codestral-7B: Mamba-2, 8 B/C groups, untied 32768-token vocabulary (7,285,403,648 params).
+    "mamba-codestral-7b": dict(d_model=4096, n_layer=64, vocab_size=32768, ssm_cfg={"layer": "Mamba2", "ngroups": 8},
+                               pad_vocab_size_multiple=1, tie_embeddings=False),
+    # NVIDIA's Nemotron-H 8B shape (8,100,852,736 params); dt is clamped below at dt_min, as transformers does.
+    "nemotron-h-8b": _nemotron_h(4096, NEMOTRON_H_8B_PATTERN, 21504, 131072,
+                                 ssm={"d_state": 128, "headdim": 64, "ngroups": 8, "chunk_size": 128,
+                                      "dt_limit": (0.001, float("inf"))},
+                                 attn={"num_heads": 32, "num_heads_kv": 8, "head_dim": 128}),
     # Tiny sizes for tests and the CPU demo.
     "tiny-mamba": dict(d_model=64, n_layer=2, vocab_size=256, ssm_cfg={"layer": "Mamba1", "d_state": 8},
                        pad_vocab_size_multiple=8),
@@ -208,6 +275,10 @@ PRESETS: dict[str, dict] = {
                         ssm_cfg={"layer": "Mamba2", "d_state": 16, "headdim": 16, "chunk_size": 16},
                         attn_layer_idx=[1], attn_cfg={"num_heads": 4, "num_heads_kv": 2, "rotary_emb_dim": 16},
                         pad_vocab_size_multiple=8),
+    "tiny-nemotron-h": _nemotron_h(64, "M*-M-", 128, 256,
+                                   ssm={"d_state": 16, "headdim": 16, "ngroups": 2, "chunk_size": 16,
+                                        "dt_limit": (0.001, float("inf"))},
+                                   attn={"num_heads": 4, "num_heads_kv": 2, "head_dim": 16}),
     # The embedded default of `mamba-parallel train`: a small byte-level Mamba-2 that learns on 2 CPU cores.
     "small-byte-mamba2": dict(d_model=128, n_layer=4, vocab_size=256,
                               ssm_cfg={"layer": "Mamba2", "d_state": 32, "headdim": 32, "chunk_size": 64},

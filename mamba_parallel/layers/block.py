@@ -1,8 +1,8 @@
 """``Block``: one pre-norm residual layer (mamba_ssm's layout), and ``create_block`` which builds layer i of a
-config (Mamba / Mamba2 / MHA mixer, optional gated MLP).
+config (Mamba / Mamba2 / MHA mixer, optional MLP after it; or an MLP block, whose "mixer" is the MLP).
 
     residual = hidden + residual;  hidden = mixer(norm(residual))
-    [d_intermediate > 0]  residual = hidden + residual;  hidden = mlp(norm2(residual))
+    [MLP after the mixer]  residual = hidden + residual;  hidden = mlp(norm2(residual))
 
 The block returns (hidden, residual) un-added: the next block's norm (or the final norm) does the add, fused.
 """
@@ -16,7 +16,7 @@ from mamba_parallel.config import MambaConfig
 from mamba_parallel.layers.attention import MHA
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
-from mamba_parallel.layers.mlp import GatedMLP
+from mamba_parallel.layers.mlp import MLP, GatedMLP, create_mlp
 from mamba_parallel.layers.norm import add_norm, make_norm
 
 
@@ -25,6 +25,8 @@ class Block(nn.Module):
                  norm_epsilon: float = 1e-5, residual_in_fp32: bool = True, device=None, dtype=None):
         super().__init__()
         self.residual_in_fp32 = residual_in_fp32
+        # An MLP block (Nemotron-H's "-" layers): the mixer is a feed-forward, blind to positions and caches.
+        self.mixer_is_mlp = isinstance(mixer, (GatedMLP, MLP))
         self.norm = make_norm(dim, rms_norm, norm_epsilon, device=device, dtype=dtype)
         self.mixer = mixer
         if mlp is not None:
@@ -40,20 +42,30 @@ class Block(nn.Module):
         ``mixer_kwargs``: seq_idx, cu_seqlens, position_ids (passed to the mixer).
         """
         hidden_states, residual = add_norm(hidden_states, residual, self.norm, self.residual_in_fp32)
-        hidden_states = self.mixer(hidden_states, inference_params=inference_params, **mixer_kwargs)
+        if self.mixer_is_mlp:
+            hidden_states = self.mixer(hidden_states)
+        else:
+            hidden_states = self.mixer(hidden_states, inference_params=inference_params, **mixer_kwargs)
         if self.mlp is not None:
             hidden_states, residual = add_norm(hidden_states, residual, self.norm2, self.residual_in_fp32)
             hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None):
+        """The mixer's cache entry; None for an MLP block (it keeps no state)."""
+        if self.mixer_is_mlp:
+            return None
         return self.mixer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, device=device)
 
 
 def create_mixer(config: MambaConfig, layer_idx: int, device=None, dtype=None) -> nn.Module:
-    """Layer ``layer_idx``'s mixer: MHA when listed in ``config.attn_layer_idx``, else Mamba / Mamba2."""
+    """Layer ``layer_idx``'s mixer: MHA when listed in ``config.attn_layer_idx``, the MLP when listed in
+    ``config.mlp_layer_idx``, else Mamba / Mamba2."""
     fk = dict(device=device, dtype=dtype)
-    if layer_idx in config.attn_layer_idx:
+    kind = config.layer_kind(layer_idx)
+    if kind == "mlp":
+        return create_mlp(config.d_model, config.d_intermediate, **config.mlp_params, **fk)
+    if kind == "attention":
         a = dict(config.attn_params)
         return MHA(config.d_model, a["num_heads"], num_heads_kv=a["num_heads_kv"], head_dim=a["head_dim"],
                    qkv_proj_bias=a["qkv_proj_bias"], out_proj_bias=a["out_proj_bias"], causal=a["causal"],
@@ -67,7 +79,7 @@ def create_block(config: MambaConfig, layer_idx: int, device=None, dtype=None) -
     """Block ``layer_idx`` of the model described by ``config``."""
     mixer = create_mixer(config, layer_idx, device=device, dtype=dtype)
     mlp = None
-    if config.d_intermediate > 0:
-        mlp = GatedMLP(config.d_model, config.d_intermediate, config.d_model, device=device, dtype=dtype)
+    if config.mlp_after_mixer:
+        mlp = create_mlp(config.d_model, config.d_intermediate, **config.mlp_params, device=device, dtype=dtype)
     return Block(config.d_model, mixer, mlp, rms_norm=config.rms_norm, norm_epsilon=config.norm_epsilon,
                  residual_in_fp32=config.residual_in_fp32, device=device, dtype=dtype)

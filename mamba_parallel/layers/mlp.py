@@ -1,4 +1,5 @@
-"""``GatedMLP``: the SwiGLU feed-forward that hybrid / d_intermediate > 0 models put after each mixer."""
+"""Feed-forward layers of hybrid stacks: ``GatedMLP`` (SwiGLU, mamba_ssm's, after each mixer when d_intermediate
+> 0) and ``MLP`` (Nemotron-H's squared-ReLU feed-forward, also a block of its own)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,43 @@ class GatedMLP(nn.Module):
         """x (..., in_features) -> (..., out_features). The split uses fc1's output width (local under TP)."""
         value, gate = self.fc1(x).chunk(2, dim=-1)
         return self.fc2(value * F.silu(gate))
+
+
+class MLP(nn.Module):
+    """y = fc2(relu(fc1(x))^2) (squared ReLU, Nemotron-H's feed-forward; "up_proj" / "down_proj" in transformers).
+
+    Same sizing rule as GatedMLP: the hidden width is ``hidden_features`` rounded up to a multiple of
+    ``multiple_of``.
+    """
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None,
+                 bias: bool = False, multiple_of: int = 128, device=None, dtype=None):
+        super().__init__()
+        fk = dict(device=device, dtype=dtype)
+        out_features = out_features or in_features
+        hidden = (hidden_features + multiple_of - 1) // multiple_of * multiple_of
+        self.hidden_features = hidden
+        self.fc1 = nn.Linear(in_features, hidden, bias=bias, **fk)
+        self.fc2 = nn.Linear(hidden, out_features, bias=bias, **fk)
+        if not init.is_meta(device):
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for lin in (self.fc1, self.fc2):
+            init.linear_default_(lin.weight)
+            if lin.bias is not None:
+                init.constant_(lin.bias, 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in_features) -> (..., out_features)."""
+        return self.fc2(F.relu(self.fc1(x)).square())
+
+
+def create_mlp(d_model: int, d_intermediate: int, activation: str = "swiglu", bias: bool = False,
+               multiple_of: int = 128, device=None, dtype=None) -> nn.Module:
+    """The feed-forward of ``mlp_cfg``: GatedMLP for "swiglu", MLP for "relu2"."""
+    cls = {"swiglu": GatedMLP, "relu2": MLP}.get(activation)
+    if cls is None:
+        raise ValueError(f"create_mlp: activation must be 'swiglu' or 'relu2', got {activation!r}")
+    return cls(d_model, d_intermediate, d_model, bias=bias, multiple_of=multiple_of, device=device, dtype=dtype)

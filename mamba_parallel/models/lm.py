@@ -20,7 +20,7 @@ from mamba_parallel.layers.attention import MHA
 from mamba_parallel.layers.block import create_block
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
-from mamba_parallel.layers.mlp import GatedMLP
+from mamba_parallel.layers.mlp import MLP, GatedMLP
 from mamba_parallel.layers.norm import RMSNorm, add_norm, make_norm
 from mamba_parallel.layers.packing import seq_idx_from_cu_seqlens
 from mamba_parallel.models.outputs import CausalLMOutput
@@ -117,18 +117,18 @@ class MambaLMHeadModel(nn.Module):
         cfg = self.config
         self.tie_weights()
         for m in self.modules():
-            if isinstance(m, (Mamba, Mamba2, MHA, GatedMLP, RMSNorm, nn.LayerNorm)):
+            if isinstance(m, (Mamba, Mamba2, MHA, GatedMLP, MLP, RMSNorm, nn.LayerNorm)):
                 m.reset_parameters()
         init.normal_(self.backbone.embedding.weight, cfg.initializer_range)
         if not cfg.tie_embeddings:
             init.linear_default_(self.lm_head.weight)
         if cfg.rescale_prenorm_residual:
-            n_residuals_per_layer = 2 if cfg.d_intermediate > 0 else 1
+            n_residuals_per_layer = 2 if cfg.mlp_after_mixer else 1
             scale = 1.0 / math.sqrt(n_residuals_per_layer * cfg.n_layer)
             for block in self.backbone.layers:
-                block.mixer.out_proj.weight.mul_(scale)
-                if block.mlp is not None:
-                    block.mlp.fc2.weight.mul_(scale)
+                for m in (block.mixer, block.mlp):  # the layers writing into the residual stream
+                    if m is not None:
+                        (m.fc2 if isinstance(m, (GatedMLP, MLP)) else m.out_proj).weight.mul_(scale)
         init.mark_no_weight_decay(self)
 
     # ---- forward ------------------------------------------------------------------------------------------------
@@ -195,8 +195,10 @@ class MambaLMHeadModel(nn.Module):
             position = torch.zeros((), dtype=torch.long, device=device or self.lm_head.weight.device)
         cache = InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch_size, position=position)
         for i, layer in enumerate(self.backbone.layers):
-            cache.key_value_memory_dict[layer.mixer.layer_idx if layer.mixer.layer_idx is not None else i] = \
-                layer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, device=device)
+            state = layer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, device=device)
+            if state is not None:  # MLP blocks keep no state
+                idx = getattr(layer.mixer, "layer_idx", None)
+                cache.key_value_memory_dict[i if idx is None else idx] = state
         return cache
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ from mamba_parallel.config import ConfigError, MambaConfig
 SSM_FIELDS = ("d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx", "attn_cfg",
               "rms_norm", "residual_in_fp32", "fused_add_norm", "pad_vocab_size_multiple", "tie_embeddings")
 # Fields of ours that change the model's function but that mamba_ssm hard-codes (to their default values).
-EXTRA_FIELDS = ("norm_epsilon",)
+EXTRA_FIELDS = ("norm_epsilon", "mlp_layer_idx", "mlp_cfg")
 
 # Mixer arguments that only steer how mamba_ssm runs or initialises (no effect on a loaded model's function).
 _RUNTIME_SSM_KEYS = {"use_fast_path", "use_mem_eff_path", "layer_idx", "process_group", "sequence_parallel",

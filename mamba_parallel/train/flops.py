@@ -61,10 +61,11 @@ def sequence_flops_per_token(config: MambaConfig, seq_len: int) -> float:
         mixer = 9 * config.d_inner * c["d_state"]
     total = 0.0
     for i in range(config.n_layer):
-        if i in config.attn_layer_idx:
+        kind = config.layer_kind(i)
+        if kind == "attention":
             a = config.attn_params
             total += 4 * seq_len * a["num_heads"] * a["head_dim"]
-        else:
+        elif kind != "mlp":  # an MLP block has no sequence op
             total += mixer
     return total
 
