@@ -60,9 +60,11 @@ def _convert_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="run a benchmark: mamba_parallel/bench/bench_<NAME>.py",
-                       description="Runs mamba_parallel.bench.bench_<NAME>.main(args) (also profile_train, report).")
-    p.add_argument("name", help="benchmark name, e.g. train")
+    p = sub.add_parser("bench", help="run a benchmark (side by side with mamba_ssm when it imports)",
+                       description="Runs mamba_parallel.bench.bench_<NAME>.main(args): ssd, selective_scan, train, "
+                                   "generate, long_context (each with --peer / --no-peer), all (every one, then "
+                                   "the report), ops, scaling; also profile_train and report (docs/performance.md).")
+    p.add_argument("name", help="benchmark name, e.g. train, all, report")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
 
 
@@ -156,19 +158,24 @@ def cmd_convert(args) -> int:
     return 0
 
 
+# Modules of mamba_parallel/bench that are commands (the rest are their shared parts).
+BENCH_COMMANDS = ("profile_train", "report")
+
+
 def bench_names() -> list[str]:
     """The names `mamba-parallel bench NAME` accepts: bench_<NAME>.py, profile_train.py and report.py."""
     import pkgutil
 
     import mamba_parallel.bench as pkg
 
-    names = [m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_")]
+    names = [m.name for m in pkgutil.iter_modules(pkg.__path__)
+             if m.name.startswith("bench_") or m.name in BENCH_COMMANDS]
     return sorted(n.removeprefix("bench_") for n in names)
 
 
 def cmd_bench(args) -> int:
     for module in (f"mamba_parallel.bench.bench_{args.name}", f"mamba_parallel.bench.{args.name}"):
-        if args.name.startswith("_") or "." in args.name:
+        if args.name not in bench_names():
             break
         try:
             mod = importlib.import_module(module)

@@ -1,12 +1,17 @@
-"""Long-sequence training with context parallelism: tokens/s and peak memory per GPU at one sequence length.
+"""Long sequences: the longest one GPU trains (ours beside mamba_ssm), or one length with context parallelism.
 
-Training step as in /work/shared/ANCHORS.md (fp32 params + bf16 autocast, fwd + bwd + fused AdamW), batch 1,
-random tokens, the model sharded by ``parallelize`` (cp ranks hold slices of the sequence; FSDP2 over them).
+Without ``--seq-len``: the side-by-side probe of long_context_probe.py (batch 1, doubling from ``--start`` until
+the first out-of-memory, each side's defaults, no activation checkpointing):
+
+    mamba-parallel bench long_context [--peer | --no-peer] [--preset mamba2-1.3b] [--start 16384] [--json PATH]
+
+With ``--seq-len``: one length, ours only, fp32 params + bf16 autocast, fwd + bwd + fused AdamW, batch 1, random
+tokens, the model sharded by ``parallelize`` (cp ranks hold slices of the sequence; FSDP2 over them).
 
     # 2 GPUs, cp = 2, activation checkpointing: one length per run (an OOM exits 3 and torchrun stops both ranks)
     torchrun --nproc_per_node 2 -m mamba_parallel.bench.bench_long_context --preset mamba2-1.3b \\
         --seq-len 262144 --cp 2 --activation-checkpointing --json out.json
-    # 1 GPU, no cp (the peer's setting; add --activation-checkpointing for the like-for-like figure)
+    # 1 GPU, no cp
     python -m mamba_parallel.bench.bench_long_context --preset mamba2-1.3b --seq-len 32768
     # parity of the cp model against one device (fp32 and bf16 autocast, every gradient), Triton kernels
     torchrun --nproc_per_node 2 -m mamba_parallel.bench.bench_long_context --parity --preset mamba2-130m \\
@@ -26,20 +31,27 @@ import time
 import torch
 import torch.distributed as dist
 
+from mamba_parallel.bench import peer as peer_mod
+
 OOM_EXIT = 3
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mamba-parallel bench long_context", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="mamba2-1.3b", help="model preset (mamba_parallel/config.py)")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence (global, before cp slicing)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (global, before cp slicing); without it: the side-by-side probe")
+    peer_mod.add_peer_flags(p)
+    p.add_argument("--start", type=int, default=16384, help="probe: first length (default 16384)")
+    p.add_argument("--max-len", type=int, default=262144, help="probe: last length tried (default 262144)")
     p.add_argument("--cp", type=int, default=None, help="context parallel degree (default: the world size)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--steps", type=int, default=3, help="timed training steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=1, help="untimed training steps first")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--parity", action="store_true", help="compare the cp model with one device instead of timing")
-    p.add_argument("--json", default=None, help="append the JSON record to this file")
+    p.add_argument("--json", default=None,
+                   help="append the JSON record to this file (probe: a .json file or a results folder)")
     return p
 
 
@@ -128,7 +140,7 @@ def run_timing(args) -> dict:
     except torch.OutOfMemoryError as e:
         record.update(oom=True, rank=env.rank, error=str(e).split("\n")[0])
         _emit(record, args.json if env.is_main else None)
-        os._exit(OOM_EXIT)  # the peer is inside a collective: torchrun stops it when this rank exits
+        os._exit(OOM_EXIT)  # the other ranks wait in a collective: torchrun stops them when this one exits
     dt = _max_over_ranks(dt, env.device)
     peak = torch.cuda.max_memory_allocated(env.device) / 2**30 if cuda else None
     record.update(oom=False, loss=loss, step_s=round(dt, 4),
@@ -194,8 +206,23 @@ def run_parity(args) -> dict:
     return record if env.is_main else {}
 
 
+def run_probe(args) -> int:
+    from mamba_parallel.bench import long_context_probe
+    from mamba_parallel.bench.results import publish
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    peer = peer_mod.resolve_peer(args.peer, args.peer_impl)
+    result = long_context_probe.run(args.preset, peer, device, args.start, args.max_len)
+    publish(result, device, peer, path=args.json)
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.seq_len is None and not args.parity:
+        return run_probe(args)
+    if args.seq_len is None:
+        raise SystemExit("bench long_context: --parity needs --seq-len")
     record = run_parity(args) if args.parity else run_timing(args)
     if record:
         _emit(record, args.json)

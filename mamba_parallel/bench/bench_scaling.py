@@ -7,7 +7,7 @@
 Each model x layout is one run of bench_train (one training step timed: synthetic tokens, fp32 master weights +
 bf16 autocast, fused AdamW) under the official launcher, ``python -m torch.distributed.run`` (torchrun), with
 N = dp * tp processes. Layouts needing more GPUs than this machine has are skipped and listed as such. Batch:
-``--batch-per-dp-rank`` sequences (default 8, as the peer's DDP figure: weak scaling) or a fixed ``--global-batch``
+``--batch-per-dp-rank`` sequences (default 8: weak scaling) or a fixed ``--global-batch``
 split over the data-parallel ranks. speedup = tokens/s / tokens/s of the same model on 1 GPU; efficiency =
 speedup / GPUs. Writes DIR/scaling.json (after every run, so a killed sweep keeps its rows), DIR/scaling.md and
 DIR/scaling.png (needs matplotlib; without it the PNG is skipped with a message — re-render it anywhere with
@@ -27,8 +27,6 @@ import time
 
 DEFAULT_MODELS = ["mamba2-1.3b", "mamba2-2.7b", "mamba-2.8b"]
 DEFAULT_LAYOUTS = ["1gpu", "dp2", "dp4", "dp8", "tp2", "tp4", "dp2xtp2", "dp4xtp2"]
-# Issue 7 goals for data parallel speedup; 2 GPUs: the peer's DDP figure for mamba2-1.3b (ANCHORS.md).
-DP_GOALS = {2: 1.94, 4: 3.85, 8: 7.6}
 
 
 def parse_layout(name: str) -> tuple[int, int]:
@@ -81,7 +79,6 @@ def add_efficiency(rows: list[dict]) -> list[dict]:
         ok = r.get("status") == "ok" and b
         r["speedup"] = r["tokens_per_s"] / b if ok else None
         r["efficiency"] = r["speedup"] / r["gpus"] if ok else None
-        r["goal_speedup"] = DP_GOALS.get(r["gpus"]) if r["tp"] == 1 else None
     return rows
 
 
@@ -92,15 +89,14 @@ def _f(v, fmt: str) -> str:
 def markdown_table(result: dict) -> str:
     """scaling.md: one row per model x layout (skipped / failed ones say so), then the settings."""
     lines = ["| model | layout | GPUs | tokens/s | tokens/s per GPU | peak GiB per GPU | speedup | efficiency vs 1 GPU"
-             " | goal |", "|---|---|---|---|---|---|---|---|---|"]
+             " |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        goal = f">= {r['goal_speedup']}x" if r.get("goal_speedup") else ""
         if r.get("status") != "ok":
-            lines.append(f"| {r['model']} | {r['layout']} | {r['gpus']} | {r.get('status', '?')} | | | | | {goal} |")
+            lines.append(f"| {r['model']} | {r['layout']} | {r['gpus']} | {r.get('status', '?')} | | | | |")
             continue
         lines.append(f"| {r['model']} | {r['layout']} | {r['gpus']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['tokens_per_s_per_gpu']:,.0f} | {_f(r.get('peak_gib_per_gpu'), '.1f')} | "
-                     f"{_f(r.get('speedup'), '.2f')}x | {_f(r.get('efficiency'), '.1%')} | {goal} |")
+                     f"{_f(r.get('speedup'), '.2f')}x | {_f(r.get('efficiency'), '.1%')} |")
     s = result.get("settings", {})
     recompute = f"recompute {s['recompute']}, " if s.get("recompute") else ""
     lines += ["", f"seq {s.get('seq_len')}, {s.get('batch_desc', '')}, {s.get('steps')} timed steps (median), "
@@ -222,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mamba-parallel bench scaling", description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help=f"presets (default: {DEFAULT_MODELS})")
     ap.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS,
-                    help="1gpu, dpN, tpM, dpNxtpM (default: all of issue 7); 1gpu is the efficiency baseline")
+                    help="1gpu, dpN, tpM, dpNxtpM (default: all eight); 1gpu is the efficiency baseline")
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
     ap.add_argument("--global-batch", type=int, default=0,
                     help="fixed sequences per step, split over data-parallel ranks (default 0: use "

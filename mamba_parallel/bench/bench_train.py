@@ -1,5 +1,9 @@
 """One training step of a preset: tokens/s and peak memory, median over timed steps after warm-up, as JSON.
 
+With the peer (``--peer``; the default when mamba_ssm imports and the run is the default one-GPU step): mamba_ssm's
+model beside ours on the same initial weights and batch, in this process (train_side_by_side.py; no gradient
+clipping on either side). Otherwise ours alone, as below.
+
 Synthetic tokens; fp32 master weights + bf16 autocast; fused AdamW on CUDA; the same model building and
 parallelize() path as `mamba-parallel train`. Works under torchrun (dp / tp / cp from the flags):
 
@@ -7,7 +11,7 @@ parallelize() path as `mamba-parallel train`. Works under torchrun (dp / tp / cp
     torchrun --nproc_per_node 2 -m mamba_parallel.cli bench train --preset mamba2-370m --profile
 
 ``--cuda-graph`` captures the whole step (forward, backward, clipping, AdamW) in one CUDA graph and times its replays
-(one GPU or --tp); ``--grad-clip 0`` leaves out the gradient norm (the peer's "fwd + bwd + fused AdamW").
+(one GPU or --tp); ``--grad-clip 0`` leaves out the gradient norm ("fwd + bwd + fused AdamW").
 ``--profile`` adds the host time to issue each phase (forward, backward, clip, optimizer; when it nears the step
 time the step is CPU-bound), each phase's time with a device sync around it, and the all-reduce bus bandwidth
 (NVLink-class links give hundreds of GB/s; a host-memory path tens, too slow to hide fp32 gradients).
@@ -23,6 +27,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from mamba_parallel.bench.peer import add_peer_flags, resolve_peer
 
 
 def _non_negative_float(text: str) -> float:
@@ -75,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="capture the whole step in one CUDA graph and replay it (one GPU or --tp only)")
     p.add_argument("--grad-clip", type=_non_negative_float, default=1.0, metavar="F",
                    help="clip the global gradient norm to F; 0 = no norm and no clipping, i.e. fwd + bwd + fused "
-                        "AdamW as the peer figures of ANCHORS.md (default: 1.0)")
+                        "AdamW (default: 1.0; the side-by-side run with the peer never clips)")
     p.add_argument("--fsdp-param-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="FSDP2 compute/all-gather dtype (MixedPrecisionPolicy.param_dtype; fp32 master shards and "
                         "fp32 gradient reduction either way; default: fp32)")
@@ -89,8 +95,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="add a per-phase breakdown (forward, backward, clip, optimizer, other) in ms: host time to "
                         "issue each phase in the timed steps, and device-synchronised time in extra steps")
-    p.add_argument("--json", metavar="FILE", default=None, help="also write the result to FILE")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="also write the result to FILE (side by side: a .json file or a results folder)")
+    add_peer_flags(p)
     return p
+
+
+def _side_by_side_peer(a: argparse.Namespace):
+    """The peer adapter when this run compares with it (flags permitting), else None."""
+    other = [flag for flag, on in (("--tp", a.tp > 1), ("--cp", a.cp > 1), ("--cuda-graph", a.cuda_graph),
+                                   ("--profile", a.profile), ("--compile", a.compile), ("--recompute", a.recompute),
+                                   ("--activation-checkpointing", a.activation_checkpointing),
+                                   ("--dtype fp32", a.dtype != "bf16"), ("torchrun", dist.is_torchelastic_launched()))
+             if on]
+    if other:
+        if a.peer:
+            raise SystemExit(f"bench train: --peer compares the default one-GPU bf16 step; drop {', '.join(other)} "
+                             "(or pass --no-peer)")
+        return None
+    return resolve_peer(a.peer, a.peer_impl)
+
+
+def _run_side_by_side(a: argparse.Namespace, peer) -> int:
+    from mamba_parallel.bench import train_side_by_side
+    from mamba_parallel.bench.results import publish
+
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    result = train_side_by_side.run([a.preset], peer, device, a.seq_len, a.batch_size, a.warmup_steps, a.steps)
+    publish(result, device, peer, path=a.json)
+    return 0
 
 
 def _allreduce_busbw(device: torch.device, sync, mib: int = 256, reps: int = 5) -> float:
@@ -116,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     from mamba_parallel.train.trainer import recompute_option
 
     a = build_parser().parse_args(argv)
+    peer = _side_by_side_peer(a)
+    if peer is not None:
+        return _run_side_by_side(a, peer)
     cfg = resolve_config(preset=a.preset, seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype,
                          device=a.device, dp_mode=a.dp_mode, tp=a.tp, cp=a.cp, recompute=a.recompute,
                          activation_checkpointing=a.activation_checkpointing, compile=a.compile, out="unused")

@@ -1,296 +1,162 @@
-"""One Markdown report of every benchmark's JSON output, beside the peer figures (mamba_ssm on one H200).
+"""``docs/performance.md`` (and one PNG of ratios per benchmark) from the newest side-by-side results.
 
-    python -m mamba_parallel.bench.report RESULTS_DIR_OR_JSON ... [--anchors ANCHORS.md] [--out report.md]
+    mamba-parallel bench report [--results benchmarks/results] [--out docs/performance.md] [--plots DIR]
 
-Reads the JSON written by bench_ssd, bench_selective_scan, bench_ops, bench_train, bench_generate,
-bench_scaling and bench_long_context (a folder is searched for *.json), recognises each by its layout, and prints
-one table per area.
-"x peer" columns are always "how many times better than the peer": peer time / our time, or our tokens/s /
-peer tokens/s, so > 1 means we beat it. The peer figures are the table ``ANCHORS`` below (copied from the
-project's ANCHORS.md); ``--anchors PATH`` reads them from such a Markdown file instead.
+Reads every result JSON under ``--results`` (``<date>-<device>/<bench>.json``, as the benchmarks write them), keeps
+the newest run of each benchmark (by its timestamp), and writes one section per benchmark: the command, device,
+commit and versions it ran with, its settings, the side-by-side table, its checks and its ratio plot. The PNGs need
+matplotlib (the ``bench`` extra); without it the report says so and still writes the tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import glob
 import json
-import math
 import os
-import re
-import sys
+from pathlib import Path
 
-# Peer figures: mamba_ssm 2.3.2.post1 + causal-conv1d 1.7.0, torch 2.11, Triton 3.6, bf16, one H200 (2026-11-30).
-ANCHORS: dict = {
-    # kernel shape -> (fwd ms, fwd+bwd ms)
-    "ssd": {"b8 L4096 h64 p64 n128 g1": (1.44, 5.80), "b4 L16384 h64 p64 n128 g1": (2.62, 10.75),
-            "b8 L4096 h32 p64 n64 g1": (1.21, 5.35)},
-    "selective_scan": {"b8 d4096 L4096 n16": (2.44, 12.25), "b4 d5120 L8192 n16": (3.43, 15.74)},
-    # one training step, seq 2048, batch 8: preset -> (tokens/s, peak GiB)
-    "train": {"mamba2-130m": (91036, 17.8), "mamba2-370m": (51291, 30.2), "mamba2-1.3b": (42188, 57.4),
-              "mamba2-2.7b": (22948, 97.0), "mamba-130m": (161754, 17.8), "mamba-370m": (70897, 30.0),
-              "mamba-1.4b": (31631, 57.8), "mamba-2.8b": (17805, 98.1)},
-    # DDP on 2 GPUs (Triton-only peer path), 8 sequences of 2048 per GPU: preset -> (1 GPU tok/s, 2 GPUs, scaling)
-    "dp2": {"mamba2-370m": (44922, 75707, 1.69), "mamba2-1.3b": (25659, 49712, 1.94)},
-    # generation, CUDA graphs, prompt 256 + 256 new tokens, greedy: preset -> {batch: ms/step}
-    "generate": {"mamba2-130m": {1: 0.71, 64: 1.41}, "mamba2-2.7b": {1: 3.01, 64: 9.61},
-                 "mamba-2.8b": {1: 3.24, 64: 4.67}},
-    # longest sequence trained at batch 1 on one GPU (no activation checkpointing): preset -> (tokens, peak GiB)
-    "long_context": {"mamba2-1.3b": (32768, 129.0)},
-}
+from mamba_parallel.bench.results import format_table, ratio_rule, sides_present
+
+ORDER = ("ssd", "selective_scan", "train", "generate", "long_context")
+DEFAULT_RESULTS = "benchmarks/results"
+DEFAULT_OUT = "docs/performance.md"
 
 
-# ---- reading ANCHORS.md -------------------------------------------------------------------------------------------
-def _num(cell: str) -> float:
-    """First number of a table cell: '1.44–1.72' -> 1.44, '91,036' -> 91036, '0.71 (1,410)' -> 0.71."""
-    m = re.search(r"\d[\d,]*\.?\d*", cell)
-    if not m:
-        raise ValueError(f"no number in table cell {cell!r}")
-    return float(m.group(0).replace(",", ""))
-
-
-def _tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
-    """Every Markdown table of ``text`` as (header cells, body rows of cells)."""
-    out, block = [], []
-    for line in text.splitlines() + [""]:
-        if line.strip().startswith("|"):
-            block.append([c.strip() for c in line.strip().strip("|").split("|")])
-            continue
-        if len(block) >= 2:
-            out.append((block[0], [r for r in block[2:] if len(r) == len(block[0])]))
-        block = []
-    return out
-
-
-def parse_anchors(text: str) -> dict:
-    """The ANCHORS dict from the text of an ANCHORS.md; tables it does not find keep the built-in figures."""
-    anchors = copy.deepcopy(ANCHORS)
-    for header, rows in _tables(text):
-        h = " ".join(header).lower()
-        if "fwd ms" in h:
-            for op, shape, fwd, fb in (r[:4] for r in rows):
-                key = "ssd" if "ssd" in op.lower() else "selective_scan"
-                anchors[key][shape] = (_num(fwd), _num(fb))
-        elif "peak gib" in h and "tokens/s" in h:
-            anchors["train"].update({r[0].split()[0]: (_num(r[1]), _num(r[2])) for r in rows})
-        elif "1 gpu tokens/s" in h:
-            anchors["dp2"].update({r[0].split()[0]: (_num(r[1]), _num(r[2]), _num(r[3])) for r in rows})
-        elif "ms/step" in h:
-            batches = [int(re.search(r"batch (\d+)", c).group(1)) for c in header[1:]]
-            anchors["generate"].update({r[0].split()[0]: {b: _num(c) for b, c in zip(batches, r[1:])}
-                                        for r in rows})
-    return anchors
-
-
-# ---- reading results ----------------------------------------------------------------------------------------------
-def load_results(paths: list[str]) -> list[tuple[str, dict]]:
-    """(path, object) for every JSON object found: files, folders (their *.json), JSON-lines files."""
-    files = []
-    for p in paths:
-        if os.path.isdir(p):
-            files += sorted(glob.glob(os.path.join(p, "**", "*.json"), recursive=True))
-        elif os.path.isfile(p):
-            files.append(p)
-        else:
-            raise FileNotFoundError(f"report: no such file or folder {p!r}")
+def load_results(root: str | os.PathLike) -> list[tuple[Path, dict]]:
+    """(path, result) for every side-by-side result file under ``root`` (other JSON is skipped)."""
+    root = Path(root)
+    if not root.exists():
+        raise FileNotFoundError(f"--results {root}: no such folder")
+    files = [root] if root.is_file() else sorted(root.rglob("*.json"))
     out = []
     for f in files:
-        with open(f) as fh:
-            text = fh.read()
         try:
-            objs = [json.loads(text)]
-        except json.JSONDecodeError:
-            objs = [json.loads(line) for line in text.splitlines() if line.strip()]
-        out += [(f, o) for o in objs if isinstance(o, dict)]
+            obj = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(obj, dict) and "bench" in obj and isinstance(obj.get("rows"), list) and "meta" in obj:
+            out.append((f, obj))
     return out
 
 
-def kind_of(obj: dict) -> str | None:
-    """Which benchmark wrote ``obj``: ssd, selective_scan, ops, train, generate, scaling (None if unknown)."""
-    if obj.get("bench") in ("train", "generate", "scaling", "long_context"):
-        return obj["bench"]
-    if "scan" in obj and "decode" in obj:
-        return "selective_scan"
-    rows = obj.get("rows") or []
-    if rows and isinstance(rows[0].get("shape"), dict) and "impl" in rows[0]:
-        return "ssd"
-    if rows and "op" in rows[0]:
-        return "ops"
-    return None
-
-
-# ---- formatting ---------------------------------------------------------------------------------------------------
-def _f(v, digits: int = 2) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "–"
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return str(v)
-    if isinstance(v, int) or abs(v) >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.{digits}f}"
-
-
-def _ratio(peer, ours, higher_is_better: bool) -> str:
-    if peer is None or ours is None or not peer or not ours or any(map(math.isnan, (peer, ours))):
-        return "–"
-    return f"{(ours / peer) if higher_is_better else (peer / ours):.2f}x"
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(_f(c) for c in r) + " |" for r in rows]
-
-
-def section_kernels(found: dict, anchors: dict) -> list[str]:
-    rows = []
-    for obj in found.get("ssd", []):
-        for r in obj["rows"]:
-            shape = "b{b} L{L} h{h} p{p} n{n} g{g}".format(**r["shape"])
-            peer = anchors["ssd"].get(shape, (None, None))
-            rows.append([f"SSD chunk scan ({r['impl']})", shape, r.get("fwd_ms"), peer[0],
-                         _ratio(peer[0], r.get("fwd_ms"), False), r.get("fwd_bwd_ms"), peer[1],
-                         _ratio(peer[1], r.get("fwd_bwd_ms"), False)])
-    for obj in found.get("selective_scan", []):
-        for r in obj["scan"]:
-            if "error" in r or r.get("config", "default") != "default":
-                continue
-            peer = anchors["selective_scan"].get(r["shape"], (None, None))
-            rows.append(["selective scan", r["shape"], r["fwd_ms"], peer[0], _ratio(peer[0], r["fwd_ms"], False),
-                         r["fwd_bwd_ms"], peer[1], _ratio(peer[1], r["fwd_bwd_ms"], False)])
-    if not rows:
-        return []
-    return ["## Kernels (ms, lower is better)", ""] + _table(
-        ["op", "shape", "fwd ms", "peer", "x peer", "fwd+bwd ms", "peer", "x peer"], rows) + [""]
-
-
-def section_ops(found: dict) -> list[str]:
-    rows = []
-    for obj in found.get("ops", []):
-        naive = {(r["op"], r["shape"]): r for r in obj["rows"] if r.get("impl") == "naive" and "error" not in r}
-        for r in obj["rows"]:
-            if "error" in r:
-                rows.append([r["op"], r["shape"], r.get("impl"), "error", "", "", r["error"][:60]])
-                continue
-            ref = naive.get((r["op"], r["shape"]))
-            vs = "" if ref is None or r.get("impl") == "naive" else \
-                _ratio(ref.get("fwd_bwd_ms", ref.get("fwd_ms")), r.get("fwd_bwd_ms", r.get("fwd_ms")), False)
-            frac = r.get("fwd_bwd_bw_frac", r.get("fwd_bw_frac"))
-            rows.append([r["op"], r["shape"], r.get("impl"), r.get("fwd_ms"), r.get("fwd_bwd_ms"),
-                         None if frac is None else f"{100 * frac:.0f}%", vs])
-    if not rows:
-        return []
-    return ["## Other ops (no peer figure; x naive = speedup over the PyTorch reference)", ""] + _table(
-        ["op", "shape", "impl", "fwd ms", "fwd+bwd ms", "of copy ceiling", "x naive"], rows) + [""]
-
-
-def section_train(found: dict, anchors: dict) -> list[str]:
-    rows = []
-    for r in found.get("train", []):
-        if r.get("world_size", 1) != 1:
-            continue  # multi-GPU runs are compared in the scaling section
-        peer = anchors["train"].get(r["preset"], (None, None))
-        rows.append([r["preset"], r.get("batch_per_dp_rank"), str(r.get("seq_len")), r["tokens_per_s"], peer[0],
-                     _ratio(peer[0], r["tokens_per_s"], True), r.get("peak_mem_gib"), peer[1], r.get("mfu")])
-    if not rows:
-        return []
-    return ["## One training step, 1 GPU (tokens/s, higher is better)", ""] + _table(
-        ["model", "batch", "seq", "tokens/s", "peer", "x peer", "peak GiB", "peer GiB", "MFU"], rows) + [""]
-
-
-def section_scaling(found: dict, anchors: dict) -> list[str]:
-    from mamba_parallel.bench.bench_scaling import add_efficiency
-
-    rows = []
-    for obj in found.get("scaling", []):
-        for r in add_efficiency([dict(r) for r in obj["rows"]]):
-            if r.get("status") != "ok":
-                rows.append([r["model"], r["layout"], r["gpus"], r.get("status"), "", "", "", "", ""])
-                continue
-            peer, goal = "–", r.get("goal_speedup")  # issue 7's data-parallel goals, set by add_efficiency
-            if r["layout"] == "dp2" and r["model"] in anchors["dp2"]:
-                peer = f"{anchors['dp2'][r['model']][2]:.2f}x"
-            rows.append([r["model"], r["layout"], r["gpus"], r["tokens_per_s"], r["tokens_per_s_per_gpu"],
-                         r.get("peak_gib_per_gpu"), None if r.get("speedup") is None else f"{r['speedup']:.2f}x",
-                         peer, None if goal is None else f">= {goal}x"])
-    if not rows:
-        return []
-    return ["## Multi-GPU scaling (speedup over 1 GPU of the same model)", ""] + _table(
-        ["model", "layout", "GPUs", "tokens/s", "tokens/s/GPU", "peak GiB/GPU", "speedup", "peer (DDP)", "goal"],
-        rows) + [""]
-
-
-def section_generate(found: dict, anchors: dict) -> list[str]:
-    rows = []
-    for obj in found.get("generate", []):
-        for r in obj["rows"]:
-            peer = anchors["generate"].get(r["model"], {}).get(r["batch"])
-            rows.append([r["model"], r["batch"], r["mode"], r["prefill_ms"], r["decode_ms_per_step"],
-                         r["decode_tokens_per_s"], peer, _ratio(peer, r["decode_ms_per_step"], False)
-                         if r["mode"] == "graph" else "(eager)", r.get("peak_gib")])
-    if not rows:
-        return []
-    return ["## Generation (decode ms/step, lower is better; the peer uses CUDA graphs)", ""] + _table(
-        ["model", "batch", "mode", "prefill ms", "ms/step", "tokens/s", "peer ms/step", "x peer", "peak GiB"],
-        rows) + [""]
-
-
-def section_long_context(found: dict, anchors: dict) -> list[str]:
-    rows = []
-    for r in found.get("long_context", []):
-        peer = anchors["long_context"].get(r.get("preset"), (None, None))
-        status = "out of memory" if r.get("oom") else r.get("tokens_per_s")
-        rows.append([r.get("preset"), str(r.get("seq_len")), r.get("world_size"), r.get("cp"),
-                     "yes" if r.get("activation_checkpointing") else "no", status, r.get("peak_gib_per_gpu"),
-                     None if peer[0] is None else f"{peer[0]:,} ({peer[1]} GiB, 1 GPU)"])
-    if not rows:
-        return []
-    return ["## Long sequences, batch 1 (context parallel over the GPUs)", ""] + _table(
-        ["model", "seq", "GPUs", "cp", "act. ckpt", "tokens/s", "peak GiB/GPU", "peer longest seq"], rows) + [""]
-
-
-def build_report(results: list[tuple[str, dict]], anchors: dict | None = None) -> str:
-    """Markdown text of the report for the (path, JSON object) pairs of ``load_results``."""
-    anchors = anchors or ANCHORS
-    found: dict[str, list] = {}
-    unknown, devices = [], set()
+def latest(results: list[tuple[Path, dict]]) -> dict[str, tuple[Path, dict]]:
+    """The newest result of each benchmark."""
+    best: dict[str, tuple[Path, dict]] = {}
     for path, obj in results:
-        k = kind_of(obj)
-        if k is None:
-            unknown.append(path)
+        key = obj["bench"]
+        if key not in best or obj["meta"].get("timestamp", "") > best[key][1]["meta"].get("timestamp", ""):
+            best[key] = (path, obj)
+    return dict(sorted(best.items(), key=lambda kv: (ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER), kv[0])))
+
+
+def _provenance(meta: dict) -> str:
+    versions = [f"torch {meta.get('torch')}", f"Triton {meta.get('triton')}"]
+    versions += [f"{k} {v}" for k, v in (meta.get("peer") or {}).items() if v]
+    commit = (meta.get("git_commit") or "unknown")[:12]
+    return (f"`{meta.get('command')}` on {meta.get('device')}, {meta.get('timestamp')}, commit {commit}; "
+            + ", ".join(versions))
+
+
+def _checks(obj: dict) -> list[str]:
+    losses = (obj.get("checks") or {}).get("step1_loss") or []
+    lines = []
+    for c in losses:
+        if c.get("peer_step1_loss") is None or c.get("ours_step1_loss") is None:
             continue
-        found.setdefault(k, []).append(obj)
-        if obj.get("device"):
-            devices.add(str(obj["device"]))
-    lines = ["# mamba-parallel benchmark report", "",
-             f"Devices: {', '.join(sorted(devices)) or 'unknown'}. Peer: mamba_ssm 2.3.2 on one H200 (bf16). "
-             "'x peer' > 1 means faster than the peer.", ""]
-    lines += section_kernels(found, anchors) + section_ops(found) + section_train(found, anchors)
-    lines += section_scaling(found, anchors) + section_long_context(found, anchors)
-    lines += section_generate(found, anchors)
-    if unknown:
-        lines += ["Not recognised (skipped): " + ", ".join(unknown), ""]
+        verdict = "agree" if c.get("agree") else "DIFFER"
+        lines.append(f"- {c['preset']}: step-1 loss ours {c['ours_step1_loss']:.4f}, peer {c['peer_step1_loss']:.4f} "
+                     f"({verdict}, relative difference {c.get('rel_diff', 0):.1e}, tolerance {c.get('rtol')})")
+    return (["Same initial weights, same batch; the step-1 losses (before any update):", ""] + lines + [""]) \
+        if lines else []
+
+
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def plot_ratios(obj: dict, path: Path) -> Path | None:
+    """A horizontal bar per row: ours vs each other side (1 = equal). None when matplotlib or ratios are missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    others = [s for s in sides_present(obj["rows"]) if s != "ours"]
+    rows = [r for r in obj["rows"] if any(r.get(f"x_{s}") is not None for s in others)]
+    if not rows:
+        return None
+    names = {**obj.get("side_names", {})}
+    labels = [f"{r['case']} · {r['metric']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(rows) * max(1, len(others)) + 1.2))
+    height = 0.8 / len(others)
+    for i, side in enumerate(others):
+        vals = [r.get(f"x_{side}") or 0.0 for r in rows]
+        pos = [j + i * height for j in range(len(rows))]
+        ax.barh(pos, vals, height=height, label=f"ours vs {names.get(side, side)}")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks([j + height * (len(others) - 1) / 2 for j in range(len(rows))])
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ratio (> 1: ours faster / smaller)")
+    ax.set_title(f"{obj.get('title', obj['bench'])} — {obj['meta'].get('device')}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def build_report(found: dict[str, tuple[Path, dict]], out: Path, plots: Path | None, results_label: str) -> str:
+    lines = ["# Performance", "",
+             f"Generated by `mamba-parallel bench report` from the newest run of each benchmark under "
+             f"`{results_label}`; do not edit by hand. Every ratio compares ours with the peer (mamba_ssm + "
+             "causal-conv1d; fla for the SSD) measured in the same process, on the same inputs, with the same grad "
+             "mode and the same timer (CUDA events, median after warm-up). Reproduce on one GPU with the peer "
+             "installed: `tools/side_by_side.sh` (or `mamba-parallel bench all`).", ""]
+    if not found:
+        return "\n".join(lines + ["No results yet: run `tools/side_by_side.sh` on a GPU machine, then "
+                                  "`mamba-parallel bench report`.", ""])
+    lines += [ratio_rule([r for _, obj in found.values() for r in obj["rows"]]), ""]
+    if plots is not None and not _have_matplotlib():
+        lines += ["(The ratio plots need matplotlib: `pip install mamba-parallel[bench]`.)", ""]
+    for bench, (path, obj) in found.items():
+        lines += [f"## {obj.get('title', bench)}", "", _provenance(obj["meta"]) + ".", ""]
+        settings = {k: v for k, v in (obj.get("settings") or {}).items() if k != "sides"}
+        if settings:
+            lines += ["Settings: " + "; ".join(f"{k} {v}" for k, v in settings.items()) + ".", ""]
+        lines += [format_table(obj["rows"], obj.get("side_names")), ""]
+        lines += _checks(obj)
+        if plots is not None and _have_matplotlib():
+            png = plot_ratios(obj, plots / f"{bench}.png")
+            if png is not None:
+                lines += [f"![{bench} ratios]({os.path.relpath(png, out.parent)})", ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mamba-parallel bench report", description=__doc__.splitlines()[0])
-    ap.add_argument("paths", nargs="+", help="JSON files written by the benchmarks, or folders holding them")
-    ap.add_argument("--anchors", metavar="PATH", default=None,
-                    help="read the peer figures from this ANCHORS.md (default: the copy built into this file)")
-    ap.add_argument("--out", metavar="FILE", default=None, help="also write the report to FILE")
+    ap.add_argument("--results", default=DEFAULT_RESULTS, metavar="DIR",
+                    help=f"folder of result JSON (default: {DEFAULT_RESULTS})")
+    ap.add_argument("--out", default=DEFAULT_OUT, metavar="FILE", help=f"the Markdown to write (default: {DEFAULT_OUT})")
+    ap.add_argument("--plots", default=None, metavar="DIR",
+                    help="folder of the PNGs (default: a folder named after --out beside it, e.g. docs/performance/)")
+    ap.add_argument("--no-plots", action="store_true", help="tables only")
     a = ap.parse_args(argv)
-    anchors = None
-    if a.anchors:
-        with open(a.anchors) as fh:
-            anchors = parse_anchors(fh.read())
-    text = build_report(load_results(a.paths), anchors)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as fh:
-            fh.write(text + "\n")
+    out = Path(a.out)
+    plots = None if a.no_plots else Path(a.plots) if a.plots else out.with_suffix("")
+    found = latest(load_results(a.results))
+    text = build_report(found, out, plots, a.results)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + ("" if text.endswith("\n") else "\n"))
+    print(f"wrote {out} ({len(found)} benchmarks{', plots in ' + str(plots) if plots and found else ''})")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""What the kernel benchmarks share: time one op of every side in three modes and turn the times into rows.
+
+Modes: ``fwd`` (forward with gradients enabled, as training runs it: each side saves what its backward needs),
+``fwd+bwd`` (forward, then the gradients of every floating input through ``torch.autograd.grad``), and
+``inference`` (forward under ``torch.no_grad``). Every side gets the same input tensors, the same argument set,
+the same timer and the same warm-up; one side failing (out of memory, a kernel that does not compile) leaves its
+error in the row and the others still run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mamba_parallel.bench.results import error_text, make_row
+from mamba_parallel.bench.timing import median_ms
+
+MODES = ("fwd", "fwd+bwd", "inference")
+MODE_LABELS = {"fwd": "fwd, grad enabled", "fwd+bwd": "fwd+bwd", "inference": "inference (no grad)"}
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def mode_fn(fn, inputs: dict, grad_names: tuple[str, ...], mode: str, dy: torch.Tensor | None = None):
+    """A no-argument callable running ``fn(**inputs)`` in ``mode`` (leaves for ``grad_names`` made here)."""
+    if mode == "inference":
+        def run():
+            with torch.no_grad():
+                fn(**inputs)
+        return run
+    leaves = {k: (v.detach().requires_grad_(k in grad_names) if isinstance(v, torch.Tensor) else v)
+              for k, v in inputs.items()}
+    if mode == "fwd":
+        return lambda: fn(**leaves)
+    if mode != "fwd+bwd":
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    params = [leaves[k] for k in grad_names]
+
+    def run_bwd():
+        y = _first(fn(**leaves))
+        torch.autograd.grad(y, params, dy if dy is not None else torch.ones_like(y))
+    return run_bwd
+
+
+def time_sides(sides: dict, inputs: dict, grad_names: tuple[str, ...], device, dy=None, modes=MODES,
+               warmup: int = 3, reps: int = 10) -> dict:
+    """{mode: ({side: ms or None}, {side: error or None})} for every side's op on the same inputs."""
+    out = {}
+    for mode in modes:
+        times, errors = {}, {}
+        for side, fn in sides.items():
+            try:
+                times[side] = median_ms(mode_fn(fn, inputs, grad_names, mode, dy), device, warmup, reps)
+                errors[side] = None
+            except Exception as e:  # recorded in the row; the table goes on
+                times[side], errors[side] = None, error_text(e)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+        out[mode] = (times, errors)
+    return out
+
+
+def rows_for_case(case: str, timed: dict, **extra) -> list[dict]:
+    return [make_row(case, MODE_LABELS[mode], "ms", "lower", times, errors, mode=mode, **extra)
+            for mode, (times, errors) in timed.items()]
+
+
+def add_device_flags(ap) -> None:
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="input dtype (default bf16)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls per side and mode first (default 3)")
+    ap.add_argument("--reps", type=int, default=10, help="timed calls per side and mode, median (default 10)")
+    ap.add_argument("--json", metavar="PATH", default=None,
+                    help="write the result: a .json file, or a folder (then <date>-<device>/<bench>.json in it)")

@@ -1,0 +1,183 @@
+"""One training step of a preset, mamba_ssm's model beside ours, same initial weights, same batch, same process.
+
+The peer as its users run it: mamba_ssm's ``MambaLMHeadModel``, ``F.cross_entropy`` on its logits. Ours as our users
+run it: the model from ``MambaLMHeadModel.from_pretrained`` with its defaults and its fused loss. Both: fp32
+parameters, bf16 autocast, fused AdamW (lr 1e-4, weight decay 0.1, betas 0.9 / 0.95), no gradient clipping. The
+peer model is built and initialised by the peer, written with its ``save_pretrained`` and read back by ours, so
+both start from the same weights; both step-1 losses (before any update, same batch) are reported and checked to
+agree within bf16 tolerance. Each side: ``--warmup-steps`` untimed steps, then ``--steps`` CUDA-event timed steps
+(median); peak memory from ``torch.cuda.max_memory_allocated`` with the cache emptied and the peak reset before it.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import statistics
+
+import torch
+
+from mamba_parallel.bench.peer import load_ours, save_peer_weights
+from mamba_parallel.bench.results import error_text, make_row, say
+from mamba_parallel.bench.timing import Clock, synchronize
+
+PRESETS = ["mamba2-130m", "mamba2-370m", "mamba2-1.3b", "mamba2-2.7b",
+           "mamba-130m", "mamba-370m", "mamba-1.4b", "mamba-2.8b"]
+LR, WEIGHT_DECAY, BETAS = 1e-4, 0.1, (0.9, 0.95)
+LOSS_RTOL = 5e-3  # bf16 autocast: the two step-1 losses (same weights, same batch) agree to this relative error
+
+
+def our_loss(model, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Our model's own (fused) loss; targets[:, t] is the token after position t."""
+    params = inspect.signature(model.forward).parameters
+    out = model(input_ids, targets=targets) if "targets" in params else model(input_ids, labels=targets)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _free(device) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def time_steps(loss_fn, optimizer, device, warmup: int, steps: int) -> dict:
+    """Run ``warmup + steps`` training steps; -> step-1 loss, median step ms, peak GiB (CUDA), all losses."""
+    cuda = torch.device(device).type == "cuda"
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cuda)
+    clock = Clock(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    marks, losses = [], []
+    for i in range(warmup + steps):
+        start = clock.mark()
+        with autocast:
+            loss = loss_fn()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        stop = clock.mark()
+        losses.append(loss.detach())
+        if i >= warmup:
+            marks.append((start, stop))
+    synchronize(device)
+    step_ms = statistics.median(clock.ms(a, b) for a, b in marks)
+    return {"step1_loss": losses[0].item(), "losses": [x.item() for x in losses], "step_ms": step_ms,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
+
+
+def _side(name, build, loss_of, device, warmup, steps, log) -> tuple[dict | None, str | None]:
+    """Build one side's model + optimizer, time its steps, free it; -> (figures, error)."""
+    model = opt = None
+    try:
+        _free(device)
+        model = build()
+        model.train()
+        opt = torch.optim.AdamW(_optimizer_groups(model), lr=LR, betas=BETAS,
+                                fused=torch.device(device).type == "cuda" or None)
+        figures = time_steps(lambda: loss_of(model), opt, device, warmup, steps)
+        peak = "" if figures["peak_gib"] is None else f", peak {figures['peak_gib']:.1f} GiB"
+        log(f"train {name}: step-1 loss {figures['step1_loss']:.4f}, {figures['step_ms']:.1f} ms/step{peak}")
+        return figures, None
+    except Exception as e:  # an OOM or a failing side is recorded; the other side and the next preset go on
+        log(f"train {name}: {error_text(e)}")
+        return None, error_text(e)
+    finally:
+        model = opt = None  # noqa: F841 (frees the side before the next one is measured)
+        _free(device)
+
+
+def _optimizer_groups(model) -> list[dict]:
+    """The usual decay / no-decay groups (norms, biases, A_log, D, dt_bias without weight decay), for both sides."""
+    from mamba_parallel.train.optim import no_weight_decay
+
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            (no_decay if no_weight_decay(name, p) else decay).append(p)
+    return [g for g in ({"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0})
+            if g["params"]]
+
+
+def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, warmup: int = 2, steps: int = 5,
+               seed: int = 0, loss_rtol: float = LOSS_RTOL, log=say) -> tuple[list[dict], dict]:
+    """-> (rows: tokens/s, step ms, peak GiB; check: both step-1 losses and whether they agree)."""
+    from mamba_parallel.config import get_preset
+    from mamba_parallel.models.lm import MambaLMHeadModel
+
+    config = get_preset(preset)
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq_len + 1), generator=gen)
+    ids, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    figures, errors, handed = {}, {}, {}
+
+    def build_peer():
+        torch.manual_seed(seed)
+        model = peer.build_lm(config, device)
+        handed["folder"] = save_peer_weights(peer, model)  # ours reads them after the peer's side is freed
+        return model
+
+    def build_ours():
+        if "folder" in handed:
+            return load_ours(handed.pop("folder"), device)
+        torch.manual_seed(seed)
+        return MambaLMHeadModel(config, device=device)
+
+    if peer is not None:
+        figures["peer"], errors["peer"] = _side(f"{preset} {peer.name}", build_peer,
+                                                lambda m: peer.loss(m, ids, targets), device, warmup, steps, log)
+        if "folder" not in handed and figures["peer"] is None:
+            errors["ours_weights"] = "the peer's weights were not handed over; ours starts from its own init"
+    figures["ours"], errors["ours"] = _side(f"{preset} ours", build_ours, lambda m: our_loss(m, ids, targets),
+                                            device, warmup, steps, log)
+    if "folder" in handed:  # ours failed before reading it
+        import shutil
+        shutil.rmtree(handed.pop("folder"), ignore_errors=True)
+    tokens_per_step = batch * seq_len
+
+    def value(side, key):
+        f = figures.get(side)
+        return None if f is None else f[key]
+
+    def tps(side):
+        ms = value(side, "step_ms")
+        return None if ms is None else tokens_per_step / ms * 1e3
+
+    sides = ["ours"] + (["peer"] if peer is not None else [])
+    errs = {s: errors.get(s) for s in sides}
+    case = f"{preset} b{batch} L{seq_len}"
+    rows = [make_row(case, "tokens/s", "tokens/s", "higher", {s: tps(s) for s in sides}, errs, preset=preset),
+            make_row(case, "step", "ms", "lower", {s: value(s, "step_ms") for s in sides}, errs, preset=preset),
+            make_row(case, "peak memory", "GiB", "lower", {s: value(s, "peak_gib") for s in sides}, errs,
+                     preset=preset)]
+    check = {"preset": preset, "ours_step1_loss": value("ours", "step1_loss"),
+             "peer_step1_loss": value("peer", "step1_loss") if peer is not None else None, "rtol": loss_rtol}
+    if check["ours_step1_loss"] is not None and check["peer_step1_loss"] is not None:
+        rel = abs(check["ours_step1_loss"] - check["peer_step1_loss"]) / abs(check["peer_step1_loss"])
+        check.update(rel_diff=rel, agree=rel <= loss_rtol)
+        log(f"train {preset}: step-1 loss ours {check['ours_step1_loss']:.5f}, peer {check['peer_step1_loss']:.5f}"
+            f" ({'agree' if check['agree'] else 'DIFFER'}, rel {rel:.1e})")
+    if errors.get("ours_weights"):
+        check["note"] = errors["ours_weights"]
+    return rows, check
+
+
+def run(presets, peer, device, seq_len=2048, batch=8, warmup=2, steps=5, seed=0, deadline=None, log=say) -> dict:
+    """Every preset (skipped with a note once ``deadline`` has passed) -> the result's settings, rows, checks."""
+    rows, checks = [], []
+    for preset in presets:
+        if deadline is not None and deadline.passed():
+            rows.append(make_row(f"{preset} b{batch} L{seq_len}", "tokens/s", "tokens/s", "higher", {"ours": None},
+                                 {"ours": "skipped: time budget spent"}, preset=preset))
+            continue
+        new_rows, check = run_preset(preset, peer, device, seq_len, batch, warmup, steps, seed, log=log)
+        rows += new_rows
+        checks.append(check)
+    return {"bench": "train", "title": "One training step (fp32 params, bf16 autocast, fused AdamW)",
+            "settings": {"seq_len": seq_len, "batch": batch, "warmup_steps": warmup, "timed_steps": steps,
+                         "optimizer": f"AdamW fused, lr {LR}, weight decay {WEIGHT_DECAY}, betas {BETAS}, no clipping",
+                         "peer": "MambaLMHeadModel + F.cross_entropy on its logits",
+                         "ours": "MambaLMHeadModel.from_pretrained(peer's save_pretrained) + its fused loss",
+                         "sides": ["ours"] + (["peer"] if peer is not None else [])},
+            "rows": rows, "checks": {"step1_loss": checks}}

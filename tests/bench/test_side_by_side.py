@@ -1,0 +1,239 @@
+"""The side-by-side benchmarks on a CPU, with this package's reference ops and model in the peer's place: the ratio
+rule, the tables, failing sides, the fla mapping, the weight hand-over, the step-1 loss check, generation, the
+long-context probe, `bench all`, the result files and the report. No test asserts a timing."""
+
+import json
+
+import pytest
+import torch
+
+from mamba_parallel.bench import (bench_all, bench_generate, bench_selective_scan, bench_ssd, bench_train,
+                                  long_context_probe, report, train_side_by_side)
+from mamba_parallel.bench import peer as peer_mod
+from mamba_parallel.bench.results import advantage, format_table, make_row, ratio_rule
+
+TINY_SSD = (1, 37, 2, 8, 8, 1)  # odd length, two chunks of 16 plus a partial one
+TINY_SCAN = (1, 6, 19, 4)
+
+
+@pytest.fixture
+def ref():
+    return peer_mod.load_peer("reference")
+
+
+# ---- the ratio rule and the table ---------------------------------------------------------------------------------
+def test_advantage_is_how_much_better_ours_is():
+    assert advantage(2.0, 3.0, "lower") == pytest.approx(1.5)  # our time 2 ms vs 3 ms: 1.5x faster
+    assert advantage(300.0, 200.0, "higher") == pytest.approx(1.5)  # throughput
+    assert advantage(None, 3.0, "lower") is None and advantage(2.0, None, "lower") is None
+    assert advantage(0.0, 3.0, "lower") is None and advantage(2.0, float("nan"), "lower") is None
+    with pytest.raises(ValueError, match="better"):
+        advantage(1.0, 1.0, "faster")
+
+
+def test_table_shows_errors_and_only_sides_that_ran():
+    rows = [make_row("b1", "fwd", "ms", "lower", {"ours": 1.0, "peer": 2.0}),
+            make_row("b2", "fwd", "ms", "lower", {"ours": 1.0, "peer": None}, {"peer": "OutOfMemoryError: x"})]
+    text = format_table(rows, {"peer": "mamba_ssm"})
+    assert "| b1 | fwd (ms) | 1.00 | 2.00 | 2.00x |" in text
+    assert "| b2 | fwd (ms) | 1.00 | error: OutOfMemoryError: x | – |" in text
+    alone = [make_row("b1", "fwd", "ms", "lower", {"ours": 1.0})]
+    assert "mamba_ssm" not in format_table(alone) and "x_peer" not in alone[0]
+    assert ratio_rule(alone).startswith("Ours alone")
+
+
+# ---- kernels ------------------------------------------------------------------------------------------------------
+def test_fla_mapping_equals_the_ssd_reference():
+    """g = dt A, k = dt B, q = C, v = x, scale 1, + D x: the simple-GLA recurrence is the SSD (fp32, two groups)."""
+    from mamba_parallel.ops.ssd import naive
+
+    inputs = bench_ssd.make_inputs(2, 21, 4, 8, 6, 2, torch.float32, "cpu", chunk=8)
+    want = naive.ssd_chunk_scan(**inputs)
+    got = peer_mod.fla_ssd(peer_mod.reference_simple_gla)(**inputs)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_ssd_rows_every_side_and_mode(ref):
+    res = bench_ssd.run([TINY_SSD], "fp32", "cpu", ref, peer_mod.reference_simple_gla, chunk=16, warmup=0, reps=1,
+                        log=lambda _: None)
+    assert [r["mode"] for r in res["rows"]] == ["fwd", "fwd+bwd", "inference"]
+    for r in res["rows"]:
+        assert r["case"] == "b1 L37 h2 p8 n8 g1" and r["unit"] == "ms"
+        assert all(r[s] > 0 for s in ("ours", "peer", "fla")), r
+        assert r["x_peer"] == pytest.approx(r["peer"] / r["ours"]) and r["x_fla"] == pytest.approx(r["fla"] / r["ours"])
+    assert res["settings"]["sides"] == ["ours", "peer", "fla"]
+
+
+def test_a_failing_side_keeps_its_error_and_the_rest_runs(ref):
+    class Broken(peer_mod.ReferencePeer):
+        def selective_scan(self, *a, **k):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
+
+    res = bench_selective_scan.run([TINY_SCAN, (1, 4, 11, 2)], "fp32", "cpu", Broken(), warmup=0, reps=1,
+                                   log=lambda _: None)
+    assert len(res["rows"]) == 6
+    for r in res["rows"]:
+        assert r["ours"] > 0 and r["peer"] is None and r["x_peer"] is None
+        assert r["errors"]["peer"].startswith("OutOfMemoryError: CUDA out of memory")
+
+
+def test_kernel_main_without_peer_prints_ours_alone(tmp_path, capsys):
+    out = tmp_path / "scan.json"
+    bench_selective_scan.main(["--no-peer", "--shape", *map(str, TINY_SCAN), "--device", "cpu", "--dtype", "fp32",
+                               "--warmup", "0", "--reps", "1", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "Ours alone" in text and "ours vs" not in text
+    res = json.loads(out.read_text())
+    assert res["bench"] == "selective_scan" and res["meta"]["peer"] is None
+    assert all("peer" not in r for r in res["rows"])
+
+
+def test_peer_required_but_missing_is_one_clear_error():
+    try:
+        peer_mod.load_peer("mamba_ssm")
+    except peer_mod.PeerUnavailable:
+        with pytest.raises(SystemExit, match="--peer: mamba_ssm does not import"):
+            peer_mod.resolve_peer(True, "mamba_ssm")
+        assert peer_mod.resolve_peer(None, "mamba_ssm", log=lambda _: None) is None
+    else:
+        pytest.skip("mamba_ssm imports here")
+
+
+# ---- training -----------------------------------------------------------------------------------------------------
+def test_hand_over_gives_ours_the_peers_weights(ref):
+    from mamba_parallel.config import get_preset
+
+    torch.manual_seed(3)
+    theirs = ref.build_lm(get_preset("tiny-mamba2"), "cpu")
+    ours = peer_mod.ours_from_peer(ref, theirs, "cpu")
+    a, b = theirs.model.state_dict(), ours.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_train_same_weights_same_step1_loss(ref):
+    res = train_side_by_side.run(["tiny-mamba", "tiny-mamba2"], ref, "cpu", seq_len=16, batch=2, warmup=1, steps=1,
+                                 log=lambda _: None)
+    checks = res["checks"]["step1_loss"]
+    assert [c["preset"] for c in checks] == ["tiny-mamba", "tiny-mamba2"]
+    for c in checks:
+        assert c["agree"] and c["rel_diff"] < 1e-5  # same weights, same batch, the same reference model
+    metrics = [(r["case"], r["metric"]) for r in res["rows"]]
+    assert metrics[:3] == [("tiny-mamba b2 L16", "tokens/s"), ("tiny-mamba b2 L16", "step"),
+                           ("tiny-mamba b2 L16", "peak memory")]
+    tps = res["rows"][0]
+    assert tps["ours"] > 0 and tps["peer"] > 0 and tps["x_peer"] == pytest.approx(tps["ours"] / tps["peer"])
+
+
+def test_train_flags_a_loss_that_differs():
+    class Off(peer_mod.ReferencePeer):
+        def loss(self, model, input_ids, targets):
+            return super().loss(model, input_ids, targets) * 1.1
+
+    _, check = train_side_by_side.run_preset("tiny-mamba2", Off(), "cpu", seq_len=16, batch=2, warmup=0, steps=1,
+                                             log=lambda _: None)
+    assert check["agree"] is False and check["rel_diff"] == pytest.approx(0.1 / 1.1, rel=1e-3)
+
+
+def test_bench_train_cli_side_by_side(tmp_path):
+    out = tmp_path / "results"
+    assert bench_train.main(["--peer", "--peer-impl", "reference", "--preset", "tiny-mamba", "--device", "cpu",
+                             "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--warmup-steps", "0",
+                             "--json", str(out)]) == 0
+    (path,) = out.glob("*/train.json")
+    assert path.parent.name.endswith("-cpu")
+    res = json.loads(path.read_text())
+    assert res["side_names"]["peer"] == "reference" and res["checks"]["step1_loss"][0]["agree"]
+    with pytest.raises(SystemExit, match="drop --tp"):
+        bench_train.main(["--peer", "--peer-impl", "reference", "--preset", "tiny-mamba", "--tp", "2"])
+
+
+# ---- generation and long sequences --------------------------------------------------------------------------------
+def test_generate_same_weights_same_tokens(ref):
+    res = bench_generate.run(["tiny-mamba2"], ref, "cpu", batch_sizes=(2,), prompt_len=5, new_tokens=3, repeats=1,
+                             dtype="fp32", log=lambda _: None)
+    decode, prefill = res["rows"]
+    assert (decode["metric"], decode["unit"], prefill["metric"]) == ("decode", "ms/step", "prefill 5 tokens")
+    assert decode["tokens_match"] == 1.0  # greedy on the same weights: the same tokens
+    assert prefill["ours"] > 0 and prefill["peer"] > 0
+    with pytest.raises(ValueError, match="--new-tokens >= 2"):
+        bench_generate.run(["tiny-mamba2"], ref, "cpu", new_tokens=1)
+
+
+def test_long_context_probe_stops_at_the_first_out_of_memory():
+    from mamba_parallel.config import get_preset
+    from mamba_parallel.models.lm import MambaLMHeadModel
+
+    cfg = get_preset("tiny-mamba2")
+
+    def loss_of(model, ids, targets):
+        if ids.shape[1] > 32:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        return train_side_by_side.our_loss(model, ids, targets)
+
+    found = long_context_probe.probe(lambda: MambaLMHeadModel(cfg), loss_of, "cpu", [16, 32, 64, 128],
+                                     cfg.vocab_size, log=lambda _: None)
+    assert list(found) == [16, 32, 64] and found[64] == {"error": "out of memory"}
+    assert found[32]["tokens_per_s"] > 0
+
+
+# ---- bench all, the result files, the report ----------------------------------------------------------------------
+TINY_ALL = ["--peer-impl", "reference", "--device", "cpu", "--ssd-shape", *map(str, TINY_SSD), "--ssd-chunk", "16",
+            "--scan-shape", *map(str, TINY_SCAN), "--kernel-warmup", "0", "--kernel-reps", "1",
+            "--train-presets", "tiny-mamba2", "--train-seq-len", "16", "--train-batch", "2", "--train-warmup", "0",
+            "--train-steps", "1", "--generate-models", "tiny-mamba", "--generate-batches", "1", "--prompt-len", "3",
+            "--new-tokens", "2", "--generate-repeats", "1", "--long-preset", "tiny-mamba2", "--long-start", "16",
+            "--long-max", "16"]
+
+
+def test_bench_all_writes_results_and_the_report(tmp_path):
+    results, md = tmp_path / "results", tmp_path / "docs" / "performance.md"
+    assert bench_all.main(TINY_ALL + ["--out", str(results), "--report", str(md)]) == 0
+    files = sorted(p.name for p in results.glob("*/*.json"))
+    assert files == ["generate.json", "long_context.json", "selective_scan.json", "ssd.json", "train.json"]
+    for f in results.glob("*/*.json"):
+        meta = json.loads(f.read_text())["meta"]
+        assert {"command", "git_commit", "torch", "triton", "peer", "device", "timestamp"} <= set(meta)
+        assert meta["device"] == "cpu" and meta["peer"]["reference"]
+    text = md.read_text()
+    for title in ("Mamba-2 SSD chunked scan", "Mamba-1 selective scan", "One training step", "Generation",
+                  "Longest trainable sequence"):
+        assert f"## {title}" in text
+    assert "ours vs reference" in text and "step-1 loss ours" in text and "bench all" in text
+    pngs = sorted(p.name for p in (tmp_path / "docs" / "performance").glob("*.png"))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert pngs == [] and "need matplotlib" in text
+    else:
+        assert "long_context.png" in pngs and "ssd.png" in pngs and "![ssd ratios](performance/ssd.png)" in text
+
+
+def test_bench_all_only_and_budget(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="--only 'nope'"):
+        bench_all.main(["--only", "kernels,nope"])
+    assert bench_all.parse_only("kernels,train") == ["ssd", "selective_scan", "train"]
+    results = tmp_path / "r"
+    # a budget already spent: every section is skipped, the run says so and still exits (non-zero)
+    assert bench_all.main(TINY_ALL + ["--only", "train", "--out", str(results), "--report", "", "--budget-s",
+                                      "-1"]) == 1
+    assert "not completed: train" in capsys.readouterr().out
+
+
+def test_report_keeps_the_newest_run_of_each_benchmark(tmp_path):
+    def result(bench, stamp, value):
+        return {"bench": bench, "title": bench, "meta": {"timestamp": stamp, "device": "GPU", "command": "c"},
+                "rows": [make_row("case", "fwd", "ms", "lower", {"ours": value, "peer": 2.0})]}
+
+    for day, value in (("2026-01-01", 4.0), ("2026-02-01", 1.0)):
+        d = tmp_path / "results" / f"{day}-gpu"
+        d.mkdir(parents=True)
+        (d / "ssd.json").write_text(json.dumps(result("ssd", day + "T00:00:00", value)))
+    (tmp_path / "results" / "notes.json").write_text("[1, 2]")  # not a result: skipped
+    out = tmp_path / "perf.md"
+    assert report.main(["--results", str(tmp_path / "results"), "--out", str(out), "--no-plots"]) == 0
+    text = out.read_text()
+    assert "| case | fwd (ms) | 1.00 | 2.00 | 2.00x |" in text and "4.00" not in text
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    report.main(["--results", str(empty), "--out", str(out)])
+    assert "No results yet" in out.read_text()
