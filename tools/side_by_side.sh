@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The side-by-side table on one GPU: ours beside mamba_ssm (+ causal-conv1d; fla for the SSD), every benchmark in
+# one process, then the report. Usage, from the repository root:
+#   OUT=results tools/side_by_side.sh [--only kernels,train,generate,long_context] [more `bench all` flags]
+# The peer comes from .peer/ (a copy of the peer folder: its install.sh makes it importable) or from what is
+# installed already; without it the run times ours alone. Writes $OUT/<date>-<device>/<bench>.json,
+# $OUT/performance.md, $OUT/plots.tar (the ratio PNGs) and $OUT/log.txt: eight files at most. Merge several runs
+# into the repository's report with: mamba-parallel bench report --results benchmarks/results
+set -u -o pipefail
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+# NVLink multicast stays off (a program using it can take a shared host's GPUs down).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if [ -f .peer/install.sh ]; then
+  eval "$(bash .peer/install.sh "$PWD/.peer")" || echo "side_by_side: the peer did not install; timing ours alone"
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+python3 -c "import mamba_ssm, causal_conv1d; print('peer: mamba_ssm', mamba_ssm.__version__, 'causal_conv1d', causal_conv1d.__version__)" \
+  || echo "side_by_side: mamba_ssm does not import here"
+# Budget: one device command may run 10 minutes; what has not started after --budget-s is listed as skipped.
+python3 -m mamba_parallel.cli bench all --out "$OUT" --report "$OUT/performance.md" --plots "$OUT/plots" \
+  --budget-s 420 --generate-repeats 1 "$@" 2>&1 | tee "$OUT/log.txt"
+status=$?
+if [ -d "$OUT/plots" ]; then tar cf "$OUT/plots.tar" -C "$OUT" plots && rm -rf "$OUT/plots"; fi
+exit $status
