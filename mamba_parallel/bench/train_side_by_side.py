@@ -12,7 +12,6 @@ agree within bf16 tolerance. Each side: ``--warmup-steps`` untimed steps, then `
 from __future__ import annotations
 
 import gc
-import inspect
 import statistics
 
 import torch
@@ -28,10 +27,8 @@ LOSS_RTOL = 5e-3  # bf16 autocast: the two step-1 losses (same weights, same bat
 
 
 def our_loss(model, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Our model's own (fused) loss; targets[:, t] is the token after position t."""
-    params = inspect.signature(model.forward).parameters
-    out = model(input_ids, targets=targets) if "targets" in params else model(input_ids, labels=targets)
-    return out if isinstance(out, torch.Tensor) else out.loss
+    """Our model's own (fused) loss; targets[:, t] is the token after position t (pre-shifted)."""
+    return model(input_ids, targets=targets).loss
 
 
 def _free(device) -> None:
