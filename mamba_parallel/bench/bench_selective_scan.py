@@ -27,12 +27,13 @@ def case_name(shape) -> str:
 
 
 def make_inputs(b, d, L, n, dtype, device, seed=0) -> dict:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def r(*s, scale=1.0, dt=dtype):
-        return (torch.randn(*s, generator=gen) * scale).to(device=device, dtype=dt)
+        return (torch.randn(*s, generator=gen, device=device) * scale).to(dt)
 
-    return dict(u=r(b, d, L), delta=r(b, d, L, scale=0.5), A=-(torch.rand(d, n, generator=gen) + 0.5).to(device),
+    return dict(u=r(b, d, L), delta=r(b, d, L, scale=0.5),
+                A=-(torch.rand(d, n, generator=gen, device=device) + 0.5),
                 B=r(b, n, L), C=r(b, n, L), D=r(d, dt=torch.float32), z=r(b, d, L),
                 delta_bias=r(d, scale=0.3, dt=torch.float32), delta_softplus=True)
 

@@ -32,13 +32,13 @@ def case_name(shape) -> str:
 
 def make_inputs(b, L, h, p, n, g, dtype, device, chunk=CHUNK, seed=0) -> dict:
     """Random inputs like a Mamba-2 layer's: dt raw (before dt_bias + softplus), A < 0, fp32 A / D / dt_bias."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def r(*s, scale=1.0, shift=0.0, dt=dtype):
-        return (torch.randn(*s, generator=gen) * scale + shift).to(device=device, dtype=dt)
+        return (torch.randn(*s, generator=gen, device=device) * scale + shift).to(dt)
 
     return dict(x=r(b, L, h, p), dt=r(b, L, h, scale=0.5, shift=-1.0),
-                A=-torch.exp(torch.rand(h, generator=gen) * math.log(16)).to(device),
+                A=-torch.exp(torch.rand(h, generator=gen, device=device) * math.log(16)),
                 B=r(b, L, g, n), C=r(b, L, g, n), D=r(h, dt=torch.float32), dt_bias=r(h, scale=0.3, dt=torch.float32),
                 chunk_size=chunk, dt_softplus=True)
 
