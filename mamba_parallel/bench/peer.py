@@ -25,6 +25,7 @@ IMPLS = ("mamba_ssm", "reference")
 _PEER_CONFIG_FIELDS = ("d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx",
                        "attn_cfg", "rms_norm", "residual_in_fp32", "fused_add_norm", "pad_vocab_size_multiple",
                        "tie_embeddings")
+_PEER_MLP = {"activation": "swiglu", "bias": False, "multiple_of": 128}  # mamba_ssm's GatedMLP
 
 
 class PeerUnavailable(RuntimeError):
@@ -124,6 +125,10 @@ class MambaSsmPeer(Peer):
     def config(self, config: MambaConfig):
         if config.norm_epsilon != 1e-5:
             raise PeerUnavailable(f"mamba_ssm fixes norm_epsilon at 1e-5; this model has {config.norm_epsilon}")
+        mlp = getattr(config, "mlp_params", _PEER_MLP)
+        if getattr(config, "mlp_layer_idx", None) or mlp != _PEER_MLP:
+            raise PeerUnavailable(f"mamba_ssm's model has MLPs after mixers only, SwiGLU without bias, width a "
+                                  f"multiple of 128; this one: mlp_layer_idx {config.mlp_layer_idx}, mlp_cfg {mlp}")
         d = config.to_dict()
         return self._config_cls(**{k: d[k] for k in _PEER_CONFIG_FIELDS})
 
