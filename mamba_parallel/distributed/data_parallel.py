@@ -70,7 +70,7 @@ def fsdp_units(blocks, blocks_per_unit: int = 1) -> list[list[torch.nn.Module]]:
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, blocks, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True,
-               blocks_per_unit: int = 1) -> torch.nn.Module:
+               blocks_per_unit: int = 1, cpu_offload: bool = False) -> torch.nn.Module:
     """FSDP2: ``fully_shard`` each unit of ``blocks_per_unit`` consecutive blocks, then the root (embedding, final
     norm, lm_head) over ``mesh``.
 
@@ -82,19 +82,22 @@ def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, blocks, param_dtype: to
     all-gather, one reduce-scatter and one set of unshard / reshard hooks per unit instead of per block, which
     cuts the host time FSDP2 spends per step, for the memory of k blocks' full params (2k with prefetch). The
     modules are not re-parented: parameter and state-dict names stay those of the plain model.
+    ``cpu_offload``: FSDP2's CPUOffloadPolicy: sharded parameters, their gradients and so the optimizer state live in
+    pinned host memory; each unit is copied to the GPU for its forward / backward (the optimizer steps on the CPU).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     units = fsdp_units(blocks, blocks_per_unit)
     for i, unit in enumerate(units):
         # The last unit's params are needed again at once by the backward pass: keep them gathered.
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp,
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_after_forward and i < len(units) - 1)
     # The root (embedding, tied lm_head, final norm) is the first thing backward needs: never reshard it after
     # forward. Passing a bool here overrides FSDP2's own root exemption (it applies only to the None default), so
     # the old `reshard_after_forward=True` re-gathered the vocab-sized weight, exposed, at every backward start.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
     # Issue unit i+1's all-gather when unit i starts (not when the CPU reaches unit i+1), so the gather overlaps
     # unit i's compute even when the host is barely ahead of the GPU. Backward prefetches one already. The
     # modules of a unit share one FSDP state, so its first module stands for the unit.

@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover
     DTensor = ()
 
 _OPTS = StateDictOptions(flatten_optimizer_state_dict=True)
+_OPTS_PARTIAL = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
 _PARAM_RE = re.compile(r"^(?P<prefix>.*?)parametrizations\.(?P<name>[^.]+)\.original(?P<idx>\d*)$")
 
 
@@ -121,23 +122,26 @@ def model_state_dict(model: torch.nn.Module) -> dict:
     return sd
 
 
-def load_model_state_dict(model: torch.nn.Module, state: dict) -> None:
+def load_model_state_dict(model: torch.nn.Module, state: dict, strict: bool = True) -> None:
     """Load a state from ``model_state_dict`` (of any layout, filled by ``dcp.load``) into ``model``.
 
     Values may also be full plain tensors (e.g. a single-device ``state_dict()`` present on every rank): each rank
-    then keeps its own shard.
+    then keeps its own shard. ``strict=False``: entries of the model missing from ``state`` keep their values
+    (a model filled part by part).
     """
     views = _views(model)
     out = {}
     for k, template in get_model_state_dict(model, options=_OPTS).items():
         canon, idx = canonical_name(_clean(k))
         if canon not in state:
+            if not strict:
+                continue
             raise KeyError(f"load_model_state_dict: the state has no entry {canon!r} (for parameter {k!r})")
         if idx is not None and len(views[canon].sizes) > 1:
             out[k] = _split_into(state[canon], views[canon], idx, template)
         else:
             out[k] = _match(state[canon], template)
-    set_model_state_dict(model, out, options=_OPTS)
+    set_model_state_dict(model, out, options=_OPTS if strict else _OPTS_PARTIAL)
 
 
 def full_model_state_dict(model: torch.nn.Module, cpu_offload: bool = True) -> dict:

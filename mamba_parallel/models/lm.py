@@ -37,6 +37,22 @@ def shift_labels(labels: torch.Tensor, seq_idx: torch.Tensor | None = None) -> t
     return targets
 
 
+# The modules whose reset_parameters() init_weights calls, in self.modules() order (distributed/materialize.py
+# replays the same order block by block to initialise a sharded model without building it whole).
+INIT_MODULE_TYPES = (Mamba, Mamba2, MHA, GatedMLP, MLP, RMSNorm, nn.LayerNorm)
+
+
+@torch.no_grad()
+def rescale_residual_writers(block: nn.Module, config: MambaConfig) -> None:
+    """Divide the weights of a block's layers that write into the residual stream (out_proj / fc2) by
+    sqrt(n_residuals_per_layer * n_layer): GPT-2's scheme, as mamba_ssm (``rescale_prenorm_residual``)."""
+    n_residuals_per_layer = 2 if config.mlp_after_mixer else 1
+    scale = 1.0 / math.sqrt(n_residuals_per_layer * config.n_layer)
+    for m in (block.mixer, block.mlp):
+        if m is not None:
+            (m.fc2 if isinstance(m, (GatedMLP, MLP)) else m.out_proj).weight.mul_(scale)
+
+
 class MixerModel(nn.Module):
     """The backbone: input_ids (b, L) -> hidden states (b, L, d_model) after the final norm."""
 
@@ -117,18 +133,14 @@ class MambaLMHeadModel(nn.Module):
         cfg = self.config
         self.tie_weights()
         for m in self.modules():
-            if isinstance(m, (Mamba, Mamba2, MHA, GatedMLP, MLP, RMSNorm, nn.LayerNorm)):
+            if isinstance(m, INIT_MODULE_TYPES):
                 m.reset_parameters()
         init.normal_(self.backbone.embedding.weight, cfg.initializer_range)
         if not cfg.tie_embeddings:
             init.linear_default_(self.lm_head.weight)
         if cfg.rescale_prenorm_residual:
-            n_residuals_per_layer = 2 if cfg.mlp_after_mixer else 1
-            scale = 1.0 / math.sqrt(n_residuals_per_layer * cfg.n_layer)
             for block in self.backbone.layers:
-                for m in (block.mixer, block.mlp):  # the layers writing into the residual stream
-                    if m is not None:
-                        (m.fc2 if isinstance(m, (GatedMLP, MLP)) else m.out_proj).weight.mul_(scale)
+                rescale_residual_writers(block, cfg)
         init.mark_no_weight_decay(self)
 
     # ---- forward ------------------------------------------------------------------------------------------------

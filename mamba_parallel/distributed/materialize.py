@@ -1,0 +1,74 @@
+"""Materialise a model built on the meta device and parallelised there, holding only this rank's shards.
+
+``init_sharded_weights(model, config, device, seed)`` gives every local shard the values the single-device model
+gets from ``MambaLMHeadModel.init_weights`` under ``torch.manual_seed(seed)`` on ``device``, without ever building
+the whole model: it replays init_weights' order (each block's ``reset_parameters`` in module order, the final
+norm, then the embedding and an untied head) one block at a time on a single-device twin of that block, and each
+rank keeps its own slice of it (``load_model_state_dict(..., strict=False)``: FSDP2 shards, tensor-parallel
+segments, pipeline stages — a block another stage owns is drawn and dropped, so the random stream stays in step).
+Peak memory: one full block (or the embedding) beside the shards. No collective: every rank draws the same values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from mamba_parallel.distributed.state_dict import _clean, load_model_state_dict
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {_clean(k): b for k, b in model.named_buffers()}
+
+
+@torch.no_grad()
+def _load(model: nn.Module, buffers: dict, prefix: str, part: nn.Module) -> None:
+    state = {prefix + k: v for k, v in part.state_dict(keep_vars=True).items()}
+    load_model_state_dict(model, {k: v.detach() for k, v in state.items()}, strict=False)
+    for k, b in part.named_buffers():  # non-persistent buffers too (rotary tables), never sharded
+        if prefix + k in buffers:
+            buffers[prefix + k].copy_(b)
+
+
+@torch.no_grad()
+def init_sharded_weights(model: nn.Module, config, device: torch.device | str, seed: int) -> None:
+    """Fill ``model`` (materialised with ``to_empty``, any layout) with the single-device initial values."""
+    from mamba_parallel.layers import init
+    from mamba_parallel.layers.block import create_block
+    from mamba_parallel.layers.norm import make_norm
+    from mamba_parallel.models.lm import INIT_MODULE_TYPES, rescale_residual_writers
+
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    buffers = _buffers(model)
+    for i in range(config.n_layer):
+        block = create_block(config, i, device="meta")
+        block.to_empty(device=device)
+        for m in block.modules():
+            if isinstance(m, INIT_MODULE_TYPES):
+                m.reset_parameters()
+        if config.rescale_prenorm_residual:
+            rescale_residual_writers(block, config)
+        _load(model, buffers, f"backbone.layers.{i}.", block)
+        del block
+    norm_f = make_norm(config.d_model, config.rms_norm, config.norm_epsilon, device="meta")
+    norm_f.to_empty(device=device)
+    norm_f.reset_parameters()
+    _load(model, buffers, "backbone.norm_f.", norm_f)
+    emb = torch.empty(config.padded_vocab_size, config.d_model, device=device)
+    init.normal_(emb, config.initializer_range)
+    state = {"backbone.embedding.weight": emb}
+    if config.tie_embeddings:
+        state["lm_head.weight"] = emb
+    load_model_state_dict(model, state, strict=False)
+    del emb, state
+    if not config.tie_embeddings:
+        head = torch.empty(config.padded_vocab_size, config.d_model, device=device)
+        init.linear_default_(head)
+        load_model_state_dict(model, {"lm_head.weight": head}, strict=False)
+
+
+def materialize(model: nn.Module, config, device: torch.device | str, seed: int) -> None:
+    """``to_empty`` on ``device`` (each rank allocates only its shards), then ``init_sharded_weights``."""
+    model.to_empty(device=device)
+    init_sharded_weights(model, config, device, seed)
