@@ -27,10 +27,11 @@ class DistEnv:
         return self.rank == 0
 
 
-def init_distributed(device: str | None = None, timeout_s: int = 1800) -> DistEnv:
+def init_distributed(device: str | None = None, timeout_s: int = 1800, single_rank_group: bool = False) -> DistEnv:
     """Join the torchrun process group when WORLD_SIZE > 1 (or reuse one already made); pick this rank's device.
 
-    ``device``: "cpu", "cuda" or None (cuda when available). NCCL on CUDA, gloo on CPU.
+    ``device``: "cpu", "cuda" or None (cuda when available). NCCL on CUDA, gloo on CPU. ``single_rank_group``: a
+    process group of one also when WORLD_SIZE is 1 (FSDP2 over one rank, for CPU offload).
     """
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {device!r}")
@@ -55,6 +56,10 @@ def init_distributed(device: str | None = None, timeout_s: int = 1800) -> DistEn
         backend = "nccl" if dev.type == "cuda" else "gloo"
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    elif single_rank_group:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout_s))
     return DistEnv(rank, world_size, local_rank, dev)
 
 

@@ -56,6 +56,13 @@ def schedule_class(name: str):
     return cls
 
 
+def stages_per_rank(schedule: str, requested: int = 0) -> int:
+    """Stages each rank runs under ``schedule`` (``requested`` 0: the schedule's default)."""
+    if schedule not in PP_SCHEDULES:
+        raise ParallelConfigError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {schedule!r}")
+    return requested or PP_SCHEDULES[schedule][2]
+
+
 # ---- the plan: how many stages, which layers, which rank ---------------------------------------------------------
 @dataclass
 class PipelinePlan:
@@ -409,7 +416,8 @@ def pipeline_eval_loss(pm: PipelineModel, inputs: torch.Tensor, targets: torch.T
     """Forward only over ``microbatches`` micro-batches: the mean loss (0-d fp32) on every rank of the pipeline."""
     losses: list[torch.Tensor] = []
     args = (inputs,) if pm.has_first else ()
-    pm.schedule.eval(*args, target=targets if pm.has_last else None, losses=losses, targets=targets)
+    pm.schedule.eval(*args, target=targets if pm.has_last else None, losses=losses, targets=targets,
+                     return_outputs=False)
     if pm.has_last:
         loss = torch.stack([x.detach().float() for x in losses]).mean()
     else:

@@ -27,12 +27,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mamba_parallel.config import ConfigError
+from mamba_parallel.distributed import pipeline
 from mamba_parallel.distributed.state_dict import (
     load_model_state_dict,
     load_optim_state_dict,
     model_state_dict,
     optim_state_dict,
 )
+
+
+def _state_fns(model):
+    """(model state, optimizer state, optimizer load) for ``model``: pipeline stages keep single-device names."""
+    if isinstance(model, pipeline.PipelineModel):
+        return pipeline.stage_model_state_dict, pipeline.stage_optim_state_dict, pipeline.load_stage_optim_state_dict
+    return model_state_dict, optim_state_dict, load_optim_state_dict
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -109,9 +117,10 @@ def save_checkpoint(out: str, step: int, model, optimizer, scheduler, consumed: 
     _barrier()
     train = {"step": step, "consumed": consumed, "scheduler": scheduler.state_dict(),
              "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    model_sd, optim_sd, _ = _state_fns(model)
     state = {
-        "model": model_state_dict(model),
-        "optim": optim_state_dict(model, optimizer),
+        "model": model_sd(model),
+        "optim": optim_sd(model, optimizer),
         "train": {"json": json.dumps(train), "rng": _gather_rng()},
     }
     with warnings.catch_warnings():  # one process without a process group is a supported case, not a problem
@@ -134,9 +143,10 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
 
     Returns the train state: ``{"step", "consumed", "world_size"}``.
     """
+    model_sd, optim_sd, load_optim = _state_fns(model)
     state = {
-        "model": model_state_dict(model),
-        "optim": optim_state_dict(model, optimizer),
+        "model": model_sd(model),
+        "optim": optim_sd(model, optimizer),
         "train": {"json": "", "rng": b""},
     }
     with warnings.catch_warnings():
@@ -146,7 +156,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
         except (Exception, CheckpointException) as e:  # noqa: B014 (CheckpointException is a BaseException)
             raise ConfigError(f"--resume: {path} does not fit this model / layout: {_first_cause(e)}") from None
     load_model_state_dict(model, state["model"])
-    load_optim_state_dict(model, optimizer, state["optim"])
+    load_optim(model, optimizer, state["optim"])
     train = json.loads(state["train"]["json"])
     scheduler.load_state_dict(train.pop("scheduler"))
     rngs = torch.load(io.BytesIO(state["train"]["rng"]), weights_only=False)

@@ -37,8 +37,13 @@ class TrainConfig:
     val_fraction: float = _f(0.005, "share of the raw data held out for evaluation when preparing it")
     # ---- batch and schedule --------------------------------------------------------------------------------------
     steps: int = _f(600, "optimizer steps in total (a resumed run continues up to this count)")
-    batch_size: int = _f(8, "sequences per rank per micro-step")
+    batch_size: int | str = _f(8, "sequences per rank per micro-step, or auto: the largest that fits (a short "
+                                  "measured probe on a GPU, the memory model of --parallel auto on CPU; printed and "
+                                  "stored in <out>/config.toml)", flag_type=lambda v: _int_or_auto(v, "batch-size"))
     grad_accum: int = _f(1, "micro-steps per optimizer step (global batch = batch_size x dp ranks x grad_accum)")
+    global_batch_size: int = _f(0, "sequences per optimizer step over all ranks (0: batch_size x dp x grad_accum): "
+                                   "reached by gradient accumulation at any world size, so a resume on another "
+                                   "number of GPUs keeps it; must be a multiple of batch_size x dp")
     seq_len: int = _f(256, "tokens per training sequence")
     lr: float = _f(3e-3, "peak learning rate (AdamW)")
     min_lr_ratio: float = _f(0.1, "the cosine schedule ends at lr x min_lr_ratio")
@@ -59,8 +64,26 @@ class TrainConfig:
                               "replicate across nodes)")
     tp: int = _f(1, "tensor parallel degree (ranks of one tp group share a batch)")
     cp: int = _f(1, "context parallel degree (each cp rank gets a contiguous slice of every sequence)")
-    parallel: str = _f("manual", "auto: choose tp/cp from the model and GPU memory; manual: use --tp/--cp",
+    pp: int = _f(1, "pipeline parallel degree: the layers split into stages over pp ranks (outermost mesh dim; "
+                    "composes with --tp, --cp and data parallel; docs/pipeline.md)")
+    pp_schedule: str = _f("1f1b", "pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, interleaved-1f1b "
+                                  "(several stages per rank), interleaved-zb or zbv (zero bubble)",
+                          choices=["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv"])
+    pp_stages_per_rank: int = _f(0, "stages per pipeline rank for the interleaved schedules (0: the schedule's "
+                                    "default, 1 or 2)")
+    pp_split: str = _f("balanced", "layers per stage: balanced (by parameter count) or a comma list, e.g. 30,34")
+    microbatches: int = _f(0, "micro-batches per optimizer step (each --batch-size sequences per rank); with --pp "
+                              "the pipeline's micro-batches (0: grad_accum, at least pp), otherwise the same as "
+                              "--grad-accum")
+    parallel: str = _f("manual", "auto: choose tp/cp (then pp, CPU offload) from the model and GPU memory, print "
+                                 "the plan and why, refuse one that will not fit; manual: use --tp/--cp/--pp",
                        choices=["auto", "manual"])
+    cpu_offload: bool = _f(False, "FSDP2 CPU offload: parameters, gradients and AdamW state in host memory, each "
+                                  "block copied to the GPU for its compute (one big model on few GPUs; also on one "
+                                  "GPU)")
+    param_dtype: str = _f("fp32", "dtype the weights and gradients are stored in: bf16 halves them (AdamW moments "
+                                  "stay fp32, updates rounded stochastically into the bf16 weights)",
+                          choices=["fp32", "bf16"])
     activation_checkpointing: bool = _f(False, "recompute each block's activations in the backward pass")
     recompute: str = _f("", "comma list of activations each layer rebuilds in the backward instead of keeping "
                             "them (less memory for one more cheap kernel per layer; docs/memory.md): conv = the "
@@ -105,10 +128,13 @@ class TrainConfig:
 
         if self.preset not in PRESETS:
             raise ConfigError(f"--preset: unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
-        for name in ("steps", "batch_size", "grad_accum", "seq_len", "tp", "cp", "dp_replicate", "keep",
-                     "eval_batches", "fsdp_blocks_per_unit"):
+        need(self.batch_size == "auto" or (isinstance(self.batch_size, int) and not isinstance(self.batch_size, bool)),
+             "batch_size", f"must be an integer >= 1 or auto, got {self.batch_size!r}")
+        for name in ("steps", "grad_accum", "seq_len", "tp", "cp", "pp", "dp_replicate", "keep",
+                     "eval_batches", "fsdp_blocks_per_unit") + (("batch_size",) if self.batch_size != "auto" else ()):
             need(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "log_every", "eval_every", "save_every", "sample_tokens"):
+        for name in ("warmup", "log_every", "eval_every", "save_every", "sample_tokens", "global_batch_size",
+                     "microbatches", "pp_stages_per_rank"):
             need(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         need(self.log_every >= 1, "log_every", "must be >= 1")
         need(self.lr > 0 and math.isfinite(self.lr), "lr", f"must be a positive number, got {self.lr}")
@@ -163,9 +189,20 @@ def _toml_value(v: Any) -> str:
     raise ConfigError(f"cannot write {v!r} ({type(v).__name__}) to TOML")
 
 
+def _int_or_auto(value: str, flag: str):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--{flag} must be an integer or auto, got {value!r}") from None
+
+
 # Settings of the machine a run happens to be on, not of the run: `--resume` does not take them from the run's
 # config.toml (a checkpoint resumes at any layout).
-MACHINE_FIELDS = frozenset({"device", "dp_mode", "dp_replicate", "tp", "cp", "parallel", "activation_checkpointing",
+MACHINE_FIELDS = frozenset({"device", "dp_mode", "dp_replicate", "tp", "cp", "pp", "pp_schedule",
+                            "pp_stages_per_rank", "pp_split", "microbatches", "cpu_offload", "parallel",
+                            "activation_checkpointing",
                             "recompute", "compile", "cuda_graph", "fsdp_param_dtype", "reshard_after_forward",
                             "fsdp_blocks_per_unit", "ddp_bucket_mb", "ddp_bf16_grads", "progress", "resume"})
 
@@ -248,7 +285,7 @@ def resolve_config(args: argparse.Namespace | None = None, toml_path: str | None
     for f in fields(TrainConfig):  # TOML gives ints where floats are meant, and may give wrong types
         v = getattr(cfg, f.name)
         want = _flag_type(f)
-        if v is None or f.name == "model":
+        if v is None or f.name == "model" or not isinstance(want, type):  # a parser (int or auto): validate()
             continue
         if want is float and isinstance(v, int) and not isinstance(v, bool):
             setattr(cfg, f.name, float(v))

@@ -19,8 +19,9 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                    fused: bool | None = None) -> torch.optim.AdamW:
+                    fused: bool | None = None, param_dtype: str = "fp32") -> torch.optim.AdamW:
     """AdamW over two groups (decay / no decay); fused on CUDA unless ``fused`` says otherwise.
+    ``param_dtype="bf16"``: weights stored in bf16, AdamW's moments in fp32 (train/bf16_adamw.py).
 
     Sharded params (FSDP2 DTensors) have their global ndim, so the grouping is the same at every layout.
     """
@@ -33,6 +34,10 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, beta
     if fused is None:
         fused = any(p.is_cuda for p in decay + no_decay)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if param_dtype == "bf16":
+        from mamba_parallel.train.bf16_adamw import AdamWFp32State
+
+        return AdamWFp32State([g for g in groups if g["params"]], lr=lr, betas=betas)
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, fused=fused or None)
 
 

@@ -25,6 +25,7 @@ from mamba_parallel.config import ConfigError
 from mamba_parallel.distributed.data_parallel import DistEnv, init_distributed
 from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
 from mamba_parallel.distributed.parallelize import parallelize
+from mamba_parallel.distributed.pipeline import stages_per_rank
 from mamba_parallel.layers.recompute import (RECOMPUTE_ENV, RECOMPUTE_ITEMS, parse_items, recompute_items,
                                              set_recompute)
 from mamba_parallel.train import checkpoint as ckpt
@@ -35,6 +36,8 @@ from mamba_parallel.train.data import DataError, RankBatches, TokenWindows, fold
 from mamba_parallel.train.flops import peak_flops, train_flops_per_token
 from mamba_parallel.train.metrics import GpuMonitor, MetricsLogger, Progress, Throughput, peak_memory_gib
 from mamba_parallel.train.optim import build_optimizer, build_scheduler, restart_schedule
+from mamba_parallel.train import pipelined
+from mamba_parallel.train.batching import resolve_micro_steps
 from mamba_parallel.train.tokenizer import load_tokenizer
 
 
@@ -129,34 +132,39 @@ def build_parallel_model(config, cfg: TrainConfig, env: DistEnv, dims: ParallelD
 
     ``options``: keyword arguments of ``parallelize`` for data parallelism (default: ``dp_options(cfg)``).
 
-    FSDP-only runs build on meta, shard, materialise, and receive rank 0's initialisation
-    (``broadcast_from_rank0``; skipped when resuming). Tensor / context parallel and DDP start from the full model
-    built on every rank under the same seed (tensor parallel slices real weights)."""
-    if env.world_size == 1 or cfg.dp_mode == "ddp" or dims.tp > 1 or dims.cp > 1:
-        model = init_model(config, env.device, cfg.seed)
-        wrapped = parallelize(model, dims, dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
-                              compile=cfg.compile, **(dp_options(cfg) if options is None else options))
-        return wrapped, model
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    One process without sharding builds the plain model. Every other layout (FSDP2, DDP, TP, CP, PP, CPU offload)
+    builds on meta, lays out its shards and materialises only those, initialised block by block to the values of
+    ``init_model`` (distributed/materialize.py): no rank ever holds the whole model. ``--pp``: the unwrapped
+    model is the rank's ``PipelineModel`` (train/pipelined.py)."""
+    from mamba_parallel.distributed.materialize import materialize
 
+    options = dp_options(cfg) if options is None else options
+    if dims.pp > 1:
+        pm = pipelined.build_pipelined_model(config, cfg, env, dims, options)
+        return pm, pm
+    dtype = torch.bfloat16 if cfg.param_dtype == "bf16" else None  # weights stored in bf16 (fp32 init rounded)
+    if env.world_size == 1 and not cfg.cpu_offload:
+        model = init_model(config, env.device, cfg.seed)
+        if dtype is not None:
+            model.to(dtype)
+        wrapped = parallelize(model, dims, dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
+                              compile=cfg.compile, **options)
+        return wrapped, model
     with torch.device("meta"):
-        model = _model_class()(config)
-    model = parallelize(model, dims, dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
-                        compile=cfg.compile, **(dp_options(cfg) if options is None else options))
-    model.to_empty(device=env.device)
-    torch.manual_seed(cfg.seed)
-    with torch.no_grad():
-        model.init_weights()  # buffers, and a valid start when the broadcast below is skipped
-    if not resuming:
-        full = init_model(config, env.device, cfg.seed).state_dict() if env.is_main else {}
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        del full
-    return model, model
+        model = _model_class()(config, dtype=dtype)
+    wrapped = parallelize(model, dims, dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
+                          compile=cfg.compile, cpu_offload=cfg.cpu_offload,
+                          materialize=lambda m: materialize(m, config, env.device, cfg.seed), **options)
+    return wrapped, model
 
 
 def gather_for_save(model: torch.nn.Module, config) -> torch.nn.Module | None:
     """A plain single-device copy of the trained weights on rank 0's CPU (None on other ranks); collective."""
+    from mamba_parallel.distributed.pipeline import PipelineModel
     from mamba_parallel.distributed.state_dict import full_model_state_dict
+
+    if isinstance(model, PipelineModel):
+        return pipelined.gather_pipelined_for_save(model, config, model.dims)
 
     full = full_model_state_dict(model, cpu_offload=True)
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -170,27 +178,36 @@ def gather_for_save(model: torch.nn.Module, config) -> torch.nn.Module | None:
 
 # ---- parallel layout ---------------------------------------------------------------------------------------------
 def choose_dims(cfg: TrainConfig, config, env: DistEnv, log) -> ParallelDims:
-    tp, cp = cfg.tp, cfg.cp
+    tp, cp, pp = cfg.tp, cfg.cp, cfg.pp
     if cfg.parallel == "auto":
+        from mamba_parallel.distributed.auto import plan_layout
+
+        mem = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else 0
+        micro = 1 if cfg.batch_size == "auto" else cfg.batch_size  # auto: the layout for one sequence, then fill
         try:
-            from mamba_parallel.distributed.auto import choose_parallel
-        except ModuleNotFoundError:
-            tp, cp = 1, 1
-            log("--parallel auto: mamba_parallel.distributed.auto is not available; data parallel only")
-        else:
-            mem = torch.cuda.get_device_properties(env.device).total_memory if env.device.type == "cuda" else 0
-            tp, cp = choose_parallel(env.world_size, config, mem, seq_len=cfg.seq_len, micro_batch=cfg.batch_size)
-            log(f"--parallel auto chose tp={tp} cp={cp}")
-    flags = f"--tp {tp} --cp {cp}" + (f" --dp-replicate {cfg.dp_replicate}" if cfg.dp_replicate > 1 else "")
+            plan = plan_layout(env.world_size, config, mem, seq_len=cfg.seq_len, micro_batch=micro,
+                               activation_checkpointing=cfg.activation_checkpointing, param_dtype=cfg.param_dtype,
+                               microbatches=cfg.microbatches,
+                               local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)))
+        except ParallelConfigError as e:
+            raise ConfigError(str(e)) from None
+        tp, cp, pp = plan.tp, plan.cp, plan.pp
+        cfg.tp, cfg.cp, cfg.pp = tp, cp, pp
+        cfg.cpu_offload = cfg.cpu_offload or plan.cpu_offload
+        log(f"--parallel auto chose tp={tp} cp={cp} pp={pp}{' cpu-offload' if plan.cpu_offload else ''}: "
+            f"{plan.reason}")
+    flags = f"--tp {tp} --cp {cp}" + (f" --pp {pp}" if pp > 1 else "") + \
+        (f" --dp-replicate {cfg.dp_replicate}" if cfg.dp_replicate > 1 else "")
     try:
         if cfg.dp_mode == "ddp":
-            if env.world_size % (tp * cp):
-                raise ConfigError(f"world size {env.world_size} is not divisible by tp*cp = {tp * cp}")
-            dims = ParallelDims(dp_replicate=env.world_size // (tp * cp), dp_shard=1, cp=cp, tp=tp,
-                                world_size=env.world_size)
+            if env.world_size % (tp * cp * pp):
+                raise ConfigError(f"world size {env.world_size} is not divisible by pp*tp*cp = {pp * tp * cp}")
+            dims = ParallelDims(dp_replicate=env.world_size // (tp * cp * pp), dp_shard=1, cp=cp, tp=tp,
+                                world_size=env.world_size, pp=pp)
         else:
-            dims = ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=-1, cp=cp, tp=tp, world_size=env.world_size)
-        dims.validate_for_model(config)
+            dims = ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=-1, cp=cp, tp=tp, world_size=env.world_size,
+                                pp=pp)
+        dims.validate_for_model(config, stages_per_rank(cfg.pp_schedule, cfg.pp_stages_per_rank) if pp > 1 else 1)
     except (ParallelConfigError, ConfigError) as e:  # name the flags at fault (the message names the degrees)
         raise ConfigError(f"{flags} on {env.world_size} rank(s): {e}") from None
     return dims
@@ -256,6 +273,13 @@ def _shard_reduce_key(grad: torch.Tensor):
     return grad.device_mesh, tuple(dims)
 
 
+def _comm_device(device: torch.device) -> torch.device:
+    """Where a collective's tensor must live: the current CUDA device under NCCL, else where it is."""
+    if device.type == "cpu" and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @torch.no_grad()
 def _local_total_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
     """The global 2-norm of sharded (DTensor) gradients from their local shards: one foreach norm per
@@ -271,6 +295,7 @@ def _local_total_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
     by_reduction: dict = {}
     for (mesh, dims), locals_ in groups.values():
         sq = torch.stack(torch._foreach_norm(locals_, 2)).float().pow(2).sum()
+        sq = sq.to(_comm_device(sq.device))  # CPU-offloaded shards: NCCL reduces device tensors
         by_reduction.setdefault((id(mesh), dims), (mesh, dims, []))[2].append(sq)
     total = None
     for mesh, dims, parts in by_reduction.values():  # same order on every rank: parameter order
@@ -284,17 +309,28 @@ def _local_total_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
 def _grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """The global gradient norm (over every shard, fp32 scalar on every rank); clips in place when ``max_norm`` > 0.
 
-    Sharded gradients (FSDP2 / TP DTensors) are handled on their local shards (see ``_local_total_norm``)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    Sharded gradients (FSDP2 / TP DTensors) are handled on their local shards (see ``_local_total_norm``).
+    Pipeline stages (``PipelineModel``): their squared norms summed over the pipeline, the head's copy of a tied
+    embedding counted once."""
+    from mamba_parallel.distributed.pipeline import PipelineModel, tied_duplicates
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
     if not grads:
         return torch.zeros(())
+    skip = tied_duplicates(model) if isinstance(model, PipelineModel) else set()
+    counted = [p.grad for p in params if id(p) not in skip]
     norm = None
-    if all(hasattr(g, "device_mesh") for g in grads):
-        norm = _local_total_norm(grads)
+    if all(hasattr(g, "device_mesh") for g in counted):
+        norm = _local_total_norm(counted)
     if norm is None:
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        norm = torch.nn.utils.get_total_norm(counted, foreach=True)
         if hasattr(norm, "full_tensor"):  # mixed / Partial layouts: DTensor norm -> the reduced value on every rank
             norm = norm.full_tensor()
+    if isinstance(model, PipelineModel):
+        sq = norm.float().pow(2).to(_comm_device(norm.device))
+        dist.all_reduce(sq, group=model.pp_group)
+        norm = sq.sqrt().to(norm.device)
     if max_norm > 0:
         # torch's clip_grads_with_norm_ formula, applied to the local tensors (no DTensor dispatch).
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -357,7 +393,7 @@ def _train(cfg: TrainConfig) -> dict:
         raise ConfigError("--device cuda: no CUDA device is visible to torch (use --device cpu)")
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise ConfigError(f"--out {cfg.out!r} is a file, not a folder")
-    env = init_distributed(cfg.device)
+    env = init_distributed(cfg.device, single_rank_group=cfg.cpu_offload)
     if cfg.cuda_graph:  # before any data preparation: a wrong device fails at once
         check_graph_layout(env.device, dp=1, cp=1)
     progress = None
@@ -391,12 +427,20 @@ def _train(cfg: TrainConfig) -> dict:
         config = cfg.model_config()
 
     dims = choose_dims(cfg, config, env, log)
+    if cfg.cpu_offload and not dist.is_initialized():  # FSDP2 over one rank (--parallel auto may pick offload)
+        env = init_distributed(cfg.device, single_rank_group=True)
     if cfg.cuda_graph:
         check_graph_layout(env.device, dims.dp, dims.cp, cfg.dp_mode)
-    if env.world_size > 1:
+        if dims.pp > 1 or cfg.cpu_offload:
+            raise ConfigError("--cuda-graph captures one device's whole step: not with --pp or --cpu-offload")
+    if env.world_size > 1 or cfg.cpu_offload:
         dims.build_mesh(env.device.type)
-    dp_rank = env.rank // (dims.cp * dims.tp)
-    cp_rank = (env.rank // dims.tp) % dims.cp
+    dp_rank, cp_rank = dims.dp_rank(env.rank), dims.coords(env.rank)["cp"]
+    if cfg.batch_size == "auto":
+        from mamba_parallel.train.auto_batch import resolve_auto_batch
+
+        cfg.batch_size = resolve_auto_batch(cfg, config, env, dims, log)
+    resolve_micro_steps(cfg, dims.dp, dims.pp)
     train_w = TokenWindows(open_split(folder, "train"), cfg.seq_len, cfg.seed, shuffle=True, what="train")
     batches = RankBatches(train_w, cfg.batch_size, dp_rank, dims.dp, cp_rank, dims.cp)
     try:
@@ -412,8 +456,12 @@ def _train(cfg: TrainConfig) -> dict:
     n_params = sum(p.numel() for p in meta_model.parameters())
     del meta_model
     model, _ = build_parallel_model(config, cfg, env, dims, resuming=found is not None and cfg.resume)
+    if dims.pp > 1:
+        model.__dict__["dims"] = dims
+        log(model.plan.describe(config))
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2),
-                                fused=env.device.type == "cuda")
+                                fused=env.device.type == "cuda" and not cfg.cpu_offload,
+                                param_dtype=cfg.param_dtype)
     scheduler = build_scheduler(optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
 
     step, consumed = 0, 0
@@ -436,6 +484,8 @@ def _train(cfg: TrainConfig) -> dict:
 
     tokens_per_step = cfg.batch_size * dims.dp * cfg.grad_accum * cfg.seq_len
     mode = f" ({cfg.dp_mode})" if dims.dp > 1 else ""
+    log(f"global batch {cfg.global_batch_size} = batch size {cfg.batch_size} x {dims.dp} data-parallel rank(s) x "
+        f"{cfg.grad_accum} micro-step(s)")
     log(f"model {cfg.preset}: {n_params / 1e6:.2f}M params | {dims.describe()}{mode} | "
         f"device {env.device} {cfg.dtype} | data {folder}: {header['tokens']['train']:,} train tokens | "
         f"{tokens_per_step:,} tokens/step")
@@ -472,11 +522,16 @@ def _train(cfg: TrainConfig) -> dict:
                     log(f"--cuda-graph: warm-up + capture + first replay took "
                         f"{time.perf_counter() - t_capture:.1f} s")
             else:
-                mean_loss = _eager_step(model, batches, consumed, cfg, env.device, ddp)
+                if dims.pp > 1:
+                    mean_loss = pipelined.pipelined_step(model, batches, consumed, cfg, env.device,
+                                                         _autocast(cfg, env.device))
+                else:
+                    mean_loss = _eager_step(model, batches, consumed, cfg, env.device, ddp)
                 grad_norm = _grad_norm(model, cfg.grad_clip)
             # One all-reduce per step: the mean loss, and the SIGTERM flag (> 0 on any rank stops every rank).
             red = torch.stack([mean_loss, torch.tensor(float(_STOP["sigterm"]), device=env.device)])
             if dist.is_initialized():
+                red = red.to(_comm_device(red.device))
                 dist.all_reduce(red)
                 red[0] /= dist.get_world_size()
             lr = optimizer.param_groups[0]["lr"]  # a device tensor under --cuda-graph: read with the stats
@@ -515,7 +570,9 @@ def _train(cfg: TrainConfig) -> dict:
             do_eval = val_batches is not None and ((cfg.eval_every and step % cfg.eval_every == 0)
                                                    or step == cfg.steps)
             if do_eval and not stopped:
-                ev = evaluate(model, val_batches, cfg.eval_batches, cfg, env.device)
+                ev = pipelined.pipelined_evaluate(model, val_batches, cfg.eval_batches, cfg, env.device,
+                                                  _autocast(cfg, env.device)) if dims.pp > 1 else \
+                    evaluate(model, val_batches, cfg.eval_batches, cfg, env.device)
                 evals[step] = ev
                 metrics.log({"step": step, "eval_loss": ev})
                 log(f"step {step}: eval_loss {ev:.4f}")
