@@ -183,16 +183,16 @@ def plan_layout(world_size: int, config, gpu_mem_bytes: int, seq_len: int = 2048
         return LayoutPlan(tp, cp, 1, False, int(e["total"]),
                           f"tp={tp} cp={cp} (dp={world_size // (tp * cp)}): {gib(e['total'])} per GPU fits "
                           f"{HEADROOM:.0%} of {gib(gpu_mem_bytes)}")
-    rest = world_size // (tp * cp)
     for pp in (2, 4, 8):
-        if rest % pp or pp > config.n_layer:
+        if world_size % pp or pp > config.n_layer:
             continue
-        e = est(tp, cp, pp)
-        tried.append((f"tp={tp} cp={cp} pp={pp}", e))
+        tq, cq = choose_parallel(world_size // pp, config, gpu_mem_bytes, seq_len=seq_len, micro_batch=micro_batch)
+        e = est(tq, cq, pp)
+        tried.append((f"tp={tq} cp={cq} pp={pp}", e))
         if e["total"] <= budget:
-            return LayoutPlan(tp, cp, pp, False, int(e["total"]),
+            return LayoutPlan(tq, cq, pp, False, int(e["total"]),
                               f"tp={tp} cp={cp} alone needs {gib(tried[0][1]['total'])} per GPU; pp={pp} splits the "
-                              f"layers and states: {gib(e['total'])} fits {HEADROOM:.0%} of {gib(gpu_mem_bytes)}")
+                              f"layers: {gib(e['total'])} fits {HEADROOM:.0%} of {gib(gpu_mem_bytes)}")
     e = est(off=True)
     tried.append(("cpu offload", e))
     host_need = e["host"] * local

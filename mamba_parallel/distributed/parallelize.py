@@ -142,10 +142,11 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, dp_mode: str = "f
 
 
 def parallelize_pipeline(model: torch.nn.Module, dims: ParallelDims, plan: PipelinePlan, device: torch.device,
-                         *, materialize: Callable[[torch.nn.Module], None], **dp_options):
+                         *, materialize: Callable[[torch.nn.Module], None], timed: bool = False, **dp_options):
     """A meta ``MambaLMHeadModel`` -> this rank's ``PipelineModel``: TP/CP on the whole (meta) model, the cut
     into stages, then per stage activation checkpointing / compile / FSDP2 or DDP (``dp_options``: those of
-    ``apply_data_parallel``), ``materialize(pipeline_model)`` once every stage is laid out, and the schedule."""
+    ``apply_data_parallel``), ``materialize(pipeline_model)`` once every stage is laid out, and the schedule
+    (``timed``: with the stages' busy time, see ``pipeline.StageTimer``)."""
     from mamba_parallel.distributed.pipeline import build_pipeline_model, build_schedule, untie_for_pipeline
 
     if not next(model.parameters()).is_meta:
@@ -164,5 +165,5 @@ def parallelize_pipeline(model: torch.nn.Module, dims: ParallelDims, plan: Pipel
     wrapped = [apply_data_parallel(part, dims, **dp_options) for part in pm.parts]
     materialize(pm)
     pm.__dict__["parts"] = wrapped
-    build_schedule(pm, dims, device)
+    build_schedule(pm, dims, device, timed=timed)
     return pm

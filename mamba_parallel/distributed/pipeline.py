@@ -356,15 +356,88 @@ def _identity_loss(output: torch.Tensor, target) -> torch.Tensor:
     return output
 
 
-def build_schedule(pm: PipelineModel, dims: ParallelDims, device: torch.device):
+class StageTimer:
+    """Busy time of this rank's stages: the forward / backward chunks the schedule runs (CUDA events on a GPU, wall
+    clock on CPU). ``bubble_fraction(step_s)`` = 1 - busy / step time: the share of the step the rank waited."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events: list = []
+        self.cpu_s = 0.0
+
+    def start(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        import time
+
+        return time.perf_counter()
+
+    def stop(self, begin) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.events.append((begin, e))
+        else:
+            import time
+
+            self.cpu_s += time.perf_counter() - begin
+
+    def busy_s(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+        return self.cpu_s
+
+    def reset(self) -> None:
+        self.events, self.cpu_s = [], 0.0
+
+    def bubble_fraction(self, step_s: float) -> float:
+        return max(0.0, 1.0 - self.busy_s() / step_s) if step_s > 0 else 0.0
+
+
+def _timed_stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class TimedStage(PipelineStage):
+        """A PipelineStage that adds each chunk's compute time to ``timer`` (for the bubble measurement)."""
+
+        timer: StageTimer
+
+        def _timed(self, fn, *args, **kwargs):
+            t = self.timer.start()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.timer.stop(t)
+
+        def forward_one_chunk(self, *args, **kwargs):
+            return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+        def backward_one_chunk(self, *args, **kwargs):
+            return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+        def backward_weight_one_chunk(self, *args, **kwargs):
+            return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
+    return TimedStage
+
+
+def build_schedule(pm: PipelineModel, dims: ParallelDims, device: torch.device, timed: bool = False):
     """torch's PipelineStage for each of ``pm.parts`` (already wrapped) and the schedule over them; stored on
-    ``pm``. Also makes the group that sums the tied embedding's gradients."""
+    ``pm``. Also makes the group that sums the tied embedding's gradients. ``timed``: stages record their busy
+    time in ``pm.timer`` (a StageTimer), for the bubble fraction."""
     from torch.distributed.pipelining import PipelineStage
 
     plan = pm.plan
     group = dims.submesh("pp").get_group()
-    stages = [PipelineStage(part, sid, plan.n_stages, device, group=group)
-              for part, sid in zip(pm.parts, pm.stage_ids)]
+    cls = _timed_stage_class() if timed else PipelineStage
+    stages = [cls(part, sid, plan.n_stages, device, group=group) for part, sid in zip(pm.parts, pm.stage_ids)]
+    if timed:
+        pm.__dict__["timer"] = StageTimer(device)
+        for st in stages:
+            st.timer = pm.timer
     cls = schedule_class(plan.schedule)
     if plan.stages_per_rank == 1:
         schedule = cls(stages[0], n_microbatches=plan.microbatches, loss_fn=_identity_loss)

@@ -23,6 +23,12 @@ from mamba_parallel.distributed.pipeline import (
 )
 
 
+def init_device(cfg, env) -> torch.device:
+    """Where a meta-built model is materialised: the host under --cpu-offload (FSDP2 keeps its shards there), else
+    the rank's device."""
+    return torch.device("cpu") if cfg.cpu_offload else env.device
+
+
 def pipeline_plan(cfg, config=None) -> PipelinePlan:
     plan = PipelinePlan(cfg.pp, cfg.pp_schedule, cfg.grad_accum, cfg.pp_stages_per_rank, parse_split(cfg.pp_split))
     if config is not None:
@@ -30,7 +36,8 @@ def pipeline_plan(cfg, config=None) -> PipelinePlan:
     return plan
 
 
-def build_pipelined_model(config, cfg, env, dims: ParallelDims, dp_options: dict) -> PipelineModel:
+def build_pipelined_model(config, cfg, env, dims: ParallelDims, dp_options: dict,
+                          timed: bool = False) -> PipelineModel:
     """This rank's stages, built on meta and materialised shard by shard (initial values = ``init_model``'s)."""
     from mamba_parallel.models import MambaLMHeadModel
 
@@ -39,9 +46,9 @@ def build_pipelined_model(config, cfg, env, dims: ParallelDims, dp_options: dict
     with torch.device("meta"):
         model = MambaLMHeadModel(config, dtype=dtype)
     return parallelize_pipeline(model, dims, plan, env.device,
-                                materialize=lambda m: materialize(m, config, env.device, cfg.seed),
+                                materialize=lambda m: materialize(m, config, init_device(cfg, env), cfg.seed),
                                 dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
-                                compile=cfg.compile, cpu_offload=cfg.cpu_offload, **dp_options)
+                                compile=cfg.compile, cpu_offload=cfg.cpu_offload, timed=timed, **dp_options)
 
 
 def _step_batch(batches, consumed: int, n: int, device):

@@ -137,6 +137,7 @@ def build_parallel_model(config, cfg: TrainConfig, env: DistEnv, dims: ParallelD
     ``init_model`` (distributed/materialize.py): no rank ever holds the whole model. ``--pp``: the unwrapped
     model is the rank's ``PipelineModel`` (train/pipelined.py)."""
     from mamba_parallel.distributed.materialize import materialize
+    from mamba_parallel.train.pipelined import init_device
 
     options = dp_options(cfg) if options is None else options
     if dims.pp > 1:
@@ -154,7 +155,7 @@ def build_parallel_model(config, cfg: TrainConfig, env: DistEnv, dims: ParallelD
         model = _model_class()(config, dtype=dtype)
     wrapped = parallelize(model, dims, dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
                           compile=cfg.compile, cpu_offload=cfg.cpu_offload,
-                          materialize=lambda m: materialize(m, config, env.device, cfg.seed), **options)
+                          materialize=lambda m: materialize(m, config, init_device(cfg, env), cfg.seed), **options)
     return wrapped, model
 
 
@@ -340,6 +341,13 @@ def _grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
                     [locals_]).items():
                 torch._foreach_mul_(group[0], coef.to(dev))
     return norm
+
+
+def _peak_host_gib() -> float:
+    """This process's peak resident host memory (what CPU offload keeps there shows up here), in GiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def _autocast(cfg: TrainConfig, device: torch.device):
@@ -559,12 +567,13 @@ def _train(cfg: TrainConfig) -> dict:
                 mfu = tps * flops_per_token / (peak * env.world_size) if peak else None
                 rec = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": gnorm_v, "tokens_per_s": tps,
                        "mfu": mfu, "mem_gib": round(peak_memory_gib(env.device), 3),
+                       "host_gib": round(_peak_host_gib(), 3),
                        "tokens": consumed * cfg.seq_len, "elapsed_s": round(time.perf_counter() - t_start, 2)}
                 rec.update(gpus.read())
                 metrics.log(rec)
                 mfu_s = f" mfu {mfu:.1%}" if mfu is not None else ""
                 log(f"step {step}/{cfg.steps} loss {loss_v:.4f} lr {lr:.2e} grad_norm {gnorm_v:.3f} "
-                    f"{tps:,.0f} tok/s{mfu_s} mem {rec['mem_gib']:.2f} GiB")
+                    f"{tps:,.0f} tok/s{mfu_s} mem {rec['mem_gib']:.2f} GiB host {rec['host_gib']:.1f} GiB")
             progress.update(step, f"loss {loss_v:.3f}")
 
             do_eval = val_batches is not None and ((cfg.eval_every and step % cfg.eval_every == 0)

@@ -6,6 +6,8 @@ stage splits, bad degrees, the meta build's initial values."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -58,14 +60,15 @@ def _pipeline_case(rank, world, preset, n_layer, schedule, microbatches, pp, tp,
     dims.build_mesh("cpu")
     plan = PipelinePlan(pp, schedule, microbatches)
     pm = parallelize_pipeline(MambaLMHeadModel(config, device="meta"), dims, plan, torch.device("cpu"),
-                              materialize=lambda m: materialize(m, config, "cpu", SEED), dp_mode=dp_mode)
+                              materialize=lambda m: materialize(m, config, "cpu", SEED), dp_mode=dp_mode,
+                              timed=True)
     opt = build_optimizer(pm, LR, 0.1)
     ref, twin = _reference(config), _reference(config)  # twin: the one-process model at the pipeline's weights
     ref_opt = build_optimizer(ref, LR, 0.1)
     x, y = _batch(config)
     rows = slice(dims.dp_rank(rank) * BATCH // dp, (dims.dp_rank(rank) + 1) * BATCH // dp)
     out = {"loss": [], "grad_all": [], "grad_each": []}
-    for _ in range(STEPS):
+    for step in range(STEPS):
         # the pipeline's current weights, whole, in the twin (every stage's, gathered over the pipeline)
         mine = full_model_state_dict(pm)
         parts = [None] * dist.get_world_size()
@@ -76,7 +79,10 @@ def _pipeline_case(rank, world, preset, n_layer, schedule, microbatches, pp, tp,
         twin.zero_grad()
         twin(x, targets=y).loss.backward()
 
+        t0 = time.perf_counter()
         loss = pipeline_step(pm, x[rows], y[rows])
+        if step == 0:
+            out["busy_s"], out["bubble"] = pm.timer.busy_s(), pm.timer.bubble_fraction(time.perf_counter() - t0)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         ref_loss = ref(x, targets=y).loss
@@ -135,6 +141,7 @@ def _check(results, label):
         assert max(r["grad_all"]) <= RTOL[torch.float32], f"{label} rank {rank}: gradient errors {r['grad_all']}"
         assert max(r["grad_each"]) <= GRAD_RTOL[torch.float32], \
             f"{label} rank {rank}: worst single gradient {r['grad_each']}"
+        assert r["busy_s"] > 0 and 0 <= r["bubble"] < 1, (r["busy_s"], r["bubble"])  # the stage timer measures
 
 
 @pytest.mark.parametrize("i", range(len(CASES_2)), ids=[f"{c[0]}-{c[2]}" for c in CASES_2])
