@@ -5,8 +5,9 @@ stage 0 also holds the embedding, the last stage the final norm, the LM head and
 builds only its own stages (on the meta device, so it never holds the full model) as ``PipelineStageModel``
 modules whose parameter names are those of the single-device model (``backbone.layers.37.mixer.in_proj.weight``),
 so DCP checkpoints do not depend on the pp degree. A stage passes ``(hidden_states, residual)`` to the next one;
-targets (the next tokens, already shifted) go to every stage as a keyword (only the last uses them), and the last stage returns the micro-batch's mean
-loss, computed by the model's own loss (chunked, vocab-parallel under tensor parallelism).
+the targets (next tokens, already shifted) go to every stage as a keyword (only the last uses them), and the last
+stage returns the micro-batch's mean loss, computed by the model's own loss (chunked, vocab-parallel under tensor
+parallelism).
 
 Schedules (``--pp-schedule``) are torch's: ``gpipe``, ``1f1b``, ``interleaved-1f1b`` (several stages per rank,
 looped placement), ``interleaved-zb`` (zero bubble: the backward split into input and weight gradients) and

@@ -111,6 +111,8 @@ class TrainConfig:
     eval_every: int = _f(200, "evaluate on the held-out split every N steps (0 = only at the end)")
     eval_batches: int = _f(8, "batches per evaluation (each of batch_size sequences per rank)")
     save_every: int = _f(200, "checkpoint every N steps (0 = only at the end and on SIGTERM)")
+    save_final: bool = _f(True, "at the end, the last step's checkpoint and final/ (--no-save-final: a throughput "
+                                "or smoke run of a big model that should write nothing)")
     keep: int = _f(2, "keep the newest N complete checkpoints")
     sample_tokens: int = _f(200, "tokens to generate as a sample when training ends (0 = none)")
     sample_prompt: str = _f("def ", "prompt of the closing sample")

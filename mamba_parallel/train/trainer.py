@@ -586,7 +586,7 @@ def _train(cfg: TrainConfig) -> dict:
                 metrics.log({"step": step, "eval_loss": ev})
                 log(f"step {step}: eval_loss {ev:.4f}")
                 clock.read()
-            if stopped or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            if stopped or (step == cfg.steps and cfg.save_final) or (cfg.save_every and step % cfg.save_every == 0):
                 if last_saved != step:
                     with graph_step.plain_param_groups(scheduler) if graph_step else contextlib.nullcontext():
                         path = ckpt.save_checkpoint(cfg.out, step, model, optimizer, scheduler, consumed, cfg.keep)
@@ -604,7 +604,7 @@ def _train(cfg: TrainConfig) -> dict:
             signal.signal(signal.SIGTERM, prev_handler)
 
     result = {"losses": losses, "eval": evals, "step": step, "stopped": stopped, "log": log_lines}
-    if not stopped and step >= cfg.steps:
+    if not stopped and step >= cfg.steps and cfg.save_final:
         final = os.path.join(cfg.out, "final")
         plain = gather_for_save(model, config)
         if plain is not None:

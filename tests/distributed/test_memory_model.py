@@ -75,3 +75,15 @@ def test_refusal_names_each_candidate():
 def test_unknown_gpu_memory_is_data_parallel():
     plan = plan_layout(4, get_preset("tiny-mamba"), 0)
     assert (plan.tp, plan.cp, plan.pp, plan.cpu_offload) == (1, 1, 1, False)
+
+
+def test_a_7b_preset_on_one_h200():
+    config = get_preset("mamba-codestral-7b")
+    bf16 = plan_layout(1, config, 141 * GIB, micro_batch=4, activation_checkpointing=True, param_dtype="bf16",
+                       host_mem_bytes=128 * GIB, local_world_size=1)
+    assert (bf16.tp, bf16.pp, bf16.cpu_offload) == (1, 1, False), bf16  # 12 bytes x 7.3B fit beside activations
+    fp32 = estimate_memory(config, 1, micro_batch=4, activation_checkpointing=True, breakdown=True)
+    assert fp32["total"] > HEADROOM * 141 * GIB  # 16 bytes a parameter alone leave no room
+    off = estimate_memory(config, 1, micro_batch=4, activation_checkpointing=True, cpu_offload=True,
+                          param_dtype="bf16", breakdown=True)
+    assert off["total"] < 20 * GIB and 80 * GIB < off["host"] < HEADROOM * 128 * GIB

@@ -113,7 +113,7 @@ CASES_2 = [  # (preset, n_layer, schedule, microbatches): pp = 2 on 2 ranks
     ("tiny-mamba2", None, "1f1b", 4),
     ("tiny-hybrid", None, "interleaved-1f1b", 4),
     ("tiny-hybrid", None, "zbv", 2),
-    ("tiny-mamba2", 4, "interleaved-zb", 2),
+    ("tiny-nemotron-h", None, "interleaved-zb", 2),  # MLP-only and attention blocks
 ]
 CASES_4 = [  # (preset, n_layer, schedule, microbatches, tp, dp_mode): pp = 2 on 4 ranks
     ("tiny-mamba2", None, "1f1b", 2, 1, "fsdp"),
@@ -192,7 +192,7 @@ def test_stage_placement():
 
 
 @pytest.mark.parametrize("preset,kw", [("tiny-mamba", {}), ("tiny-mamba2", {}), ("tiny-hybrid", {}),
-                                       ("tiny-hybrid", {"tie_embeddings": False})])
+                                       ("tiny-hybrid", {"tie_embeddings": False}), ("tiny-nemotron-h", {})])
 def test_meta_build_gets_the_init_weights_values(preset, kw):
     config = get_preset(preset, **kw)
     torch.manual_seed(SEED)
