@@ -1,5 +1,5 @@
 """Pipeline parallel (torch.distributed.pipelining) against one process: pp = 2 alone (2 gloo ranks) and with
-FSDP2 / DDP-style replicas / tensor parallel (4 ranks), for Mamba-1, Mamba-2 and a hybrid, every schedule; fp32,
+FSDP2 / DDP-style replicas / tensor / context parallel (4 ranks), for Mamba-1, Mamba-2 and a hybrid, every schedule; fp32,
 five AdamW steps: losses within 1e-5 of the one-process run, and each step's gradients within 1e-5 (all of them
 together; 1e-4 each) of the one-process gradients at the same weights. Plus the checks that need no processes:
 stage splits, bad degrees, the meta build's initial values."""
@@ -52,10 +52,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _pipeline_case(rank, world, preset, n_layer, schedule, microbatches, pp, tp, dp_mode):
+def _pipeline_case(rank, world, preset, n_layer, schedule, microbatches, pp, tp, dp_mode, cp=1):
     config = _config(preset, n_layer)
-    dp = world // (pp * tp)
-    dims = ParallelDims(pp=pp, tp=tp, dp_replicate=dp if dp_mode == "ddp" else 1,
+    dp = world // (pp * tp * cp)
+    dims = ParallelDims(pp=pp, tp=tp, cp=cp, dp_replicate=dp if dp_mode == "ddp" else 1,
                         dp_shard=1 if dp_mode == "ddp" else -1, world_size=world)
     dims.build_mesh("cpu")
     plan = PipelinePlan(pp, schedule, microbatches)
@@ -67,6 +67,8 @@ def _pipeline_case(rank, world, preset, n_layer, schedule, microbatches, pp, tp,
     ref_opt = build_optimizer(ref, LR, 0.1)
     x, y = _batch(config)
     rows = slice(dims.dp_rank(rank) * BATCH // dp, (dims.dp_rank(rank) + 1) * BATCH // dp)
+    n = x.shape[1] // cp  # context parallel: this rank's slice of every sequence
+    cols = slice(dims.coords(rank)["cp"] * n, (dims.coords(rank)["cp"] + 1) * n)
     out = {"loss": [], "grad_all": [], "grad_each": []}
     for step in range(STEPS):
         # the pipeline's current weights, whole, in the twin (every stage's, gathered over the pipeline)
@@ -80,7 +82,7 @@ def _pipeline_case(rank, world, preset, n_layer, schedule, microbatches, pp, tp,
         twin(x, targets=y).loss.backward()
 
         t0 = time.perf_counter()
-        loss = pipeline_step(pm, x[rows], y[rows])
+        loss = pipeline_step(pm, x[rows, cols], y[rows, cols])
         if step == 0:
             out["busy_s"], out["bubble"] = pm.timer.busy_s(), pm.timer.bubble_fraction(time.perf_counter() - t0)
         mean = loss.detach().clone()
@@ -115,10 +117,11 @@ CASES_2 = [  # (preset, n_layer, schedule, microbatches): pp = 2 on 2 ranks
     ("tiny-hybrid", None, "zbv", 2),
     ("tiny-nemotron-h", None, "interleaved-zb", 2),  # MLP-only and attention blocks
 ]
-CASES_4 = [  # (preset, n_layer, schedule, microbatches, tp, dp_mode): pp = 2 on 4 ranks
-    ("tiny-mamba2", None, "1f1b", 2, 1, "fsdp"),
-    ("tiny-hybrid", None, "1f1b", 2, 2, "fsdp"),
-    ("tiny-mamba", None, "gpipe", 2, 1, "ddp"),
+CASES_4 = [  # (preset, n_layer, schedule, microbatches, tp, dp_mode, cp): pp = 2 on 4 ranks
+    ("tiny-mamba2", None, "1f1b", 2, 1, "fsdp", 1),
+    ("tiny-hybrid", None, "1f1b", 2, 2, "fsdp", 1),
+    ("tiny-mamba", None, "gpipe", 2, 1, "ddp", 1),
+    ("tiny-mamba2", None, "1f1b", 2, 1, "fsdp", 2),
 ]
 
 
@@ -126,8 +129,22 @@ def _all_2(rank, world):
     return [_pipeline_case(rank, world, p, n, s, m, 2, 1, "fsdp") for p, n, s, m in CASES_2]
 
 
+def _meta_build_dp2_tp2(rank, world):
+    """FSDP2 over TP DTensors built on meta and materialised shard by shard: the single-device initial values."""
+    from mamba_parallel.distributed.parallelize import parallelize
+
+    config = get_preset("tiny-hybrid")
+    dims = ParallelDims(dp_shard=2, tp=2, world_size=world)
+    dims.build_mesh("cpu")
+    model = parallelize(MambaLMHeadModel(config, device="meta"), dims,
+                        materialize=lambda m: materialize(m, config, "cpu", SEED))
+    full = full_model_state_dict(model)
+    return sorted(k for k, v in _reference(config).state_dict().items() if not torch.equal(v, full[k]))
+
+
 def _all_4(rank, world):
-    return [_pipeline_case(rank, world, p, n, s, m, 2, tp, mode) for p, n, s, m, tp, mode in CASES_4]
+    cases = [_pipeline_case(rank, world, p, n, s, m, 2, tp, mode, cp) for p, n, s, m, tp, mode, cp in CASES_4]
+    return cases + [_meta_build_dp2_tp2(rank, world)]
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +167,7 @@ def test_pp2_matches_one_process(runs, i):
 
 
 @pytest.mark.parametrize("i", range(len(CASES_4)), ids=["pp2xdp2-fsdp-mamba2", "pp2xtp2-hybrid",
-                                                         "pp2xdp2-ddp-mamba1"])
+                                                         "pp2xdp2-ddp-mamba1", "pp2xcp2-mamba2"])
 def test_pp2_composed_matches_one_process(runs, i):
     _check([r[i] for r in runs[4]], f"pp=2 x {CASES_4[i]}")
 
@@ -203,3 +220,8 @@ def test_meta_build_gets_the_init_weights_values(preset, kw):
     built = _reference(config)
     for (k, a), (_, b) in zip(plain.state_dict().items(), built.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+def test_meta_build_of_fsdp_over_tp_holds_the_init_values(runs):
+    for rank, r in enumerate(runs[4]):
+        assert r[-1] == [], f"rank {rank}: entries differing from the single-device init: {r[-1]}"

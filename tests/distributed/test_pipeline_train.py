@@ -106,3 +106,18 @@ def test_cpu_offload_matches_and_bf16_weights_learn(runs):
     _assert_losses(runs["offload"], runs["one"], "FSDP2 CPU offload on one process")
     losses = runs["bf16"]
     assert losses[8] < losses[1] - 0.3, losses
+
+
+def test_batch_size_auto_is_chosen_printed_and_stored(tmp_path):
+    src = tmp_path / "corpus.txt"
+    src.write_text(open(os.__file__).read())
+    data = str(tmp_path / "tokens")
+    prepare_data(str(src), data, ByteTokenizer(), val_fraction=0.05)
+    out = str(tmp_path / "auto")
+    result = train(_cfg(out, data, batch_size="auto", steps=1, save_every=0, eval_batches=1, seq_len=16,
+                        save_final=False))
+    line = next(x for x in result["log"] if x.startswith("--batch-size auto:"))
+    assert "memory model" in line and "capped on CPU" in line, line  # a tiny model: the CPU cap
+    with open(os.path.join(out, "config.toml")) as fh:
+        toml = fh.read()
+    assert "batch_size = 64" in toml and "global_batch_size = 64" in toml
