@@ -68,7 +68,25 @@ def init_sharded_weights(model: nn.Module, config, device: torch.device | str, s
         load_model_state_dict(model, {"lm_head.weight": head}, strict=False)
 
 
+def _shared(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """(module, attribute) pairs that hold one Parameter together (a tied LM head), grouped."""
+    by_id: dict[int, list] = {}
+    for _, mod in model.named_modules(remove_duplicate=False):
+        for name, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            entry = (mod, name)
+            if entry not in by_id.setdefault(id(p), []):
+                by_id[id(p)].append(entry)
+    return [g for g in by_id.values() if len(g) > 1]
+
+
 def materialize(model: nn.Module, config, device: torch.device | str, seed: int) -> None:
-    """``to_empty`` on ``device`` (each rank allocates only its shards), then ``init_sharded_weights``."""
+    """``to_empty`` on ``device`` (each rank allocates only its shards; parameters shared before, as a tied LM
+    head, are shared after), then ``init_sharded_weights``."""
+    shared = _shared(model)
     model.to_empty(device=device)
+    for group in shared:  # to_empty gives each module its own new Parameter: tie them again
+        first = getattr(*group[0])
+        for mod, name in group[1:]:
+            if getattr(mod, name) is not first:
+                setattr(mod, name, first)
     init_sharded_weights(model, config, device, seed)

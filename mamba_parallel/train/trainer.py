@@ -392,8 +392,13 @@ def train(cfg: TrainConfig) -> dict:
     Raises TrainingError on a non-finite loss / grad norm (before that step's optimizer update).
     ``--recompute`` holds for the run only (MAMBA_PARALLEL_RECOMPUTE is restored when it returns).
     """
-    with recompute_option(cfg.recompute, cfg.compile):
-        return _train(cfg)
+    had_group = dist.is_initialized()
+    try:
+        with recompute_option(cfg.recompute, cfg.compile):
+            return _train(cfg)
+    finally:  # the one-rank group of --cpu-offload is this run's own: leave the process as it was
+        if not had_group and dist.is_initialized() and dist.get_world_size() == 1:
+            dist.destroy_process_group()
 
 
 def _train(cfg: TrainConfig) -> dict:
