@@ -79,9 +79,11 @@ def _shared(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [g for g in by_id.values() if len(g) > 1]
 
 
-def materialize(model: nn.Module, config, device: torch.device | str, seed: int) -> None:
+def materialize(model: nn.Module, config, device: torch.device | str, seed: int,
+                buffer_device: torch.device | str | None = None) -> None:
     """``to_empty`` on ``device`` (each rank allocates only its shards; parameters shared before, as a tied LM
-    head, are shared after), then ``init_sharded_weights``."""
+    head, are shared after), then ``init_sharded_weights``. ``buffer_device``: where buffers (rotary tables) go
+    afterwards, when the parameters stay on the host (CPU offload: FSDP2 moves parameters, not buffers)."""
     shared = _shared(model)
     model.to_empty(device=device)
     for group in shared:  # to_empty gives each module its own new Parameter: tie them again
@@ -90,3 +92,8 @@ def materialize(model: nn.Module, config, device: torch.device | str, seed: int)
             if getattr(mod, name) is not first:
                 setattr(mod, name, first)
     init_sharded_weights(model, config, device, seed)
+    if buffer_device is not None:
+        for mod in model.modules():
+            for name, buf in list(mod._buffers.items()):
+                if buf is not None:
+                    mod._buffers[name] = buf.to(buffer_device)

@@ -46,7 +46,8 @@ def build_pipelined_model(config, cfg, env, dims: ParallelDims, dp_options: dict
     with torch.device("meta"):
         model = MambaLMHeadModel(config, dtype=dtype)
     return parallelize_pipeline(model, dims, plan, env.device,
-                                materialize=lambda m: materialize(m, config, init_device(cfg, env), cfg.seed),
+                                materialize=lambda m: materialize(m, config, init_device(cfg, env), cfg.seed,
+                                                                  buffer_device=env.device),
                                 dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
                                 compile=cfg.compile, cpu_offload=cfg.cpu_offload, timed=timed, **dp_options)
 

@@ -155,7 +155,8 @@ def build_parallel_model(config, cfg: TrainConfig, env: DistEnv, dims: ParallelD
         model = _model_class()(config, dtype=dtype)
     wrapped = parallelize(model, dims, dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
                           compile=cfg.compile, cpu_offload=cfg.cpu_offload,
-                          materialize=lambda m: materialize(m, config, init_device(cfg, env), cfg.seed), **options)
+                          materialize=lambda m: materialize(m, config, init_device(cfg, env), cfg.seed,
+                                                            buffer_device=env.device), **options)
     return wrapped, model
 
 
