@@ -1,5 +1,5 @@
 """`train --pp 2` on 2 gloo ranks against one process at the same global batch; its DCP checkpoint resumed at pp=1
-on 2 data-parallel ranks and on one process (equal losses); --global-batch-size by gradient accumulation at any
+on 2 data-parallel ranks and on one process, and a one-process checkpoint resumed at pp=2 (equal losses); --global-batch-size by gradient accumulation at any
 world size (kept when a run resumes on another one); FSDP2 CPU offload and bf16 weights on one process."""
 
 from __future__ import annotations
@@ -46,9 +46,11 @@ def _two_rank_runs(rank: int, world: int, root: str, data: str) -> dict:
         _truncate_copy(os.path.join(root, "pp2"), os.path.join(root, "pp2-to-1"), SAVE)
     torch.distributed.barrier()
     dp = train(_cfg(os.path.join(root, "pp2-to-dp2"), data, resume=True))  # pp = 1, dp = 2: accum 1
+    # the one-process checkpoint (batch 4, global batch 4) in two stages: 2 micro-batches of 2
+    to_pp = train(_cfg(os.path.join(root, "one-to-pp2"), data, resume=True, pp=2, batch_size=2))
     global_batch = train(_cfg(os.path.join(root, "gb-dp2"), data, global_batch_size=4, save_every=0))
     return {"pp": pp["losses"], "pp_eval": pp["eval"], "hybrid": hybrid["losses"], "dp": dp["losses"],
-            "gb": global_batch["losses"]}
+            "gb": global_batch["losses"], "to_pp": to_pp["losses"]}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,8 @@ def runs(tmp_path_factory):
         fh.write(open(os.__file__).read() * 2)
     data = os.path.join(root, "tokens")
     prepare_data(src, data, ByteTokenizer(), val_fraction=0.05)
-    one = train(_cfg(os.path.join(root, "one"), data, batch_size=4, save_every=0))
+    one = train(_cfg(os.path.join(root, "one"), data, batch_size=4))
+    _truncate_copy(os.path.join(root, "one"), os.path.join(root, "one-to-pp2"), SAVE)
     one_h = train(_cfg(os.path.join(root, "one-h"), data, batch_size=4, preset="tiny-hybrid", save_every=0))
     accum = train(_cfg(os.path.join(root, "gb-1"), data, global_batch_size=4, save_every=0))
     offload = train(_cfg(os.path.join(root, "offload"), data, batch_size=4, cpu_offload=True, save_every=0))
@@ -90,10 +93,12 @@ def test_pp2_matches_one_process(runs):
     assert runs["two"][0]["pp_eval"] and all(v == v for v in runs["two"][0]["pp_eval"].values())
 
 
-def test_pp2_checkpoint_resumes_at_pp1(runs):
+def test_checkpoints_resume_across_pp_degrees(runs):
     later = {s: v for s, v in runs["one"].items() if s > SAVE}
     _assert_losses(runs["two"][0]["dp"], later, "pp=2 checkpoint on dp=2")
     _assert_losses(runs["back"], later, "pp=2 checkpoint on one process")
+    for rank in range(2):  # and the other way: a one-process checkpoint (tied embedding, AdamW state) in stages
+        _assert_losses(runs["two"][rank]["to_pp"], later, f"one-process checkpoint at pp=2, rank {rank}")
     assert "global_batch_size = 4" in runs["toml"] and "grad_accum = 2" in runs["toml"]
 
 
