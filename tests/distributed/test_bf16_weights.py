@@ -1,0 +1,68 @@
+"""--param-dtype bf16's optimizer (train/bf16_adamw.py): torch AdamW's result on fp32 weights, fp32 moments on bf16
+weights, unbiased stochastic rounding, torch AdamW's state keys; and the batch resolution of --global-batch-size."""
+
+import pytest
+import torch
+
+from mamba_parallel.config import ConfigError
+from mamba_parallel.train.batching import resolve_micro_steps
+from mamba_parallel.train.bf16_adamw import AdamWFp32State, stochastic_round_
+from mamba_parallel.train.config import resolve_config
+
+
+def _pair(dtype):
+    torch.manual_seed(0)
+    w = torch.randn(64, 32)
+    return torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone().to(dtype))
+
+
+def test_fp32_weights_get_torch_adamw_result():
+    ref, mine = _pair(torch.float32)
+    o_ref = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    o_mine = AdamWFp32State([mine], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    for _ in range(5):
+        g = torch.randn(64, 32)
+        ref.grad, mine.grad = g.clone(), g.clone()
+        o_ref.step()
+        o_mine.step()
+    assert torch.allclose(ref, mine, rtol=1e-6, atol=1e-7)
+    assert set(o_mine.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_bf16_weights_keep_fp32_moments_and_small_updates():
+    # 50 updates of ~1e-4 on weights of 1.0: each far below half a bf16 step (2^-9), so rounding to nearest keeps
+    # 1.0 forever; stochastic rounding lands, on average, where fp32 does.
+    def run(opt_cls, dtype):
+        p = torch.nn.Parameter(torch.ones(4096, dtype=dtype))
+        opt = opt_cls([p], lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+        for _ in range(50):
+            p.grad = torch.ones_like(p)
+            opt.step()
+        return p, opt
+
+    ref, _ = run(torch.optim.AdamW, torch.float32)
+    nearest, _ = run(torch.optim.AdamW, torch.bfloat16)
+    mine, opt = run(AdamWFp32State, torch.bfloat16)
+    assert mine.dtype == torch.bfloat16 and opt.state[mine]["exp_avg"].dtype == torch.float32
+    assert torch.all(nearest == 1.0)
+    assert abs(mine.float().mean().item() - ref.mean().item()) < 5e-4, (mine.float().mean(), ref.mean())
+
+
+def test_stochastic_rounding_is_unbiased():
+    x = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way between two bf16 values
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    stochastic_round_(out, x)
+    assert set(out.float().unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert abs(out.float().mean().item() - x[0].item()) < 2e-5
+
+
+def test_global_batch_resolution():
+    cfg = resolve_config(batch_size=2, global_batch_size=16, progress=False)
+    assert resolve_micro_steps(cfg, dp=2, pp=1) == 4 and cfg.grad_accum == 4
+    cfg = resolve_config(batch_size=2, pp=2, progress=False)
+    assert resolve_micro_steps(cfg, dp=1, pp=2) == 2 and cfg.global_batch_size == 4
+    with pytest.raises(ConfigError, match="--global-batch-size 10 is not a multiple"):
+        resolve_micro_steps(resolve_config(batch_size=2, global_batch_size=10, progress=False), dp=2, pp=1)
+    with pytest.raises(ConfigError, match="--microbatches 3 disagrees"):
+        resolve_micro_steps(resolve_config(batch_size=2, global_batch_size=8, microbatches=3, progress=False),
+                            dp=1, pp=1)
