@@ -5,8 +5,8 @@
 
 Random bf16 weights (timing only), built and initialised by the peer and handed to ours through its
 ``save_pretrained`` and our ``from_pretrained`` (without the peer: our own init). Greedy (top_k = 1). The peer:
-``model.generate(input_ids, max_length=prompt + n, top_k=1, cg=True)``; ours: ``model.generate(input_ids, n,
-top_k=1, cuda_graph=True)``. Each call is timed whole with CUDA events; prefill ms = the call with 1 new token,
+``model.generate(input_ids, max_length=prompt + n, top_k=1, cg=True)``; ours: ``model.generate(input_ids,
+max_new_tokens=n, top_k=1, cuda_graph=True)``. Each call is timed whole with CUDA events; prefill ms = the call with 1 new token,
 decode ms/step = (call with n new tokens - call with 1) / (n - 1); median of --repeats after one untimed call of
 each length (graph capture). ``tokens_match``: the share of new tokens the two sides agree on.
 """
@@ -27,7 +27,7 @@ MODELS = ["mamba2-130m", "mamba2-2.7b", "mamba-2.8b"]
 
 
 def our_generate(model, input_ids: torch.Tensor, new_tokens: int, cuda_graph: bool) -> torch.Tensor:
-    return model.generate(input_ids, new_tokens, top_k=1, cuda_graph=cuda_graph)
+    return model.generate(input_ids, max_new_tokens=new_tokens, top_k=1, cuda_graph=cuda_graph)
 
 
 def _release_ours(model) -> None:

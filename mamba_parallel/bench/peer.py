@@ -151,7 +151,7 @@ class _ReferenceLM(torch.nn.Module):
 
     def generate(self, input_ids, max_length, top_k=1, cg=False, **kwargs):
         new = max_length - input_ids.shape[1]
-        return self.model.generate(input_ids, new, top_k=top_k, cuda_graph=cg and input_ids.is_cuda)
+        return self.model.generate(input_ids, max_new_tokens=new, top_k=top_k, cuda_graph=cg and input_ids.is_cuda)
 
     def save_pretrained(self, folder):
         self.model.save_pretrained(folder, format="mamba_ssm")

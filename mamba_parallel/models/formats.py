@@ -1,33 +1,49 @@
-"""Checkpoint folders in the layouts people already have: mamba_ssm's and HF transformers'.
+"""Checkpoint folders in the layouts people already have: mamba_ssm's, HF transformers', Mistral's.
 
 ``mamba_ssm``: ``config.json`` with mamba_ssm's MambaConfig fields + ``pytorch_model.bin`` (or
 ``model.safetensors``); state-dict names are ours (docs/API.md), ``lm_head.weight`` may be present when tied.
-``hf``: ``config.json`` of transformers' ``MambaForCausalLM`` / ``Mamba2ForCausalLM`` + ``model.safetensors`` (or
-``pytorch_model.bin``, or sharded ``*.index.json``); the names differ from ours only in
-``backbone.embeddings.weight``, the tied ``lm_head.weight`` is omitted.
+``hf``: ``config.json`` of a transformers class (MambaForCausalLM, Mamba2ForCausalLM, FalconMambaForCausalLM,
+BambaForCausalLM, NemotronHForCausalLM: models/hf_config.py) + ``model.safetensors`` (or ``pytorch_model.bin``,
+or shards with an ``*.index.json``); names per architecture, a tied ``lm_head.weight`` omitted.
+``mistral``: Mamba-Codestral's ``params.json`` + ``consolidated.safetensors`` (models/mistral_format.py).
 
-The format of a folder is detected from its config.json: ``model_type`` / ``architectures`` -> HF, mamba_ssm's
-fields (``d_model``, ``n_layer``) -> mamba_ssm. Loading builds the model on the meta device and assigns the
-checkpoint's tensors, read one by one, so the weights exist once, on ``device`` in ``dtype``, never initialised.
+The format of a folder is detected: config.json with ``model_type`` / ``architectures`` -> HF, with mamba_ssm's
+fields (``d_model``, ``n_layer``) -> mamba_ssm; no config.json but params.json -> mistral (a folder holding both,
+as Mamba-Codestral's repository does, reads config.json unless ``format="mistral"``). Loading builds the model on
+the meta device and assigns the checkpoint's tensors, read one by one, so the weights exist once, on ``device`` in
+``dtype`` ("auto": the dtype they were saved in), never initialised. A ``org/name`` that is not a folder is fetched
+from the Hugging Face hub when huggingface_hub is installed (models/hub.py).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from mamba_parallel.config import MambaConfig
-from mamba_parallel.models.hf_config import (
-    HFConfigError,
-    config_from_hf,
-    hf_config_from,
-    hf_model_type,
-)
+from mamba_parallel.inference.generation_config import FILE as GENERATION_FILE
+from mamba_parallel.inference.generation_config import GenerationConfig
+from mamba_parallel.models import mistral_format
+from mamba_parallel.models.hf_config import HFConfigError, config_from_hf, hf_arch_for, hf_arch_of, hf_config_from
+from mamba_parallel.models.hf_config import supported_hf_types
+from mamba_parallel.models.hub import HubError, download, looks_like_hub_name
 from mamba_parallel.models.ssm_config import SsmConfigError, config_from_mamba_ssm, mamba_ssm_config_json
+from mamba_parallel.models.tensor_layout import (
+    EMBEDDING,
+    IDENTITY,
+    LM_HEAD,
+    LayoutError,
+    TensorLayout,
+    plan_load,
+    split_for_save,
+)
+from mamba_parallel.progress import progress_bar
 from mamba_parallel.models.weights_io import (
+    MISTRAL_WEIGHTS,
     SAFETENSORS,
     TORCH_BIN,
     WEIGHT_FILES,
@@ -35,14 +51,18 @@ from mamba_parallel.models.weights_io import (
     WeightsFileError,
     find_weights,
     folder_listing,
+    parse_size,
+    weight_files_in,
+    write_sharded,
     write_text,
     write_weights,
 )
 
-FORMATS = ("mamba_ssm", "hf")
-EMBEDDING = "backbone.embedding.weight"
-LM_HEAD = "lm_head.weight"
-_HF_EMBEDDING = "backbone.embeddings.weight"
+FORMATS = ("mamba_ssm", "hf", "mistral")
+# Tokenizer files carried over beside the weights (save_pretrained, convert).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "tokenizer.model.v3", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
 class CheckpointError(ValueError):
@@ -50,12 +70,7 @@ class CheckpointError(ValueError):
 
 
 # ---- detection ------------------------------------------------------------------------------------------------
-def read_config_json(folder: Path) -> dict:
-    file = folder / "config.json"
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: not a folder (a checkpoint is a folder with config.json and weights)")
-    if not file.is_file():
-        raise CheckpointError(f"{folder}: no config.json; the folder holds: {folder_listing(folder)}")
+def _read_json(file: Path) -> dict:
     try:
         raw = json.loads(file.read_text())
     except ValueError as e:
@@ -65,127 +80,175 @@ def read_config_json(folder: Path) -> dict:
     return raw
 
 
-def detect_format(path: str | Path) -> str:
-    """"hf" or "mamba_ssm" for the checkpoint folder ``path``; CheckpointError when it is neither."""
-    return _detect(Path(path), read_config_json(Path(path)))
+def read_config_json(folder: Path) -> dict:
+    file = folder / "config.json"
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a folder (a checkpoint is a folder with config.json and weights)")
+    if not file.is_file():
+        raise CheckpointError(f"{folder}: no config.json; the folder holds: {folder_listing(folder)}")
+    return _read_json(file)
 
 
-def _detect(folder: Path, raw: dict) -> str:
-    if "model_type" in raw or "architectures" in raw:
-        if hf_model_type(raw) is None:
+def _detect(folder: Path, format: str | None = None) -> tuple[str, dict]:
+    """(format, parsed config.json or params.json) of ``folder``."""
+    if format is not None and format not in FORMATS:
+        raise CheckpointError(f"format={format!r} is not one of {FORMATS}")
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a folder (a checkpoint is a folder with config.json and weights)")
+    params = folder / mistral_format.PARAMS
+    if format == "mistral" or (format is None and not (folder / "config.json").is_file() and params.is_file()):
+        if not params.is_file():
+            raise CheckpointError(f"{folder}: format='mistral' needs {mistral_format.PARAMS}; the folder holds: "
+                                  f"{folder_listing(folder)}")
+        return "mistral", _read_json(params)
+    raw = read_config_json(folder)
+    fmt = format
+    if fmt is None:
+        if "model_type" in raw or "architectures" in raw:
+            fmt = "hf"
+        elif "d_model" in raw and "n_layer" in raw:
+            fmt = "mamba_ssm"
+        else:
             raise CheckpointError(
-                f"{folder / 'config.json'}: an HF transformers config of model_type={raw.get('model_type')!r}, "
-                f"architectures={raw.get('architectures')!r}; supported are model_type 'mamba' "
-                "(MambaForCausalLM) and 'mamba2' (Mamba2ForCausalLM)")
-        return "hf"
-    if "d_model" in raw and "n_layer" in raw:
-        return "mamba_ssm"
-    raise CheckpointError(
-        f"{folder / 'config.json'}: neither an HF transformers Mamba config (no model_type / architectures) nor a "
-        f"mamba_ssm config (needs d_model and n_layer); found keys: {sorted(raw)}")
+                f"{folder / 'config.json'}: neither an HF transformers config (no model_type / architectures) nor "
+                f"a mamba_ssm config (needs d_model and n_layer); found keys: {sorted(raw)}")
+    if fmt == "hf" and hf_arch_of(raw) is None:
+        raise CheckpointError(
+            f"{folder / 'config.json'}: an HF transformers config of model_type={raw.get('model_type')!r}, "
+            f"architectures={raw.get('architectures')!r}; supported are {supported_hf_types()}")
+    return fmt, raw
 
 
-# ---- names ----------------------------------------------------------------------------------------------------
-def hf_name(name: str) -> str:
-    """Our (mamba_ssm's) state-dict name -> transformers' name."""
-    return _HF_EMBEDDING if name == EMBEDDING else name
+def detect_format(path: str | Path) -> str:
+    """"hf", "mamba_ssm" or "mistral" for the checkpoint folder ``path``; CheckpointError when it is none."""
+    return _detect(Path(path))[0]
 
 
-def name_from_hf(name: str) -> str:
-    """transformers' state-dict name -> ours; backbone-only models (MambaModel) have no "backbone." prefix."""
-    if not name.startswith("backbone.") and name != LM_HEAD:
-        name = "backbone." + name
-    return EMBEDDING if name == _HF_EMBEDDING else name
+def _config(folder: Path, fmt: str, raw: dict) -> MambaConfig:
+    try:
+        if fmt == "hf":
+            return config_from_hf(raw, str(folder / "config.json"))
+        if fmt == "mistral":
+            return mistral_format.config_from_params(raw, str(folder / mistral_format.PARAMS))
+        return config_from_mamba_ssm(raw, str(folder / "config.json"))
+    except (HFConfigError, SsmConfigError, mistral_format.MistralConfigError) as e:
+        raise CheckpointError(str(e)) from e
+
+
+def load_config(path: str | Path, format: str | None = None) -> tuple[MambaConfig, str]:
+    """(MambaConfig, format) of the checkpoint folder ``path``."""
+    folder = Path(path)
+    fmt, raw = _detect(folder, format)
+    return _config(folder, fmt, raw), fmt
+
+
+def _layout(fmt: str, config: MambaConfig, raw: dict | None = None) -> TensorLayout:
+    if fmt == "mamba_ssm":
+        return IDENTITY
+    if fmt == "mistral":
+        return mistral_format.LAYOUT
+    arch = hf_arch_of(raw) if raw is not None else hf_arch_for(config)
+    return TensorLayout(lambda ours: arch.tensor_names(config, ours), base=arch.base,
+                        alternatives=(*arch.file_prefixes, ""), ignored=arch.ignored, stores_tied_head=arch.unties,
+                        describe=arch.architecture)
 
 
 # ---- loading --------------------------------------------------------------------------------------------------
 def _describe(config: MambaConfig) -> str:
     m = config.mixer_cfg
     extra = f", headdim={m['headdim']}, ngroups={m['ngroups']}" if config.layer == "Mamba2" else ""
+    kinds = ""
+    if config.attn_layer_idx or config.mlp_layer_idx:
+        kinds = f", attention layers {config.attn_layer_idx}, MLP layers {config.mlp_layer_idx}"
     return (f"{config.layer}, d_model={config.d_model}, n_layer={config.n_layer}, "
-            f"vocab={config.padded_vocab_size}, d_state={m['d_state']}, expand={m['expand']}{extra}")
+            f"vocab={config.padded_vocab_size}, d_state={m['d_state']}, expand={m['expand']}{extra}{kinds}")
 
 
-def _check_names_and_shapes(expected: dict, found: dict, to_file_name, weights: Path, config: MambaConfig,
-                            tied: bool) -> None:
-    """One CheckpointError listing every missing, unexpected and mis-shaped tensor (names as in the file)."""
-    optional = {LM_HEAD} if tied else set()  # a tied head may or may not be stored (mamba_ssm: yes, HF: no)
-    missing = [n for n in expected if n not in found and n not in optional]
-    unexpected = [n for n in found if n not in expected and n not in optional]
-    mismatched = [(n, expected[n], found[n]) for n in expected if n in found and found[n] != expected[n]]
-    if not (missing or unexpected or mismatched):
-        return
-    lines = [f"{weights}: the weights do not match config.json ({_describe(config)})"]
-    if mismatched:
-        lines.append(f"  shape mismatch ({len(mismatched)}):")
-        lines += [f"    {to_file_name(n)}: expected {tuple(e)}, found {tuple(f)}" for n, e, f in mismatched]
-    if missing:
-        lines.append(f"  missing ({len(missing)}): " + ", ".join(to_file_name(n) for n in missing))
-    if unexpected:
-        lines.append(f"  unexpected ({len(unexpected)}): " + ", ".join(to_file_name(n) for n in unexpected))
-    raise CheckpointError("\n".join(lines))
+def _dtype_from(value, what: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    dt = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise CheckpointError(f"{what}={value!r} is not a floating torch dtype (e.g. torch.bfloat16 or 'auto')")
+    return dt
 
 
-def _check_tied_head(reader: WeightReader, head: str, embedding: str) -> None:
-    """A stored head must equal the embedding it is tied to (mamba_ssm stores both, sharing one storage)."""
-    if reader.same_storage(head, embedding):
-        return
-    cpu = torch.device("cpu")
-    if not torch.equal(reader.read(head, cpu, None), reader.read(embedding, cpu, None)):
-        raise CheckpointError(f"{reader.path}: config.json ties the embeddings but {head} differs from {embedding}")
+def resolve_dtype(dtype, raw: dict, reader: WeightReader) -> torch.dtype:
+    """"auto" (or None): the dtype the checkpoint was saved in (its config's dtype / torch_dtype, else the dtype of
+    most of its weights), as transformers' dtype="auto"; otherwise ``dtype`` itself."""
+    if dtype is not None and dtype != "auto":
+        return _dtype_from(dtype, "dtype")
+    for key in ("dtype", "torch_dtype"):
+        name = raw.get(key)
+        if isinstance(name, str):
+            dt = getattr(torch, name.removeprefix("torch."), None)
+            if isinstance(dt, torch.dtype) and dt.is_floating_point:
+                return dt
+    return reader.floating_dtype() or torch.get_default_dtype()
 
 
-def load_config(path: str | Path) -> tuple[MambaConfig, str]:
-    """(MambaConfig, format) of the checkpoint folder ``path``."""
+def resolve_folder(path: str | Path, format: str | None = None, revision: str | None = None) -> Path:
+    """A local checkpoint folder, or the hub snapshot of ``org/name`` (models/hub.py)."""
     folder = Path(path)
-    raw = read_config_json(folder)
-    fmt = _detect(folder, raw)
+    if folder.is_dir() or not looks_like_hub_name(str(path)):
+        return folder
     try:
-        config = (config_from_hf if fmt == "hf" else config_from_mamba_ssm)(raw, str(folder / "config.json"))
-    except (HFConfigError, SsmConfigError) as e:
+        return download(str(path), revision=revision, format=format)
+    except HubError as e:
         raise CheckpointError(str(e)) from e
-    return config, fmt
 
 
-def load_pretrained(path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                    model_cls: type | None = None) -> nn.Module:
-    """A ``MambaLMHeadModel`` (or ``model_cls``) from a mamba_ssm or HF checkpoint folder (format auto-detected).
+def load_pretrained(path: str | Path, device: torch.device | str | None = None, dtype="auto",
+                    model_cls: type | None = None, format: str | None = None, revision: str | None = None,
+                    torch_dtype=None, progress: bool | None = False) -> nn.Module:
+    """A ``MambaLMHeadModel`` (or ``model_cls``) from a mamba_ssm / HF / Mistral checkpoint folder or hub name.
 
-    device: where the weights go (default CPU). dtype: the parameters' dtype as ``model_cls(config, dtype=dtype)``
-    would create them (default: torch's default dtype, as mamba_ssm does), whatever the file stores.
+    device: where the weights go (default CPU). dtype: "auto" (default: as saved, like transformers' dtype="auto"),
+    or a torch dtype every parameter gets (``torch_dtype``: transformers 4's name for it). format: force one layout
+    when a folder holds several (Mamba-Codestral's has HF and Mistral files). revision: of a hub name.
+    progress: a bar over the tensors read (None: when stderr is a terminal).
+    The model's ``generation_config`` comes from generation_config.json (else config.json's token ids); a folder
+    with tokenizer files is remembered as ``model.tokenizer_folder`` (save_pretrained copies them).
     """
-    folder = Path(path)
-    config, fmt = load_config(folder)
+    if torch_dtype is not None:
+        if dtype not in (None, "auto"):
+            raise CheckpointError("pass dtype or torch_dtype (the same option), not both")
+        dtype = torch_dtype
+    folder = resolve_folder(path, format, revision)
+    fmt, raw = _detect(folder, format)
+    config = _config(folder, fmt, raw)
     try:
-        reader = WeightReader(find_weights(folder))
+        reader = WeightReader(find_weights(folder, (MISTRAL_WEIGHTS,) if fmt == "mistral" else WEIGHT_FILES))
     except WeightsFileError as e:
         raise CheckpointError(str(e)) from e
     if model_cls is None:
         from mamba_parallel.models.lm import MambaLMHeadModel as model_cls
     device = torch.device("cpu" if device is None else device)
-    model = model_cls(config, device="meta", dtype=dtype)  # shapes and dtypes only; no memory, no init
+    model = model_cls(config, device="meta", dtype=resolve_dtype(dtype, raw, reader))  # no memory, no init
 
-    # Our name -> the name in the file.
-    if fmt == "hf":
-        file_names = {name_from_hf(n): n for n in reader.shapes}
-        to_file_name = hf_name
-    else:
-        file_names = {n: n for n in reader.shapes}
-        to_file_name = str
+    layout = _layout(fmt, config, raw if fmt == "hf" else None)
     expected = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
-    found = {n: reader.shapes[f] for n, f in file_names.items()}
     tied = bool(config.tie_embeddings)
-    _check_names_and_shapes(expected, found, to_file_name, reader.path, config, tied)
+    try:
+        plan = plan_load(layout, expected, reader.shapes, tied, str(reader.path),
+                         f"{'params.json' if fmt == 'mistral' else 'config.json'} ({_describe(config)})")
+    except LayoutError as e:
+        raise CheckpointError(str(e)) from e
 
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    if tied and LM_HEAD in file_names:
-        _check_tied_head(reader, file_names[LM_HEAD], file_names[EMBEDDING])
+    if tied and LM_HEAD in plan.sources:
+        _check_tied_head(reader, plan.sources[LM_HEAD][0][0], plan.sources[EMBEDDING][0][0])
     state = {}
-    for name in expected:
-        if name in file_names and not (tied and name == LM_HEAD):
+    with progress_bar(f"loading {folder.name}", total=len(plan.sources), enabled=progress) as advance:
+        for name, pieces in plan.sources.items():
+            advance()
+            if tied and name == LM_HEAD:
+                continue
             like = params.get(name, buffers.get(name))
-            state[name] = reader.read(file_names[name], device, like.dtype if like.is_floating_point() else None)
+            cast = like.dtype if like.is_floating_point() else None
+            parts = [reader.read(file_name, device, cast) for file_name, _ in pieces]
+            state[name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     model.load_state_dict(state, strict=False, assign=True)
     del state
     if tied:
@@ -202,7 +265,21 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None, 
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if left:
         raise CheckpointError(f"{reader.path}: these tensors were not loaded (still on the meta device): {left}")
+    try:
+        model.generation_config = GenerationConfig.from_folder(folder, raw if fmt == "hf" else {})
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    model.tokenizer_folder = folder if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
     return model
+
+
+def _check_tied_head(reader: WeightReader, head: str, embedding: str) -> None:
+    """A stored head must equal the embedding it is tied to (mamba_ssm stores both, sharing one storage)."""
+    if reader.same_storage(head, embedding):
+        return
+    cpu = torch.device("cpu")
+    if not torch.equal(reader.read(head, cpu, None), reader.read(embedding, cpu, None)):
+        raise CheckpointError(f"{reader.path}: the config ties the embeddings but {head} differs from {embedding}")
 
 
 # ---- saving ---------------------------------------------------------------------------------------------------
@@ -224,49 +301,110 @@ def _shares(model: nn.Module, a: str, b: str) -> bool:
     return sd[a] is sd[b]
 
 
+def _config_text(model: nn.Module, format: str) -> tuple[str, str]:
+    """(file name, text) of the format's config file."""
+    config: MambaConfig = model.config
+    try:
+        if format == "hf":
+            raw = hf_config_from(config, _dtype_name(model))
+            gen = getattr(model, "generation_config", None) or GenerationConfig()
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                if getattr(gen, key) is not None:
+                    raw[key] = getattr(gen, key)
+            return "config.json", json.dumps(raw, indent=2)
+        if format == "mistral":
+            return mistral_format.PARAMS, json.dumps(mistral_format.params_from_config(config), indent=2)
+        return "config.json", mamba_ssm_config_json(config)
+    except (HFConfigError, mistral_format.MistralConfigError) as e:
+        raise CheckpointError(str(e)) from e
+
+
+def _copy_tokenizer(tokenizer, source: Path | None, folder: Path) -> list[str]:
+    """Write the tokenizer beside the weights: ``tokenizer`` (a folder / tokenizer file, or an object with
+    save_pretrained / save), else the files of ``source`` (the folder the model was loaded from)."""
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        saver = getattr(tokenizer, "save_pretrained", None) or getattr(tokenizer, "save", None)
+        if saver is None:
+            raise CheckpointError(f"tokenizer: a {type(tokenizer).__name__} has no save_pretrained / save")
+        saver(str(folder))
+        return [f for f in TOKENIZER_FILES if (folder / f).is_file()]
+    if tokenizer is not None:
+        src = Path(tokenizer)
+        if src.is_file():
+            shutil.copyfile(src, folder / src.name)
+            return [src.name]
+        if not src.is_dir():
+            raise CheckpointError(f"tokenizer={str(tokenizer)!r}: no such file or folder")
+        source = src
+    if source is None or source.resolve() == folder.resolve():
+        return []
+    copied = [f for f in TOKENIZER_FILES if (source / f).is_file()]
+    for f in copied:
+        shutil.copyfile(source / f, folder / f)
+    return copied
+
+
 def save_pretrained(model: nn.Module, path: str | Path, format: str = "mamba_ssm",
-                    safe_serialization: bool | None = None) -> Path:
-    """Write ``model`` (with a ``.config`` MambaConfig) to the folder ``path``; returns the weights file.
+                    safe_serialization: bool | None = None, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                    tokenizer=None, progress: bool | None = False) -> Path:
+    """Write ``model`` (with a ``.config`` MambaConfig) to the folder ``path``; returns the weights file (the
+    shard index when sharded).
 
     format "mamba_ssm": config.json + pytorch_model.bin (model.safetensors with safe_serialization=True).
-    format "hf": transformers' config.json + model.safetensors (pytorch_model.bin with safe_serialization=False);
-    a model transformers cannot express (hybrid, MLP, ...) raises CheckpointError saying why.
-    A weights file of the other kind already in the folder is an error (the loader would pick the wrong one).
-    Under torch.distributed every rank must call this (sharded tensors are gathered); rank 0 writes.
+    format "hf": the transformers class's config.json + model.safetensors (pytorch_model.bin with
+    safe_serialization=False); a model no transformers class here can hold raises CheckpointError saying why.
+    format "mistral": params.json + consolidated.safetensors (Mamba-Codestral's layout; Mamba-2 only).
+    Weights past ``max_shard_size`` (default 5GB, as transformers) are sharded with an index (mamba_ssm / hf);
+    generation_config.json holds the model's generation defaults; the tokenizer files (``tokenizer``, else those of
+    the folder the model was loaded from) are copied beside. Weights of another kind already in the folder are an
+    error (the loader could pick the wrong ones). Under torch.distributed every rank must call this (sharded
+    tensors are gathered); rank 0 writes. progress: a bar over the weight files written (None: on a terminal).
     """
     if format not in FORMATS:
         raise CheckpointError(f"format={format!r} is not one of {FORMATS}")
-    config: MambaConfig = model.config
+    if format == "mistral" and safe_serialization is False:
+        raise CheckpointError("format='mistral' stores safetensors only (consolidated.safetensors)")
     if safe_serialization is None:
-        safe_serialization = format == "hf"
+        safe_serialization = format != "mamba_ssm"
+    config: MambaConfig = model.config
+    config_name, config_text = _config_text(model, format)
     folder = Path(path)
-    weights = folder / (SAFETENSORS if safe_serialization else TORCH_BIN)
-    if format == "hf":
-        try:
-            config_json = json.dumps(hf_config_from(config, _dtype_name(model)), indent=2)
-        except HFConfigError as e:
-            raise CheckpointError(str(e)) from e
-    else:
-        config_json = mamba_ssm_config_json(config)
     if folder.exists() and not folder.is_dir():
         raise CheckpointError(f"{folder}: exists and is not a folder")
-    others = [n for n in WEIGHT_FILES if n != weights.name and (folder / n).exists()]
+    single = MISTRAL_WEIGHTS if format == "mistral" else (SAFETENSORS if safe_serialization else TORCH_BIN)
+    existing = weight_files_in(folder) + ([MISTRAL_WEIGHTS] if (folder / MISTRAL_WEIGHTS).is_file() else [])
+    others = [n for n in existing if n != single]
     if others:
-        raise CheckpointError(f"{folder}: already holds {', '.join(others)}; writing {weights.name} beside it "
-                              "would make the folder ambiguous. Remove it or save to another folder.")
+        raise CheckpointError(f"{folder}: already holds {', '.join(others)}; writing {single} beside it would make "
+                              "the folder ambiguous. Remove it or save to another folder.")
+    try:
+        max_bytes = parse_size(max_shard_size)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
 
     state = _full_cpu_state(model)
     tied = LM_HEAD in state and EMBEDDING in state and state[LM_HEAD] is state[EMBEDDING]
-    if tied and (format == "hf" or safe_serialization):
-        del state[LM_HEAD]  # HF omits the tied head; safetensors cannot hold shared tensors
-    if format == "hf":
-        state = {hf_name(n): t for n, t in state.items()}
+    layout = _layout(format, config)
+    if tied and format == "mamba_ssm" and safe_serialization:
+        del state[LM_HEAD]  # safetensors cannot hold shared tensors; the loader re-ties
+    if tied and (format == "mistral" or (format == "hf" and layout.stores_tied_head)):
+        state[LM_HEAD] = state[EMBEDDING].clone()  # the reader does not tie: store the head, as its own tensor
+    file_state = split_for_save(layout, state, tied)
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
-        return weights
+        return folder / single
     folder.mkdir(parents=True, exist_ok=True)
-    write_weights(state, weights)
-    write_text(config_json, folder / "config.json")
-    return weights
+    if format == "mistral":
+        write_weights(file_state, folder / MISTRAL_WEIGHTS)
+        files = [folder / MISTRAL_WEIGHTS]
+    else:
+        with progress_bar(f"writing {folder.name}", enabled=progress, unit="files") as advance:
+            files = write_sharded(file_state, folder, safe_serialization, max_bytes, on_file=advance)
+    write_text(config_text, folder / config_name)
+    gen = getattr(model, "generation_config", None) or GenerationConfig()
+    if format == "hf" or gen != GenerationConfig():  # transformers always writes one; the others when it says something
+        write_text(gen.to_json(), folder / GENERATION_FILE)
+    _copy_tokenizer(tokenizer, getattr(model, "tokenizer_folder", None), folder)
+    return files[0]
 
 
 def _dtype_name(model: nn.Module) -> str | None:

@@ -15,6 +15,7 @@ import torch.nn as nn
 from mamba_parallel import ops
 from mamba_parallel.config import MambaConfig
 from mamba_parallel.inference.cache import InferenceParams
+from mamba_parallel.inference.generation_config import GenerationConfig
 from mamba_parallel.layers import init
 from mamba_parallel.layers.attention import MHA
 from mamba_parallel.layers.block import create_block
@@ -106,6 +107,10 @@ class MambaLMHeadModel(nn.Module):
         if not isinstance(config, MambaConfig):
             raise TypeError(f"MambaLMHeadModel: config must be a MambaConfig, got {type(config).__name__}")
         self.config = config
+        # Generation defaults (special token ids, ...), read from / written to generation_config.json
+        self.generation_config = GenerationConfig()
+        # The folder this model was loaded from when it holds tokenizer files (save_pretrained copies them)
+        self.tokenizer_folder = None
         # Build on meta, then materialise once: every parameter is initialised exactly once, by init_weights.
         target = torch.empty(0, device=device).device  # honours a `with torch.device(...)` default
         self.backbone = MixerModel(config, device="meta", dtype=dtype)
@@ -214,27 +219,30 @@ class MambaLMHeadModel(nn.Module):
         return cache
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor | list[torch.Tensor], max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 0.0, eos_token_id: int | None = None,
-                 generator: torch.Generator | None = None, **kwargs) -> torch.Tensor | list[torch.Tensor]:
-        """input_ids (b, L) -> token ids (b, L + n), n <= max_new_tokens; or a list of 1-D prompts (L_i,) of any
-        lengths (ragged requests, pure Mamba / Mamba2 models) -> a list of (L_i + n_i,), each ending at its eos, in
-        input order (see inference/generate.py; ``kwargs``: ``cache_dtype``, ``cuda_graph``)."""
+    def generate(self, input_ids: torch.Tensor | list[torch.Tensor] | None = None, *args, inputs=None, **kwargs):
+        """input_ids (b, L) -> token ids (b, L + n); or a list of 1-D prompts of any lengths (ragged requests, pure
+        Mamba / Mamba2 models) -> a list. transformers' and mamba_ssm's keywords: greedy by default,
+        ``max_new_tokens`` or ``max_length``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+        ``repetition_penalty``, ``eos_token_id``, ``streamer``, ``cg``, ``return_dict_in_generate`` ... (see
+        inference/generate.py); defaults from ``self.generation_config``."""
         from mamba_parallel.inference.generate import generate
 
-        return generate(self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                        eos_token_id=eos_token_id, generator=generator, **kwargs)
+        if input_ids is None:
+            input_ids = inputs  # transformers' name for the prompt
+        return generate(self, input_ids, *args, **kwargs)
 
     # ---- checkpoints (models/formats.py) ------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path, device=None, dtype=None) -> "MambaLMHeadModel":
-        """A model from a mamba_ssm or HF checkpoint folder (or hub name): see models/formats.py."""
+    def from_pretrained(cls, path, device=None, dtype="auto", **kwargs) -> "MambaLMHeadModel":
+        """A model from a mamba_ssm, HF transformers or Mistral checkpoint folder, or a hub name; dtype "auto" keeps
+        the saved dtype. ``kwargs``: format, revision, torch_dtype (see models/formats.py load_pretrained)."""
         from mamba_parallel.models.formats import load_pretrained
 
-        return load_pretrained(path, device=device, dtype=dtype)
+        return load_pretrained(path, device=device, dtype=dtype, model_cls=cls, **kwargs)
 
-    def save_pretrained(self, path, format: str = "mamba_ssm") -> None:
-        """Write config + weights to folder ``path`` in ``format`` ("mamba_ssm" or "hf"): see models/formats.py."""
+    def save_pretrained(self, path, format: str = "mamba_ssm", **kwargs) -> None:
+        """Write config + weights to folder ``path`` in ``format`` ("mamba_ssm", "hf" or "mistral"); ``kwargs``:
+        safe_serialization, max_shard_size, tokenizer (see models/formats.py save_pretrained)."""
         from mamba_parallel.models.formats import save_pretrained
 
-        save_pretrained(self, path, format=format)
+        save_pretrained(self, path, format=format, **kwargs)

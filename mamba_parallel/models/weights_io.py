@@ -1,14 +1,17 @@
 """Weight files of a checkpoint folder: find them, read tensors one at a time, write them atomically.
 
 Accepted in any folder: ``model.safetensors``, ``pytorch_model.bin`` (read with ``weights_only=True``), and their
-sharded forms (``*.index.json`` with a ``weight_map``). Shapes are known before any data is read, so a checkpoint
-is checked against the model first; ``.bin`` files are memory-mapped, so only one tensor at a time is materialised.
+sharded forms (``*.index.json`` with a ``weight_map``); Mistral's ``consolidated.safetensors``. Shapes and dtypes
+are known before any data is read, so a checkpoint is checked against the model first; ``.bin`` files are
+memory-mapped, so only one tensor at a time is materialised. Writing shards past a size, as transformers does
+(``model-00001-of-00003.safetensors`` + ``model.safetensors.index.json``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -17,6 +20,10 @@ SAFETENSORS = "model.safetensors"
 TORCH_BIN = "pytorch_model.bin"
 # In the order a folder's weights are looked for.
 WEIGHT_FILES = (SAFETENSORS, SAFETENSORS + ".index.json", TORCH_BIN, TORCH_BIN + ".index.json")
+MISTRAL_WEIGHTS = "consolidated.safetensors"
+_SHARD = re.compile(r"^(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)$")
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 class WeightsFileError(ValueError):
@@ -29,13 +36,20 @@ def folder_listing(folder: Path, limit: int = 20) -> str:
     return (", ".join(names[:limit]) + more) if names else "nothing"
 
 
-def find_weights(folder: Path) -> Path:
-    """The weights file (or shard index) of ``folder``, by the priority of WEIGHT_FILES."""
-    for name in WEIGHT_FILES:
+def find_weights(folder: Path, names: tuple[str, ...] = WEIGHT_FILES) -> Path:
+    """The weights file (or shard index) of ``folder``, by the priority of ``names``."""
+    for name in names:
         if (folder / name).is_file():
             return folder / name
-    raise WeightsFileError(f"{folder}: no weights file; expected one of {', '.join(WEIGHT_FILES)}; the folder "
+    raise WeightsFileError(f"{folder}: no weights file; expected one of {', '.join(names)}; the folder "
                            f"holds: {folder_listing(folder)}")
+
+
+def weight_files_in(folder: Path) -> list[str]:
+    """Every weights file, shard index and shard in ``folder`` (what a save there must not leave ambiguous)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name in WEIGHT_FILES or _SHARD.match(p.name))
 
 
 class WeightReader:
@@ -44,6 +58,7 @@ class WeightReader:
     def __init__(self, path: Path):
         self.path = path
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, torch.dtype | None] = {}  # None: a dtype torch has no name for
         self._source: dict[str, object] = {}  # name -> safe_open handle or (mmapped) tensor
         if path.name.endswith(".index.json"):
             try:
@@ -66,7 +81,9 @@ class WeightReader:
             except Exception as e:  # safetensors raises its own error types
                 raise WeightsFileError(f"{file}: not a readable safetensors file ({e})") from e
             for name in handle.keys():
-                self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+                sl = handle.get_slice(name)
+                self.shapes[name] = tuple(sl.get_shape())
+                self.dtypes[name] = getattr(torch, _SAFETENSORS_DTYPES.get(sl.get_dtype(), ""), None)
                 self._source[name] = handle
             return
         state = _torch_load(file)
@@ -74,7 +91,19 @@ class WeightReader:
             if not isinstance(t, torch.Tensor):
                 raise WeightsFileError(f"{file}: entry {name!r} is a {type(t).__name__}, not a tensor")
             self.shapes[name] = tuple(t.shape)
+            self.dtypes[name] = t.dtype
             self._source[name] = t
+
+    def floating_dtype(self) -> torch.dtype | None:
+        """The floating dtype holding most of the file's elements (None when it has no floating tensor)."""
+        count: dict[torch.dtype, int] = {}
+        for name, dt in self.dtypes.items():
+            if dt is not None and dt.is_floating_point:
+                n = 1
+                for s in self.shapes[name]:
+                    n *= s
+                count[dt] = count.get(dt, 0) + n
+        return max(count, key=count.get) if count else None
 
     def same_storage(self, a: str, b: str) -> bool:
         """True when two entries are one tensor in the file (torch.save keeps tied weights shared)."""
@@ -130,3 +159,52 @@ def write_weights(state: dict[str, torch.Tensor], path: Path) -> None:
 
 def write_text(text: str, path: Path) -> None:
     _atomic(path, lambda p: p.write_text(text + ("" if text.endswith("\n") else "\n")))
+
+
+def parse_size(size: int | str) -> int:
+    """``5GB`` / ``500MB`` / ``2GiB`` / an int -> bytes (transformers' max_shard_size spelling)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B\s*", str(size).upper())
+    if m is None:
+        raise ValueError(f"max_shard_size={size!r}: expected bytes or a size like '5GB' / '500MB'")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** "_KMGT".index(m.group(2) or "_"))
+
+
+def write_sharded(state: dict[str, torch.Tensor], folder: Path, safe: bool, max_shard_bytes: int,
+                  on_file=None) -> list[Path]:
+    """Write ``state`` as one file, or as shards of at most ``max_shard_bytes`` (a bigger tensor gets a shard of its
+    own) with transformers' index; tensors sharing a storage stay in one shard. Returns the files written (the
+    single file, or the index first then the shards); ``on_file()`` is called after each weights file."""
+    on_file = on_file or (lambda: None)
+    stem, ext = ("model", "safetensors") if safe else ("pytorch_model", "bin")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes, home = [0], {}
+    for name, t in state.items():
+        key = t.untyped_storage().data_ptr() if t.numel() else id(t)
+        if key in home:  # shares storage with a tensor already placed: same shard, no extra bytes
+            shards[home[key]][name] = t
+            continue
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = t
+        sizes[-1] += nbytes
+        home[key] = len(shards) - 1
+    if len(shards) == 1:
+        file = folder / f"{stem}.{ext}"
+        write_weights(shards[0], file)
+        on_file()
+        return [file]
+    n = len(shards)
+    files = [folder / f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}" for i in range(n)]
+    for shard, file in zip(shards, files):
+        write_weights(shard, file)
+        on_file()
+    index = {"metadata": {"total_size": sum(sizes)},
+             "weight_map": {name: file.name for shard, file in zip(shards, files) for name in shard}}
+    index_file = folder / f"{stem}.{ext}.index.json"
+    write_text(json.dumps(index, indent=2), index_file)
+    return [index_file, *files]

@@ -633,7 +633,7 @@ def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, device, temp
     model.eval()
     ids = torch.tensor([tokenizer.encode(prompt) or [tokenizer.eos_token_id or 0]], device=device)
     torch.manual_seed(seed)
-    out = model.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                         eos_token_id=tokenizer.eos_token_id)
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature,
+                         top_k=top_k, top_p=top_p, eos_token_id=tokenizer.eos_token_id)
     seq = out.sequences if hasattr(out, "sequences") else out
     return tokenizer.decode(seq[0].tolist())

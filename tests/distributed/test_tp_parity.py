@@ -90,7 +90,7 @@ def _generate(mesh, case):
     ref = build(case)
     tp = apply_tensor_parallel(copy.deepcopy(ref), mesh, sequence_parallel=False)
     ids = batch()[0][:, :8]
-    return ref.generate(ids, 6, top_k=1), tp.generate(ids, 6, top_k=1)
+    return ref.generate(ids, max_new_tokens=6, top_k=1), tp.generate(ids, max_new_tokens=6, top_k=1)
 
 
 def _bad_degrees(mesh):

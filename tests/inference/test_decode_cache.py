@@ -85,7 +85,7 @@ def test_gpu_bf16_decode_matches_full_forward(name):
             cache.seqlen_offset += 1
     assert_close(torch.cat(pieces, dim=1).float(), full.float(), dtype=torch.bfloat16, factor=2,
                  name=f"{name} bf16 recurrent logits")
-    out = model.generate(ids[:, :5], 20, temperature=0.0)
+    out = model.generate(ids[:, :5], max_new_tokens=20, temperature=0.0)
     assert out.shape == (2, 25) and out.is_cuda
 
 

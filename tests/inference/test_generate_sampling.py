@@ -26,9 +26,9 @@ def _greedy_by_full_forward(model, ids, n):
 
 def test_greedy_is_deterministic_and_matches_full_forward(model):
     prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
-    out = model.generate(prompt, 8, temperature=0.0)
+    out = model.generate(prompt, max_new_tokens=8, temperature=0.0)
     assert out.shape == (2, 14) and torch.equal(out[:, :6], prompt)
-    assert torch.equal(model.generate(prompt, 8, top_k=1), out)  # top_k == 1 is greedy too
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, top_k=1), out)  # top_k == 1 is greedy too
     assert torch.equal(out, _greedy_by_full_forward(model, prompt, 8))
 
 
@@ -36,8 +36,8 @@ def test_sampled_tokens_stay_in_vocab_and_follow_the_generator(model):
     model.config.vocab_size = 250  # padded vocab stays 256: padding rows must never be drawn
     try:
         prompt = torch.randint(0, 250, (4, 3), generator=torch.Generator().manual_seed(0))
-        a = model.generate(prompt, 12, temperature=1.5, generator=torch.Generator().manual_seed(7))
-        b = model.generate(prompt, 12, temperature=1.5, generator=torch.Generator().manual_seed(7))
+        a = model.generate(prompt, max_new_tokens=12, temperature=1.5, do_sample=True, generator=torch.Generator().manual_seed(7))
+        b = model.generate(prompt, max_new_tokens=12, temperature=1.5, do_sample=True, generator=torch.Generator().manual_seed(7))
     finally:
         model.config.vocab_size = 256
     assert torch.equal(a, b)
@@ -59,29 +59,29 @@ def _expected_with_eos(greedy_new: torch.Tensor, eos: int) -> torch.Tensor:
 
 def test_eos_pads_finished_rows_and_stops_when_all_are_done(model):
     prompt = torch.randint(0, 256, (3, 5), generator=torch.Generator().manual_seed(5))
-    greedy = model.generate(prompt, 10, temperature=0.0)
+    greedy = model.generate(prompt, max_new_tokens=10, temperature=0.0)
     for eos in (int(greedy[0, 7]), int(greedy[1, 5])):  # tokens some rows emit at steps 3 and 1
-        out = model.generate(prompt, 10, temperature=0.0, eos_token_id=eos)
+        out = model.generate(prompt, max_new_tokens=10, temperature=0.0, eos_token_id=eos)
         expect = _expected_with_eos(greedy[:, 5:], eos)
         assert torch.equal(out[:, :5], prompt)
         assert torch.equal(out[:, 5:], expect), (eos, out[:, 5:], expect)
     # One row whose first token is eos: the loop ends after a single step.
     first = int(greedy[0, 5])
-    assert torch.equal(model.generate(prompt[:1], 10, temperature=0.0, eos_token_id=first),
+    assert torch.equal(model.generate(prompt[:1], max_new_tokens=10, temperature=0.0, eos_token_id=first),
                        greedy[:1, :6])
 
 
 def test_generate_loop_bookkeeping_with_a_counting_model():
     lm = CountingLM()
     prompt = torch.tensor([[0, 3], [7, 1], [2, 2]])
-    out = generate(lm, prompt, 6, temperature=0.0, eos_token_id=5)
+    out = generate(lm, prompt, max_new_tokens=6, temperature=0.0, eos_token_id=5)
     # Row 0 reaches 5 at step 2, row 1 at step 4, row 2 at step 3: all done after 4 steps, finished rows padded.
     assert out.tolist() == [[0, 3, 4, 5, 5, 5], [7, 1, 2, 3, 4, 5], [2, 2, 3, 4, 5, 5]]
     # Prefill of the prompt at offset 0, then one token per step at the advancing offset, no step after the end.
     assert [(length, offset) for _, length, offset in lm.calls] == [(2, 0), (1, 2), (1, 3), (1, 4)]
-    no_eos = generate(lm, prompt[:1], 20, temperature=0.0)  # wraps past the vocab, never past 15
+    no_eos = generate(lm, prompt[:1], max_new_tokens=20, temperature=0.0)  # wraps past the vocab, never past 15
     assert no_eos.shape == (1, 22) and int(no_eos.max()) == 15
-    assert torch.equal(generate(lm, prompt, 0), prompt)
+    assert torch.equal(generate(lm, prompt, max_new_tokens=0), prompt)
 
 
 def test_top_k_and_top_p_filters():

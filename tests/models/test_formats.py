@@ -17,6 +17,7 @@ M1 = dict(d_model=32, n_layer=2, vocab_size=50, ssm_cfg={"layer": "Mamba1", "d_s
 M2 = dict(d_model=32, n_layer=2, vocab_size=50, pad_vocab_size_multiple=8, tie_embeddings=False,
           ssm_cfg={"layer": "Mamba2", "d_state": 8, "headdim": 16, "ngroups": 2, "chunk_size": 8,
                    "dt_limit": (0.0, 0.5), "conv_bias": False, "bias": True})
+# Mamba-2 + attention (rotary on half of each head) + an MLP after every mixer: transformers' Bamba layout.
 HYBRID = dict(get_preset("tiny-hybrid").to_dict(), d_model=32, d_intermediate=32,
               attn_cfg={"num_heads": 2, "num_heads_kv": 1, "rotary_emb_dim": 8})
 
@@ -41,15 +42,10 @@ def _ids(vocab: int = 50) -> torch.Tensor:
     ids=["mamba1-ssm-bin", "mamba1-hf-safe", "mamba2-ssm-safe", "mamba2-hf-bin", "hybrid-ssm-bin", "hybrid-hf"])
 def test_round_trip_identical_logits(tmp_path, cfg, fmt, safe):
     model = _model(cfg)
-    if fmt == "hf" and cfg is HYBRID:
-        with pytest.raises(CheckpointError, match=r"attention layers at attn_layer_idx=\[1\].*MLP.*mamba_ssm"):
-            save_pretrained(model, tmp_path, format=fmt, safe_serialization=safe)
-        assert not (tmp_path / "config.json").exists()
-        return
     weights = save_pretrained(model, tmp_path, format=fmt, safe_serialization=safe)
     expected_file = "model.safetensors" if (safe if safe is not None else fmt == "hf") else "pytorch_model.bin"
-    assert weights.name == expected_file and sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["config.json", expected_file])
+    written = ["config.json", expected_file] + (["generation_config.json"] if fmt == "hf" else [])
+    assert weights.name == expected_file and sorted(p.name for p in tmp_path.iterdir()) == sorted(written)
     assert detect_format(tmp_path) == fmt
     loaded = load_pretrained(tmp_path).eval()
     with torch.no_grad():
@@ -57,7 +53,7 @@ def test_round_trip_identical_logits(tmp_path, cfg, fmt, safe):
     if fmt == "mamba_ssm":
         assert loaded.config == model.config
     else:  # HF keeps only the padded vocabulary
-        assert loaded.config.padded_vocab_size == model.config.padded_vocab_size == 56
+        assert loaded.config.padded_vocab_size == model.config.padded_vocab_size
     tied = model.config.tie_embeddings
     assert (loaded.lm_head.weight is loaded.backbone.embedding.weight) == tied
     assert loaded.backbone.layers[0].mixer.A_log._no_weight_decay  # attributes set by the model survive loading
@@ -136,7 +132,12 @@ def test_device_and_dtype(tmp_path):
     assert {p.dtype for p in loaded.parameters()} == {torch.float64}
     assert {p.device.type for p in loaded.parameters()} == {"cpu"}
     assert torch.equal(loaded.backbone.norm_f.weight, model.backbone.norm_f.weight.double())
-    assert {p.dtype for p in load_pretrained(tmp_path / "bf16").parameters()} == {torch.get_default_dtype()}
+    # dtype="auto" (the default, as transformers): as saved; a dtype asked for wins
+    assert {p.dtype for p in load_pretrained(tmp_path / "bf16").parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in load_pretrained(tmp_path / "bf16", torch_dtype="float32").parameters()} == {
+        torch.float32}
+    with pytest.raises(CheckpointError, match="dtype='int8' is not a floating torch dtype"):
+        load_pretrained(tmp_path / "bf16", dtype="int8")
 
 
 # ---- errors -----------------------------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def test_neither_format(tmp_path):
     with pytest.raises(CheckpointError, match=r"neither an HF .* nor a mamba_ssm config .*\['hidden', 'layers'\]"):
         load_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(CheckpointError, match=r"model_type='llama'.*supported are model_type 'mamba'"):
+    with pytest.raises(CheckpointError, match=r"model_type='llama'.*supported are .*'mamba' \(MambaForCausalLM\)"):
         detect_format(tmp_path)
     (tmp_path / "config.json").unlink()
     (tmp_path / "weights.pt").write_bytes(b"")
@@ -225,3 +226,65 @@ def test_model_methods_call_these(tmp_path):
     assert detect_format(tmp_path) == "hf"
     with torch.no_grad():
         assert torch.equal(MambaLMHeadModel.from_pretrained(tmp_path)(_ids()).logits, model(_ids()).logits)
+
+
+def test_sharded_save_writes_an_index_and_reloads(tmp_path):
+    model = _model(M2)
+    weights = save_pretrained(model, tmp_path, format="hf", max_shard_size=20_000)
+    index = json.loads(weights.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert weights.name == "model.safetensors.index.json" and len(shards) > 1
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    with torch.no_grad():
+        assert torch.equal(load_pretrained(tmp_path)(_ids()).logits, model(_ids()).logits)
+    bin_dir = tmp_path / "bin"
+    save_pretrained(_model(M1), bin_dir, max_shard_size="10KB")  # mamba_ssm .bin shards keep the tie in one shard
+    assert (bin_dir / "pytorch_model.bin.index.json").is_file()
+    loaded = load_pretrained(bin_dir)
+    assert loaded.lm_head.weight is loaded.backbone.embedding.weight
+    with pytest.raises(CheckpointError, match="already holds .*model-00001-of"):
+        save_pretrained(model, tmp_path, format="hf")  # one file beside the shards would be ambiguous
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Mamba2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(_ids()).logits
+    assert ((model(_ids()).logits - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+
+
+def test_generation_defaults_and_tokenizer_travel_with_the_model(tmp_path):
+    from mamba_parallel.inference.generation_config import GenerationConfig
+
+    model = _model(M1)
+    model.generation_config = GenerationConfig(eos_token_id=[3, 4], pad_token_id=1)
+    src = tmp_path / "src"
+    save_pretrained(model, src, format="hf", tokenizer=None)
+    assert json.loads((src / "config.json").read_text())["eos_token_id"] == [3, 4]
+    assert json.loads((src / "generation_config.json").read_text()) == {
+        "_from_model_config": True, "eos_token_id": [3, 4], "pad_token_id": 1}
+    (src / "tokenizer.json").write_text("{}")
+    loaded = load_pretrained(src)
+    assert loaded.generation_config.eos_token_id == [3, 4] and loaded.tokenizer_folder == src
+    save_pretrained(loaded, tmp_path / "dst")  # the tokenizer files come along, in any format
+    assert (tmp_path / "dst" / "tokenizer.json").read_text() == "{}"
+    assert json.loads((tmp_path / "dst" / "generation_config.json").read_text())["pad_token_id"] == 1
+    save_pretrained(_model(M1), tmp_path / "explicit", tokenizer=src / "tokenizer.json")
+    assert (tmp_path / "explicit" / "tokenizer.json").is_file()
+
+
+def test_hub_names_say_what_is_missing(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.chdir(tmp_path)  # "org/model" is not a folder here
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(CheckpointError, match=r"'org/model' is not a local folder.*install huggingface_hub"):
+        load_pretrained("org/model")
+    monkeypatch.delitem(sys.modules, "huggingface_hub")
+    hub = pytest.importorskip("huggingface_hub")
+
+    def offline(*args, **kwargs):  # what huggingface_hub raises without a network (tests never reach the hub)
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(hub, "list_repo_files", offline)
+    with pytest.raises(CheckpointError, match=r"'org/model' is not a local folder and could not be fetched.*offline"):
+        load_pretrained("org/model")

@@ -1,4 +1,6 @@
-"""Parity with HF transformers' own MambaForCausalLM / Mamba2ForCausalLM (their pure-torch path), both directions.
+"""Parity with HF transformers' own classes (their pure-torch path), both directions: MambaForCausalLM,
+Mamba2ForCausalLM, BambaForCausalLM (Mamba-2 + attention with partial rotary + SwiGLU MLPs), NemotronHForCausalLM
+(per-layer Mamba-2 / attention / squared-ReLU MLP blocks).
 
 transformers is a test-only dependency. Models are built from local configs with random weights (no downloads);
 without mamba_ssm / causal_conv1d installed, transformers runs its reference PyTorch code.
@@ -32,11 +34,34 @@ CASES = {
     "mamba2-g2-bias-nocb-tied-dtlimit": (transformers.Mamba2Config, dict(
         SMALL, vocab_size=64, num_heads=4, head_dim=16, n_groups=2, chunk_size=8, use_conv_bias=False,
         use_bias=True, tie_word_embeddings=True, time_step_limit=(0.01, 0.05))),
+    # layer 1 attention (GQA 4 / 2 heads, rotary on half of each head), SwiGLU MLP after every layer
+    "bamba": (transformers.BambaConfig, dict(
+        hidden_size=32, num_hidden_layers=3, vocab_size=64, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=8, mamba_chunk_size=8)),
+    "bamba-biases-tied-dtlimit": (transformers.BambaConfig, dict(
+        hidden_size=32, num_hidden_layers=2, vocab_size=60, intermediate_size=48, num_attention_heads=2,
+        num_key_value_heads=2, attn_layer_indices=[0], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1,
+        mamba_d_state=8, mamba_chunk_size=8, attention_bias=True, mlp_bias=True, mamba_conv_bias=False,
+        mamba_proj_bias=True, tie_word_embeddings=True, time_step_limit=(0.0, 0.5))),
+    # Mamba-2, attention (no rotary), MLP, Mamba-2, MLP
+    "nemotron_h": (transformers.NemotronHConfig, dict(
+        hidden_size=32, vocab_size=64, hybrid_override_pattern="M*-M-", num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=64, ssm_state_size=8, mamba_num_heads=4,
+        mamba_head_dim=16, n_groups=2, chunk_size=8)),
+    "nemotron_h-biases-tied": (transformers.NemotronHConfig, dict(
+        hidden_size=32, vocab_size=60, layers_block_type=["mlp", "linear_attention", "full_attention"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=40, ssm_state_size=8,
+        mamba_num_heads=8, mamba_head_dim=8, n_groups=1, chunk_size=8, mlp_bias=True, use_bias=True,
+        use_conv_bias=False, tie_word_embeddings=True, time_step_min=0.01)),
 }
+GENERATE_CASES = ["mamba1", "mamba2-g1", "bamba", "nemotron_h"]
 
 
 def _hf_class(config):
-    return transformers.Mamba2ForCausalLM if config.model_type == "mamba2" else transformers.MambaForCausalLM
+    return {"mamba": transformers.MambaForCausalLM, "mamba2": transformers.Mamba2ForCausalLM,
+            "bamba": transformers.BambaForCausalLM, "nemotron_h": transformers.NemotronHForCausalLM,
+            }[config.model_type]
 
 
 def _perturb(model: torch.nn.Module, seed: int) -> None:
@@ -83,7 +108,7 @@ def test_logits_parity_both_directions(tmp_path, case):
     assert err <= MAX_REL_ERR, f"ours vs HF(our weights): max rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("case", ["mamba1", "mamba2-g1"])
+@pytest.mark.parametrize("case", GENERATE_CASES)
 def test_greedy_generate_matches_hf(tmp_path, case):
     config_cls, kwargs = CASES[case]
     torch.manual_seed(0)
@@ -92,11 +117,11 @@ def test_greedy_generate_matches_hf(tmp_path, case):
     hf.save_pretrained(tmp_path)
     ours = load_pretrained(tmp_path).eval()
     prompt = _ids(kwargs["vocab_size"], length=6)
-    # An explicit mask: HF would otherwise treat prompt tokens equal to pad_token_id as left padding.
-    want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False,
-                       eos_token_id=None, pad_token_id=0)
-    got = ours.generate(prompt, max_new_tokens=10, temperature=0.0)
-    assert got.shape == (2, 16) and torch.equal(got, want), f"ours {got.tolist()}\nHF   {want.tolist()}"
+    # An explicit mask: HF would otherwise treat prompt tokens equal to pad_token_id as left padding. Both use
+    # the checkpoint's generation defaults (its eos / pad ids): the same call, the same numbers.
+    want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_length=16)
+    got = ours.generate(prompt, max_length=16)
+    assert torch.equal(got, want), f"ours {got.tolist()}\nHF   {want.tolist()}"
 
 
 @pytest.mark.parametrize("model_type", ["mamba", "mamba2"])
@@ -118,3 +143,20 @@ def test_missing_fields_take_transformers_defaults(tmp_path, model_type):
     else:
         assert (m["ngroups"], m["chunk_size"], m["dt_limit"]) == (hf.n_groups, hf.chunk_size,
                                                                  tuple(hf.time_step_limit))
+
+
+def test_bamba_rotary_base_is_read_and_an_export_transformers_4_would_misread_is_refused(tmp_path):
+    kwargs = dict(CASES["bamba"][1], rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    torch.manual_seed(0)
+    hf = transformers.BambaForCausalLM(transformers.BambaConfig(**kwargs)).eval()
+    _perturb(hf, 5)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf").eval()
+    assert ours.config.attn_params["rotary_emb_base"] == 500.0
+    ids = _ids(64)
+    with torch.no_grad():
+        assert _max_rel_err(ours(ids).logits, hf(ids).logits) <= MAX_REL_ERR
+    from mamba_parallel.models.formats import CheckpointError
+
+    with pytest.raises(CheckpointError, match="rotary_emb_base=500.0.*hard-codes 10000"):
+        save_pretrained(ours, tmp_path / "out", format="hf")
