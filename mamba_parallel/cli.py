@@ -1,4 +1,4 @@
-"""The `mamba-parallel` command: train, generate, prepare-data, convert, bench.
+"""The `mamba-parallel` command: train, generate, eval, prepare-data, convert, plot, bench.
 
 `mamba-parallel train` with no arguments trains the embedded default (a small byte-level Mamba-2 on the Python
 standard library's sources); under `torchrun --nproc_per_node N` the same command runs data parallel.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import shutil
 import sys
 
 from mamba_parallel.config import ConfigError
@@ -26,19 +25,9 @@ def _train_parser(sub) -> None:
 
 
 def _generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from a saved model folder",
-                       description="Load a model folder (mamba_ssm or HF format, e.g. <out>/final) and sample.")
-    p.add_argument("--checkpoint", required=True, metavar="DIR", help="model folder (config.json + weights)")
-    p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default: 100)")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default: 0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens, 0 = all (default: 40)")
-    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling threshold, 0 = off (default: 0)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weight dtype (default: fp32)")
-    p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="tokenizer.json (default: the one in --checkpoint, else bytes)")
+    from mamba_parallel.inference.cli_generate import add_generate_parser
+
+    add_generate_parser(sub)
 
 
 def _prepare_parser(sub) -> None:
@@ -53,10 +42,14 @@ def _prepare_parser(sub) -> None:
 
 
 def _convert_parser(sub) -> None:
-    p = sub.add_parser("convert", help="convert a model folder between the mamba_ssm and HF formats")
-    p.add_argument("src", help="model folder (mamba_ssm: config.json + pytorch_model.bin, or HF)")
+    p = sub.add_parser("convert", help="convert a model folder between the mamba_ssm, HF and Mistral formats")
+    p.add_argument("src", help="model folder (mamba_ssm, HF transformers or Mistral's params.json layout) or a "
+                               "hub name")
     p.add_argument("dst", help="output folder")
-    p.add_argument("--format", choices=["hf", "mamba_ssm"], required=True, help="format to write")
+    p.add_argument("--format", choices=["hf", "mamba_ssm", "mistral"], required=True, help="format to write")
+    p.add_argument("--from-format", choices=["hf", "mamba_ssm", "mistral"], default=None,
+                   help="layout to read when SRC holds several (default: detected)")
+    p.add_argument("--max-shard-size", default="5GB", help="shard the weights past this size (default: 5GB)")
 
 
 def _bench_parser(sub) -> None:
@@ -68,16 +61,58 @@ def _bench_parser(sub) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
 
 
+def _eval_parser(sub) -> None:
+    from mamba_parallel.evaluate import add_eval_parser
+
+    add_eval_parser(sub)
+
+
+def _plot_parser(sub) -> None:
+    from mamba_parallel.plots import add_plot_parser
+
+    add_plot_parser(sub)
+
+
+def version_text() -> str:
+    """``mamba-parallel --version``: this package's version, and the torch / triton it runs on."""
+    import importlib.metadata
+
+    import mamba_parallel
+
+    try:
+        ours = importlib.metadata.version("mamba-parallel")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout that is not installed
+        ours = mamba_parallel.__version__
+    parts = [f"mamba-parallel {ours}"]
+    for dist in ("torch", "triton"):
+        try:
+            parts.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    return ", ".join(parts) + f", python {sys.version.split()[0]}"
+
+
+class _VersionAction(argparse.Action):
+    """--version, computed only when asked (the versions are looked up then)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mamba-parallel", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action=_VersionAction, help="print the versions of mamba-parallel, torch, triton")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_train_parser, _generate_parser, _prepare_parser, _convert_parser, _bench_parser):
+    for add in (_train_parser, _generate_parser, _eval_parser, _prepare_parser, _convert_parser, _plot_parser,
+                _bench_parser):
         add(sub)
     return p
 
 
-# Tokenizer files that `convert` carries over beside the weights.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 # ---- commands ----------------------------------------------------------------------------------------------------
@@ -108,36 +143,21 @@ def _check_model_folder(path: str, what: str) -> None:
 
 
 def cmd_generate(args) -> int:
-    import torch
+    from mamba_parallel.inference.cli_generate import cmd_generate as run
 
-    from mamba_parallel.models import MambaLMHeadModel
-    from mamba_parallel.train.tokenizer import tokenizer_for_checkpoint
-    from mamba_parallel.train.trainer import sample_text
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible to torch (use --device cpu)")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     _check_model_folder(args.checkpoint, "--checkpoint")
-    model = MambaLMHeadModel.from_pretrained(args.checkpoint)
-    model = model.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    tokenizer = tokenizer_for_checkpoint(args.checkpoint, args.tokenizer)
-    if tokenizer.vocab_size < model.config.vocab_size and not args.tokenizer and tokenizer.spec == "byte":
-        print(f"mamba-parallel generate: note: no tokenizer.json in {args.checkpoint!r}: using bytes for a model "
-              f"of vocab {model.config.vocab_size}; pass --tokenizer if it was trained with another", file=sys.stderr)
-    print(sample_text(model, tokenizer, args.prompt, args.max_new_tokens, device, args.temperature, args.top_k,
-                      args.seed, top_p=args.top_p))
-    return 0
+    return run(args)
 
 
 def cmd_prepare(args) -> int:
+    from mamba_parallel.progress import progress_bar
     from mamba_parallel.train.data import DataError, prepare_data
     from mamba_parallel.train.tokenizer import load_tokenizer
 
     try:
-        header = prepare_data(args.source, args.out, load_tokenizer(args.tokenizer), args.val_fraction,
-                              args.text_field)
+        with progress_bar("tokenizing", unit="documents") as advance:
+            header = prepare_data(args.source, args.out, load_tokenizer(args.tokenizer), args.val_fraction,
+                                  args.text_field, on_document=lambda name: advance(1, os.path.basename(name)))
     except DataError as e:  # the data module names the train flag; here the source is a positional argument
         msg = str(e)
         raise DataError("SOURCE " + msg[len("--data: "):] if msg.startswith("--data: ") else msg) from None
@@ -148,12 +168,13 @@ def cmd_prepare(args) -> int:
 
 def cmd_convert(args) -> int:
     from mamba_parallel.models import MambaLMHeadModel
+    from mamba_parallel.models.formats import TOKENIZER_FILES
 
     _check_model_folder(args.src, "SRC")
-    MambaLMHeadModel.from_pretrained(args.src).save_pretrained(args.dst, format=args.format)
-    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(args.src, f))]
-    for f in copied:  # `generate --checkpoint DST` must find the same tokenizer as SRC (none = bytes)
-        shutil.copyfile(os.path.join(args.src, f), os.path.join(args.dst, f))
+    model = MambaLMHeadModel.from_pretrained(args.src, format=args.from_format, progress=None)
+    # The tokenizer files of SRC come along (`generate --checkpoint DST` must find the same tokenizer).
+    model.save_pretrained(args.dst, format=args.format, max_shard_size=args.max_shard_size, progress=None)
+    copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(args.dst, f))]
     print(f"wrote {args.dst} ({args.format} format{', with ' + ', '.join(copied) if copied else ''})")
     return 0
 
@@ -188,8 +209,21 @@ def cmd_bench(args) -> int:
     raise ConfigError(f"bench: no benchmark named {args.name!r}; known: {', '.join(bench_names())}")
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "prepare-data": cmd_prepare, "convert": cmd_convert,
-            "bench": cmd_bench}
+def cmd_eval(args) -> int:
+    from mamba_parallel.evaluate import cmd_eval as run
+
+    _check_model_folder(args.checkpoint, "--checkpoint")
+    return run(args)
+
+
+def cmd_plot(args) -> int:
+    from mamba_parallel.plots import cmd_plot as run
+
+    return run(args)
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "prepare-data": cmd_prepare,
+            "convert": cmd_convert, "plot": cmd_plot, "bench": cmd_bench}
 
 
 def _unknown_flags(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:

@@ -217,19 +217,27 @@ def _flag_type(f) -> Any:
     return type(f.default) if f.default is not MISSING else str
 
 
+# `train --help` shows the flags in the sections of TrainConfig, each starting at this field.
+FLAG_SECTIONS = {"preset": "model", "data": "data", "steps": "batch and schedule",
+                 "device": "hardware and parallelism", "out": "output, checkpoints, monitoring"}
+
+
 def add_train_flags(p: argparse.ArgumentParser) -> None:
     """One flag per TrainConfig field (``--batch-size`` for batch_size), every default None = "not given"."""
     p.add_argument("--config", metavar="FILE", help="TOML file with the same fields; flags override it")
+    group = p
     for f in fields(TrainConfig):
+        if f.name in FLAG_SECTIONS:
+            group = p.add_argument_group(FLAG_SECTIONS[f.name])
         if f.name == "model":
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         help_text = f.metadata["help"] + (f" (default: {default})" if default not in (None, "") else "")
         if isinstance(default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            p.add_argument(flag, type=_flag_type(f), default=None, help=help_text,
+            group.add_argument(flag, type=_flag_type(f), default=None, help=help_text,
                            choices=f.metadata.get("choices"),
                            metavar=None if f.metadata.get("choices")
                            else f.metadata.get("metavar") or f.name.upper())

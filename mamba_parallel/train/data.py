@@ -116,8 +116,9 @@ def _is_val(name: str, val_fraction: float) -> bool:
 
 
 def prepare_data(source: str, out_dir: str, tokenizer, val_fraction: float = 0.005,
-                 text_field: str = "text") -> dict:
+                 text_field: str = "text", on_document=None) -> dict:
     """Tokenize ``source`` into ``out_dir`` (train.bin, val.bin, header.json); return the header.
+    ``on_document(name)`` is called after each document (a progress bar).
 
     Written to ``out_dir.tmp`` and renamed when complete, so a killed run never leaves a half-written folder.
     """
@@ -127,7 +128,8 @@ def prepare_data(source: str, out_dir: str, tokenizer, val_fraction: float = 0.0
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        return _write_token_folder(source, out_dir, tmp, tokenizer, dtype, val_fraction, text_field)
+        return _write_token_folder(source, out_dir, tmp, tokenizer, dtype, val_fraction, text_field,
+                                   on_document or (lambda name: None))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed run leaves nothing behind
         raise
@@ -145,7 +147,7 @@ def _check_out_dir(out_dir: str) -> None:
 
 
 def _write_token_folder(source: str, out_dir: str, tmp: str, tokenizer, dtype, val_fraction: float,
-                        text_field: str) -> dict:
+                        text_field: str, on_document) -> dict:
     counts = {"train": 0, "val": 0}
     docs = {"train": 0, "val": 0}
     eos = tokenizer.eos_token_id
@@ -163,6 +165,7 @@ def _write_token_folder(source: str, out_dir: str, tmp: str, tokenizer, dtype, v
             (fval if split == "val" else ftrain).write(ids.astype(dtype).tobytes())
             counts[split] += len(ids)
             docs[split] += 1
+            on_document(name)
     if counts["train"] == 0 and counts["val"] == 0:
         raise DataError(f"--data: {source!r} holds no text")
     if val_fraction > 0 and (counts["val"] == 0 or counts["train"] == 0):

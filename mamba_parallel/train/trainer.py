@@ -623,6 +623,10 @@ def _train(cfg: TrainConfig) -> dict:
                                                cfg.sample_tokens, env.device)
                 log("---- sample ----\n" + result["sample"] + "\n----------------")
         _barrier()
+    if env.is_main:  # loss.png beside metrics.jsonl (mamba-parallel plot RUN redraws it)
+        from mamba_parallel.plots import plot_after_run
+
+        log(plot_after_run(cfg.out))
     return result
 
 

@@ -1,0 +1,100 @@
+"""``mamba-parallel generate``: text from a model folder (or hub name), with the API's defaults: greedy unless
+``--do-sample``; the checkpoint's generation_config.json fills what the flags leave unset. Streams to a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mamba_parallel.config import ConfigError
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a saved model folder",
+                       description="Load a model folder (mamba_ssm, HF or Mistral layout, e.g. <out>/final; or a "
+                                   "hub name) and continue a prompt. Greedy by default, as model.generate.")
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="model folder (config.json + weights)")
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="text to continue; '-' (or leaving it out with a pipe on stdin) reads stdin")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default: 100)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--do-sample", action="store_true", help="sample (default: greedy, as the API)")
+    mode.add_argument("--greedy", action="store_true",
+                      help="greedy even when the checkpoint's generation_config.json says to sample")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest, 0 = all (default: 50)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus threshold (default: 1.0 = off)")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the likeliest (default: 0)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="CTRL's penalty (default: 1.0 = off)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the continuation contains TEXT (repeatable); the stop text is not printed")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print tokens as they come (default: on when stdout is a terminal)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="weight dtype (default: auto = as saved)")
+    p.add_argument("--cuda-graph", action="store_true", help="replay a captured decode step (CUDA, Mamba layers)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer.json (default: the one in --checkpoint, else bytes)")
+
+
+def _prompt(args) -> str:
+    if args.prompt is not None and args.prompt != "-":
+        return args.prompt
+    if args.prompt is None and sys.stdin.isatty():
+        raise ConfigError("give --prompt TEXT, or pipe the prompt on stdin (--prompt -)")
+    text = sys.stdin.read()
+    if not text:
+        raise ConfigError("--prompt -: stdin was empty")
+    return text
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from mamba_parallel.inference.text_streamer import TextStreamer
+    from mamba_parallel.models import MambaLMHeadModel
+    from mamba_parallel.train.tokenizer import tokenizer_for_checkpoint
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible to torch (use --device cpu)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompt = _prompt(args)
+    dtype = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    model = MambaLMHeadModel.from_pretrained(args.checkpoint, device=device, dtype=dtype).eval()
+    folder = str(model.tokenizer_folder or args.checkpoint)
+    tokenizer = tokenizer_for_checkpoint(folder, args.tokenizer)
+    if tokenizer.vocab_size < model.config.vocab_size and not args.tokenizer and tokenizer.spec == "byte":
+        print(f"mamba-parallel generate: note: no tokenizer.json in {args.checkpoint!r}: using bytes for a model "
+              f"of vocab {model.config.vocab_size}; pass --tokenizer if it was trained with another", file=sys.stderr)
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_token_id or 0]
+    stream = sys.stdout.isatty() if args.stream is None else args.stream
+    eos = set(model.generation_config.eos_ids()) | ({tokenizer.eos_token_id} - {None})
+    streamer = TextStreamer(tokenizer, stop_strings=tuple(args.stop), skip_ids=eos) if stream else None
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+    options = {k: v for k, v in options.items() if v is not None}
+    if args.do_sample or args.greedy:
+        options["do_sample"] = bool(args.do_sample)
+    if model.generation_config.eos_token_id is None and tokenizer.eos_token_id is not None:
+        options["eos_token_id"] = tokenizer.eos_token_id
+    if args.stop:
+        options.update(stop_strings=list(args.stop), tokenizer=tokenizer)
+    generator = torch.Generator(device).manual_seed(args.seed)
+    if streamer is not None:
+        print(prompt, end="", flush=True)
+    out = model.generate(torch.tensor([ids], device=device), streamer=streamer, generator=generator,
+                         cuda_graph=args.cuda_graph, **options)
+    if streamer is None:
+        new = out[0, len(ids):].tolist()
+        cut = next((i for i, t in enumerate(new) if t in eos), len(new))  # the eos token is not text
+        text = tokenizer.decode(new[:cut])
+        for s in args.stop:
+            at = text.find(s)
+            text = text if at < 0 else text[:at]
+        print(prompt + text)
+    return 0
