@@ -36,6 +36,7 @@ from mamba_parallel.distributed.parallel_dims import ParallelConfigError
 from mamba_parallel.layers.attention import MHA
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
+from mamba_parallel.layers.mlp import MLP, GatedMLP
 
 
 class CPContext:
@@ -155,6 +156,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
             mixer.run_scan = functools.partial(_run_scan_mamba1, mixer, ctx)
         elif isinstance(mixer, MHA):
             mixer.forward = functools.partial(cp_mha_forward, mixer, ctx.group, ctx.rank, ctx.size)
+        elif isinstance(mixer, (GatedMLP, MLP)):
+            pass  # an MLP block is token-local: a slice of the sequence needs nothing from the other ranks
         else:
             raise ParallelConfigError(f"context parallel: layer {i} has a {type(mixer).__name__} mixer, which has no "
                                       f"cp form (cp > 1 supports Mamba, Mamba2 and MHA layers)")

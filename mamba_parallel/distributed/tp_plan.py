@@ -60,7 +60,7 @@ from mamba_parallel.distributed.tp_modules import (  # noqa: F401  (ShardView: r
 from mamba_parallel.layers.attention import MHA
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
-from mamba_parallel.layers.mlp import GatedMLP
+from mamba_parallel.layers.mlp import MLP, GatedMLP
 
 
 # ---- parameter helpers ------------------------------------------------------------------------------------------
@@ -161,10 +161,13 @@ def _plan_mha(m: MHA, mesh: DeviceMesh, sp: bool) -> None:
     m.num_heads, m.num_heads_kv = m.num_heads // tp, m.num_heads_kv // tp
 
 
-def _plan_mlp(m: GatedMLP, mesh: DeviceMesh, sp: bool, overlap: bool = False) -> None:
+def _plan_mlp(m: GatedMLP | MLP, mesh: DeviceMesh, sp: bool, overlap: bool = False) -> None:
+    """A feed-forward after a mixer or as a block of its own: fc1 column-parallel (per segment: [value | gate]
+    for the gated one), fc2 row-parallel."""
     tp, hid = mesh.size(), m.hidden_features
     S = _split(hid, tp, "MLP hidden_features")
-    m.fc1 = _entry_column(m.fc1, mesh, [(hid, S, False), (hid, S, False)], sp, overlap)  # [value | gate]
+    segments = [(hid, S, False), (hid, S, False)] if isinstance(m, GatedMLP) else [(hid, S, False)]
+    m.fc1 = _entry_column(m.fc1, mesh, segments, sp, overlap)
     m.fc2 = _row(m.fc2, mesh, _out_reduce(sp), bias_grad_sum=sp)
     m.hidden_features = hid // tp
 
@@ -217,6 +220,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             _plan_mamba1(mixer, tp_mesh, sp, overlap_comm)
         elif isinstance(mixer, MHA):
             _plan_mha(mixer, tp_mesh, sp)
+        elif isinstance(mixer, (GatedMLP, MLP)):  # an MLP block
+            _plan_mlp(mixer, tp_mesh, sp, overlap_comm)
         else:
             raise ParallelConfigError(f"apply_tensor_parallel: no tp plan for mixer {type(mixer).__name__}")
         if isinstance(mixer, MHA):  # reads seqlen from its input: gather before it (its in_proj stays local)

@@ -24,9 +24,9 @@ from mamba_parallel import get_preset, ops
 from mamba_parallel.models import MambaLMHeadModel
 
 WORLD = 4
-PRESETS = {"mamba2": "tiny-mamba2", "mamba1": "tiny-mamba", "hybrid": "tiny-hybrid"}
+PRESETS = {"mamba2": "tiny-mamba2", "mamba1": "tiny-mamba", "hybrid": "tiny-hybrid", "nemotron_h": "tiny-nemotron-h"}
 # (model, packed) cases at cp = 4; slices of 10 tokens, L = 40
-CP4_CASES = [("mamba2", False), ("mamba2", True), ("mamba1", True), ("hybrid", True)]
+CP4_CASES = [("mamba2", False), ("mamba2", True), ("mamba1", True), ("hybrid", True), ("nemotron_h", True)]
 CUTS = {40: ([10, 21], [5, 30, 31]), 24: ([12, 15], [7])}  # seq_idx boundaries per row, by total length
 TPCP_CASES = ["mamba2", "mamba1"]
 STEPS, LR = 5, 1e-2

@@ -10,13 +10,16 @@ from mamba_parallel import get_preset
 from mamba_parallel.distributed.state_dict import canonical_tensors
 from mamba_parallel.models import MambaLMHeadModel
 
-# name -> (preset, overrides); every tiny preset, Mamba-2 with ngroups 1 and 2, a hybrid with attention + MLP.
+# name -> (preset, overrides); every tiny preset, Mamba-2 with ngroups 1 and 2, a hybrid with attention + MLP, and
+# Nemotron-H's per-layer kinds.
 CASES = {
     "mamba1": ("tiny-mamba", {}),
     "mamba2_g1": ("tiny-mamba2", {}),
     "mamba2_g2": ("tiny-mamba2", {"ssm_cfg": {"layer": "Mamba2", "d_state": 16, "headdim": 16, "chunk_size": 16,
                                               "ngroups": 2}}),
     "hybrid": ("tiny-hybrid", {}),
+    # one kind per layer: Mamba-2, attention without rotary or biases, squared-ReLU MLP blocks
+    "nemotron_h": ("tiny-nemotron-h", {}),
 }
 
 
