@@ -82,17 +82,6 @@ def decode_special_floats(obj: Any) -> Any:
     return obj
 
 
-def encode_special_floats(obj: Any) -> Any:
-    """The inverse of :func:`decode_special_floats`, as transformers 5 writes it (strict JSON, no bare Infinity)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return {"__float__": "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")}
-    if isinstance(obj, dict):
-        return {k: encode_special_floats(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [encode_special_floats(v) for v in obj]
-    return obj
-
-
 # ---- dispatch ---------------------------------------------------------------------------------------------------
 def hf_arch_of(raw: dict) -> HFArch | None:
     """The architecture a config.json describes (by model_type, else by its architectures list), or None."""
@@ -181,7 +170,9 @@ def hf_config_from(config: MambaConfig, dtype_name: str | None = None) -> dict:
         out.setdefault(key, None)
     if dtype_name is not None:
         out["dtype"] = out["torch_dtype"] = dtype_name  # 5.x reads dtype, 4.x torch_dtype
-    return encode_special_floats(out)
+    # inf stays a float: json writes a bare Infinity, which transformers 4.x and 5.x both read (5.x's own
+    # {"__float__": "Infinity"} tag is read back by decode_special_floats, but 4.x would take it for a dict)
+    return out
 
 
 # ---- helpers shared by the architecture modules -------------------------------------------------------------
