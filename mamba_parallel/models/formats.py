@@ -270,7 +270,7 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None, 
     except ValueError as e:
         raise CheckpointError(str(e)) from e
     model.tokenizer_folder = folder if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
-    return model
+    return model.eval()  # as transformers returns it (no layer here behaves differently in training mode)
 
 
 def _check_tied_head(reader: WeightReader, head: str, embedding: str) -> None:

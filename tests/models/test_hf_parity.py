@@ -160,3 +160,22 @@ def test_bamba_rotary_base_is_read_and_an_export_transformers_4_would_misread_is
 
     with pytest.raises(CheckpointError, match="rotary_emb_base=500.0.*hard-codes 10000"):
         save_pretrained(ours, tmp_path / "out", format="hf")
+
+
+@pytest.mark.parametrize("case", GENERATE_CASES)
+def test_three_lines_of_a_transformers_user(tmp_path, case):
+    """from_pretrained, model(ids, labels=ids).loss, generate(ids, max_length=...): unchanged, transformers'
+    numbers (the prompt avoids the pad id, as a tokenizer's output does)."""
+    config_cls, kwargs = CASES[case]
+    torch.manual_seed(0)
+    hf = _hf_class(config_cls(**kwargs))(config_cls(**kwargs)).eval()
+    _perturb(hf, 6)
+    hf.save_pretrained(tmp_path)
+    from mamba_parallel import MambaLMHeadModel
+
+    model = MambaLMHeadModel.from_pretrained(tmp_path)
+    ids = torch.randint(1, kwargs["vocab_size"], (1, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ours, ref = model(ids, labels=ids).loss, hf(ids, labels=ids).loss
+    assert abs(ours.item() - ref.item()) <= MAX_REL_ERR * abs(ref.item())
+    assert torch.equal(model.generate(ids, max_length=20), hf.generate(ids, max_length=20))
