@@ -117,8 +117,8 @@ class _Decoder:
             token = draw(scores, o.generator)
         else:
             token = scores.argmax(dim=-1)
-        if o.output_scores:
-            self.scores.append(scores)
+        if o.output_scores:  # a copy when nothing changed the logits (a graphed step's are a static buffer)
+            self.scores.append(scores.clone() if scores.data_ptr() == logits.data_ptr() else scores)
         finished_before = self.done
         if self.eos is not None or self.stop_text is not None:
             token = token.masked_fill(finished_before, self.pad)
