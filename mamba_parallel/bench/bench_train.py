@@ -74,8 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
     p.add_argument("--recompute", default="", metavar="ITEMS",
                    help="comma list of conv, dt, gate, states: activations each layer rebuilds in the backward "
-                        "instead of keeping them (as `train --recompute`; docs/memory.md). Default: keep everything "
-                        "(not given: the MAMBA_PARALLEL_RECOMPUTE environment variable decides)")
+                        "instead of keeping them (as `train --recompute`; docs/memory.md). Default: keep everything")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture the whole step in one CUDA graph and replay it (one GPU or --tp only)")
@@ -146,7 +145,7 @@ def _allreduce_busbw(device: torch.device, sync, mib: int = 256, reps: int = 5) 
 
 def main(argv: list[str] | None = None) -> int:
     from mamba_parallel.train.config import resolve_config
-    from mamba_parallel.train.trainer import recompute_option
+    from mamba_parallel.train.trainer import resolve_recompute
 
     a = build_parser().parse_args(argv)
     peer = _side_by_side_peer(a)
@@ -155,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve_config(preset=a.preset, seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype,
                          device=a.device, dp_mode=a.dp_mode, tp=a.tp, cp=a.cp, recompute=a.recompute,
                          activation_checkpointing=a.activation_checkpointing, compile=a.compile, out="unused")
-    with recompute_option(cfg.recompute, cfg.compile) as recompute:  # before the first forward; restored after
-        return _run(a, cfg, recompute)
+    return _run(a, cfg, resolve_recompute(cfg.recompute, cfg.compile))
 
 
 def _run(a: argparse.Namespace, cfg, recompute: str) -> int:

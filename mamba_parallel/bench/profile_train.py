@@ -265,11 +265,11 @@ def _python_profile(s: "_Setup", steps: int, path: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mamba_parallel.train.trainer import recompute_option
+    from mamba_parallel.train.trainer import resolve_recompute
 
     a = build_parser().parse_args(argv)
-    with recompute_option(a.recompute, a.compile):  # bench_train's --recompute, for the profiled run only
-        return _profile(a)
+    resolve_recompute(a.recompute, a.compile)  # bench_train's --recompute, checked before any work
+    return _profile(a)
 
 
 def _profile(a: argparse.Namespace) -> int:

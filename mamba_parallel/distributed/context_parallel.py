@@ -79,13 +79,13 @@ def _run_conv(mixer, ctx: CPContext, x, seq_idx=None, initial_state=None, return
 
 
 def _run_scan_mamba2(mixer: Mamba2, ctx: CPContext, x, dt, A, B, C, D=None, z=None, dt_bias=None, seq_idx=None,
-                     cu_seqlens=None, initial_states=None, return_final_states=False):
+                     cu_seqlens=None, recompute_states=False, initial_states=None, return_final_states=False):
     """Mamba2.run_scan over this rank's slice (same arguments); final states are the whole sequence's."""
     _refuse_cu_seqlens(cu_seqlens)
     return cp_ssd_chunk_scan(x, dt, A, B, C, mixer.chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=True,
                              dt_limit=mixer.dt_limit, initial_states=initial_states, seq_idx=seq_idx,
                              return_final_states=return_final_states, group=ctx.group,
-                             meta=ctx.meta(seq_idx, _conv_width(mixer) - 1))
+                             meta=ctx.meta(seq_idx, _conv_width(mixer) - 1), recompute_states=recompute_states)
 
 
 def _run_scan_mamba1(mixer: Mamba, ctx: CPContext, u, delta, A, B, C, D=None, z=None, delta_bias=None,

@@ -102,13 +102,14 @@ def cp_ssd_chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ch
                       D: Tensor | None = None, z: Tensor | None = None, dt_bias: Tensor | None = None,
                       dt_softplus: bool = False, dt_limit=(0.0, math.inf), initial_states: Tensor | None = None,
                       seq_idx: Tensor | None = None, return_final_states: bool = False, group=None,
-                      meta: SeqMeta | None = None):
+                      meta: SeqMeta | None = None, recompute_states: bool = False):
     """Mamba-2 SSD over this rank's slice: x (b, L, h, p), dt (b, L, h), B/C (b, L, g, n), z like x,
     initial_states (b, h, p, n) global (enters rank 0) -> y (b, L, h, p) [, final_states (b, h, p, n) fp32]."""
     rank, _ = _rank_size(group)
     meta = _meta(meta, seq_idx, 1, group, rank)
     y, S_loc = ops.ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                  dt_limit=dt_limit, seq_idx=seq_idx, return_final_states=True)
+                                  dt_limit=dt_limit, seq_idx=seq_idx, return_final_states=True,
+                                  recompute_states=recompute_states)
     with _NoAutocast(x):
         # (b, L, h). Scanned along the innermost dim of a (b, h, L) copy: torch's scan along an outer dim runs one
         # thread per column (h of them) and took 13 ms per layer at L = 131072 on an H200, this form ~0.1 ms.

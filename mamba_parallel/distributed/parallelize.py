@@ -8,7 +8,7 @@
    (dp_shard, cp) mesh, HSDP when dp_replicate > 1; or DDP over the dp_replicate mesh.
 
 Works on a model built on the meta device (FSDP / TP / CP shard meta params; materialise afterwards with
-``to_empty`` + ``init_weights``); DDP needs materialised params: pass ``materialize`` (called on the model once its
+``to_empty`` + ``init_parallel_weights``); DDP needs materialised params: pass ``materialize`` (called on the model once its
 own shards are laid out: before DDP wraps it, after FSDP shards it) so every layout builds on meta and no rank
 holds the full model. ``parallelize_pipeline`` cuts the model into pipeline stages between the TP/CP and the data
 parallel steps (distributed/pipeline.py).
@@ -54,11 +54,13 @@ def dp_mesh(dims: ParallelDims):
     return dims.mesh[shard]
 
 
-def apply_model_parallel(model: torch.nn.Module, dims: ParallelDims) -> torch.nn.Module:
-    """Steps 1-2: tensor (+ sequence) parallel over ``tp``, then context parallel over ``cp``; in place."""
+def apply_model_parallel(model: torch.nn.Module, dims: ParallelDims, tp_overlap: bool = False) -> torch.nn.Module:
+    """Steps 1-2: tensor (+ sequence) parallel over ``tp``, then context parallel over ``cp``; in place.
+    ``tp_overlap``: the sequence-parallel entry projections ring-gather their input behind per-shard matmuls
+    (``apply_tensor_parallel``'s ``overlap_comm``)."""
     if dims.tp > 1:
         apply_tp = _optional("mamba_parallel.distributed.tp_plan", "apply_tensor_parallel", "--tp > 1")
-        apply_tp(model, dims.submesh("tp"), sequence_parallel=True)
+        apply_tp(model, dims.submesh("tp"), sequence_parallel=True, overlap_comm=tp_overlap)
     if dims.cp > 1:
         apply_cp = _optional("mamba_parallel.distributed.context_parallel", "apply_context_parallel", "--cp > 1")
         apply_cp(model, dims.submesh("cp"))
@@ -120,7 +122,8 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, dp_mode: str = "f
                 param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
                 ddp_bucket_cap_mb: float | None = None, ddp_bf16_grads: bool = False,
                 fsdp_blocks_per_unit: int = 1, cpu_offload: bool = False,
-                materialize: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+                materialize: Callable[[torch.nn.Module], None] | None = None,
+                tp_overlap: bool = False) -> torch.nn.Module:
     """Apply TP/SP, CP, activation checkpointing, compile and FSDP2/DDP (in that order); return the model.
 
     ``dp_mode="ddp"`` returns a DistributedDataParallel wrapper (``.module`` is the model); otherwise the model
@@ -130,10 +133,11 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, dp_mode: str = "f
     memory of the full params); ``fsdp_blocks_per_unit`` k > 1 shards k consecutive blocks as one FSDP unit (one
     all-gather / reduce-scatter per unit, same state-dict names; see ``apply_fsdp``); ``cpu_offload``: FSDP2's
     CPUOffloadPolicy. DDP only: ``ddp_bucket_cap_mb`` and ``ddp_bf16_grads`` (see ``apply_ddp``).
-    ``materialize``: called once the model holds only its own shards (see the module docstring).
+    ``materialize``: called once the model holds only its own shards (see the module docstring). ``tp_overlap``:
+    see ``apply_model_parallel``.
     """
     _check_dp_options(dp_mode, fsdp_blocks_per_unit)
-    apply_model_parallel(model, dims)
+    apply_model_parallel(model, dims, tp_overlap)
     return apply_data_parallel(model, dims, dp_mode=dp_mode, activation_checkpointing=activation_checkpointing,
                                compile=compile, param_dtype=param_dtype,
                                reshard_after_forward=reshard_after_forward, ddp_bucket_cap_mb=ddp_bucket_cap_mb,
@@ -142,7 +146,8 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, *, dp_mode: str = "f
 
 
 def parallelize_pipeline(model: torch.nn.Module, dims: ParallelDims, plan: PipelinePlan, device: torch.device,
-                         *, materialize: Callable[[torch.nn.Module], None], timed: bool = False, **dp_options):
+                         *, materialize: Callable[[torch.nn.Module], None], timed: bool = False,
+                         tp_overlap: bool = False, **dp_options):
     """A meta ``MambaLMHeadModel`` -> this rank's ``PipelineModel``: TP/CP on the whole (meta) model, the cut
     into stages, then per stage activation checkpointing / compile / FSDP2 or DDP (``dp_options``: those of
     ``apply_data_parallel``), ``materialize(pipeline_model)`` once every stage is laid out, and the schedule
@@ -153,7 +158,7 @@ def parallelize_pipeline(model: torch.nn.Module, dims: ParallelDims, plan: Pipel
         raise ParallelConfigError("parallelize_pipeline builds each rank's stages from a model on the meta device")
     dims.validate_for_model(model.config, plan.stages_per_rank)
     tied = untie_for_pipeline(model)
-    apply_model_parallel(model, dims)
+    apply_model_parallel(model, dims, tp_overlap)
     pm = build_pipeline_model(model, plan, dims, dims.submesh("pp").get_local_rank(), tied)
     if dp_options.get("dp_mode") == "ddp":
         # Whole replicas of each stage through FSDP2's replicate mesh (dp_shard = 1): torch's DDP reducer does not

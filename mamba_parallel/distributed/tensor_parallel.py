@@ -14,10 +14,9 @@ Overlap: ``parallel_linear_func``'s backward re-gathers the sequence-sharded inp
 the input gradient, then reduce-scatters (or all-reduces) that gradient asynchronously while it computes the
 weight gradient, so both collectives hide behind a matmul.
 
-Forward overlap (opt-in, OFF by default until a GPU run shows it pays): with ``MAMBA_PARALLEL_TP_OVERLAP=1`` in
-the environment (read at every forward) or ``overlap_comm=True`` on the layer (``ColumnParallelLinear.overlap_comm``,
-``apply_tensor_parallel(..., overlap_comm=True)``), a sequence-parallel column linear replaces its input
-all-gather by ``tp - 1`` ring steps: while the shard in hand is multiplied, the next one arrives from the previous
+Forward overlap (opt-in, OFF by default until a GPU run shows it pays): with ``overlap_comm=True`` on the layer
+(``ColumnParallelLinear.overlap_comm``, ``apply_tensor_parallel(..., overlap_comm=True)``, ``train --tp-overlap``),
+a sequence-parallel column linear replaces its input all-gather by ``tp - 1`` ring steps: while the shard in hand is multiplied, the next one arrives from the previous
 rank (P2P), and each partial product is written into its rows of the output. The per-shard matmuls are the same
 as in gather-then-matmul, so the output matches it; the backward is unchanged.
 """
@@ -25,7 +24,6 @@ as in gather-then-matmul, so the output matches it; the backward is unchanged.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.utils.checkpoint
@@ -49,20 +47,6 @@ try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch < 2.4
     DTensor = ()
-
-OVERLAP_ENV = "MAMBA_PARALLEL_TP_OVERLAP"
-
-
-def overlap_enabled(flag: bool = False) -> bool:
-    """Whether a sequence-parallel column linear overlaps its input gather with its matmul: ``flag`` (the layer's
-    ``overlap_comm``) or ``MAMBA_PARALLEL_TP_OVERLAP=1``, read now so it can be switched between steps."""
-    if flag:
-        return True
-    value = os.environ.get(OVERLAP_ENV, "0").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{OVERLAP_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
-
 
 def local_tensor(t: Tensor | None) -> Tensor | None:
     """The local shard of a DTensor parameter (differentiable), or the tensor itself."""
@@ -196,8 +180,8 @@ def parallel_linear_func(x: Tensor, weight: Tensor, bias: Tensor | None = None, 
     activation dim (0 as in the seed; 1 for (batch, seqlen, d) activations sharded along the sequence).
 
     The seed calls ``parallel_linear_func(x, weight, process_group)``: a process group passed in the bias slot is
-    taken as the process group. ``overlap_comm`` (or ``MAMBA_PARALLEL_TP_OVERLAP=1``): with sequence_parallel,
-    ring-gather x behind the per-shard matmuls instead of gathering first (see the module docstring).
+    taken as the process group. ``overlap_comm``: with sequence_parallel, ring-gather x behind the per-shard matmuls
+    instead of gathering first (see the module docstring).
     """
     if bias is not None and not isinstance(bias, Tensor):
         if process_group is not None:
@@ -210,7 +194,7 @@ def parallel_linear_func(x: Tensor, weight: Tensor, bias: Tensor | None = None, 
         return F.linear(x, weight, bias)
     if sequence_parallel and (not -x.dim() <= dim < x.dim() or dim % x.dim() == x.dim() - 1):
         raise ValueError(f"parallel_linear_func: dim={dim} must index a non-feature dim of x {tuple(x.shape)}")
-    overlap = sequence_parallel and overlap_enabled(overlap_comm)
+    overlap = sequence_parallel and bool(overlap_comm)
     return ParallelLinearFunc.apply(x, weight, bias, process_group, sequence_parallel,
                                     dim % x.dim() if sequence_parallel else 0, overlap)
 
@@ -244,7 +228,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     forward: x (n_local, ..., in_features) [sequence_parallel] or (n, ..., in_features) -> (n, ..., out_local).
     ``multiple_of``: each rank's share of out_features is a multiple of this (e.g. a head size).
-    ``overlap_comm``: set True (or MAMBA_PARALLEL_TP_OVERLAP=1) to ring-gather x behind the matmul under SP.
+    ``overlap_comm``: set True to ring-gather x behind the matmul under SP.
     """
 
     split_dim = 0

@@ -110,8 +110,8 @@ class TPColumnLinear(_LinearTakeover):
     """Column-parallel linear taking over an nn.Linear's ``weight`` / ``bias``, entering the parallel region:
     x (b, L / tp, in) [SP] or (b, L, in) -> (b, L, out_local). The sequence all-gather happens inside
     ``parallel_linear_func`` so only the local shard is saved for backward, and the backward overlaps the
-    input-gradient reduce-scatter (or all-reduce) with the weight-gradient matmul. ``overlap_comm`` (or
-    MAMBA_PARALLEL_TP_OVERLAP=1): under SP, ring-gather the sequence behind per-shard matmuls (opt-in)."""
+    input-gradient reduce-scatter (or all-reduce) with the weight-gradient matmul. ``overlap_comm``: under SP,
+    ring-gather the sequence behind per-shard matmuls (opt-in)."""
 
     def __init__(self, linear: nn.Linear, group, sequence_parallel: bool, overlap_comm: bool = False):
         super().__init__(linear, group)

@@ -24,7 +24,7 @@
   projection (``TPColumnLinear`` -> ``parallel_linear_func``): only the local shard is saved for backward, and
   the backward overlaps the input-gradient reduce-scatter with the weight-gradient matmul (and the re-gather with
   the input-gradient matmul). Attention reads seqlen from its input, so it gathers in a forward pre-hook.
-- ``overlap_comm=True`` (or ``MAMBA_PARALLEL_TP_OVERLAP=1``): those entry projections also overlap the FORWARD
+- ``overlap_comm=True``: those entry projections also overlap the FORWARD
   gather, as ring steps behind per-shard matmuls (tensor_parallel.py). Off by default until a GPU run shows it pays;
   attention's pre-hook gather is not overlapped.
 
@@ -196,7 +196,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     """Shard ``model`` (a single-device MambaLMHeadModel with real weights) over the 1-D ``tp_mesh``, in place.
 
     ``overlap_comm``: the SP entry projections (Mamba / Mamba-2 in_proj, MLP fc1) ring-gather their input behind
-    per-shard matmuls (opt-in, off by default; MAMBA_PARALLEL_TP_OVERLAP=1 turns it on at run time too).
+    per-shard matmuls (opt-in, off by default; ``train --tp-overlap``).
 
     Returns the model. tp = 1 leaves it untouched. Raises ParallelConfigError naming the size tp does not divide.
     """

@@ -9,11 +9,11 @@ Data flow for hidden (b, L, d_model):
 Layouts (layers/mamba1_layout.py): x and z stay channels-last views of in_proj's output; the conv's output is
 made token-major once for x_proj and the scan; the gate writes out_proj's (b, L, d_inner) input. In backward the
 gate writes dz straight into in_proj's output gradient and the conv's dx is copied into its other half: nothing
-is concatenated or transposed by torch. MAMBA_PARALLEL_RECOMPUTE=conv,dt,gate rebuilds the conv output (its
-token-major copy), the scan's delta and out_proj's input in the backward instead of keeping them
-(layers/recompute.py, docs/memory.md). Training on the Triton path with nothing replaced (and no ``gate``
-recompute) runs the middle (conv .. gate) as one autograd node with the same kernels (layers/mamba1_fused.py):
-fewer launches and less host work per layer.
+is concatenated or transposed by torch. ``recompute`` (a subset of conv, dt, gate; layers/recompute.py,
+docs/memory.md) rebuilds the conv output (its token-major copy), the scan's delta and out_proj's input in the
+backward instead of keeping them. Training on the Triton path with ``use_fused_path`` (the default), nothing
+replaced and no ``gate`` recompute runs the middle (conv .. gate) as one autograd node with the same kernels
+(layers/mamba1_fused.py): fewer launches and less host work per layer.
 Local sizes come from the attributes ``d_inner``, ``d_state``, ``dt_rank`` (tensor parallelism rewrites them).
 """
 
@@ -31,7 +31,7 @@ from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
 from mamba_parallel.layers.mamba1_fused import FUSED_RECOMPUTE, fused_ok, mamba1_inner
 from mamba_parallel.layers.mamba1_layout import gate_to_token_last, split_xz, token_major
 from mamba_parallel.layers.packing import resolve_seq_idx
-from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, run_saving
+from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, recompute_set, run_saving
 
 
 def _token_major_linear(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,7 +48,7 @@ class Mamba(nn.Module):
     def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: float = 2, dt_rank="auto",
                  dt_min: float = 0.001, dt_max: float = 0.1, dt_init: str = "random", dt_scale: float = 1.0,
                  dt_init_floor: float = 1e-4, conv_bias: bool = True, bias: bool = False, layer_idx: int | None = None,
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, recompute=(), use_fused_path: bool = True):
         super().__init__()
         if dt_init not in ("random", "constant"):
             raise ValueError(f"Mamba: dt_init must be 'random' or 'constant', got {dt_init!r}")
@@ -59,6 +59,10 @@ class Mamba(nn.Module):
         self.dt_min, self.dt_max, self.dt_init, self.dt_scale = dt_min, dt_max, dt_init, dt_scale
         self.dt_init_floor = dt_init_floor
         self.layer_idx = layer_idx
+        self.recompute = recompute_set(recompute)  # conv, dt, gate: rebuilt in the backward, not kept
+        # training on the Triton path: the middle as one autograd node (layers/mamba1_fused.py); False: the
+        # modular forward below, op by op
+        self.use_fused_path = bool(use_fused_path)
 
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=bias, **fk)
         self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, d_conv, groups=self.d_inner, padding=d_conv - 1,
@@ -147,8 +151,8 @@ class Mamba(nn.Module):
         xz = self.in_proj(hidden_states)
         if xz.shape[-1] != 2 * d_inner:
             raise ValueError(f"Mamba: in_proj gives {xz.shape[-1]} features, expected 2 * d_inner = {2 * d_inner}")
-        if conv_state is None and fused_ok(self, Mamba, xz):
-            plan = recompute_plan(self, Mamba)
+        if conv_state is None and self.use_fused_path and fused_ok(self, Mamba, xz):
+            plan = recompute_plan(self)
             if plan <= FUSED_RECOMPUTE:  # one autograd node (layers/mamba1_fused.py); it always rebuilds dt
                 return self.out_proj(mamba1_inner(self, xz, seq_idx, recompute_conv="conv" in plan))
         x, z, xz_grad = split_xz(xz, d_inner)  # channels-last (b, d_inner, L) views of xz
@@ -164,9 +168,9 @@ class Mamba(nn.Module):
             x, final_conv = x
             conv_state[:b].copy_(final_conv)
         x = token_major(x)  # unit token stride for x_proj and the scan, which stream along L
-        # MAMBA_PARALLEL_RECOMPUTE (training or a plain forward: no inference states to fill): what the backward
-        # rebuilds instead of keeping; empty: no context at all
-        plan = recompute_plan(self, Mamba) if conv_state is None else NOTHING
+        # recompute (training or a plain forward: no inference states to fill): what the backward rebuilds
+        # instead of keeping; empty: no context at all
+        plan = recompute_plan(self, "run_conv" not in self.__dict__) if conv_state is None else NOTHING
         rebuilt = None
         if "conv" in plan:
             conv_in = conv_in.detach()  # a view of in_proj's output, which the conv keeps for its backward anyway

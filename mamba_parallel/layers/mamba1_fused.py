@@ -11,7 +11,7 @@ gradients, A's chain rule). Here one ``autograd.Function`` runs the same kernels
   (kept for the backward, 2 n fp32 values per token: the scan would otherwise convert them again there), and
   A = -exp(A_log) is built state-major once (the kernels' layout, kept for the backward); delta (dt_proj's
   output, d_inner values per token) is not kept: the backward runs its small matmul again, as mamba_ssm's fused
-  path does, and with MAMBA_PARALLEL_RECOMPUTE=conv the conv output is rebuilt there too;
+  path does, and with ``recompute`` holding conv the conv output is rebuilt there too;
 - backward: one buffer receives x_proj's output gradient (ddt_low from the dt matmul, dB / dC straight from the
   scan's finishing kernel), x's two gradients meet in one matmul (du + W^T dx_dbl, accumulated in place), the
   scan's finishing kernel returns d(A_log) directly, and the conv writes dx into the x half of in_proj's output
@@ -19,16 +19,14 @@ gradients, A's chain rule). Here one ``autograd.Function`` runs the same kernels
 
 Same numerics as the modular path: the same kernels in the same dtypes (weights cast to the activations' dtype, as
 autocast does; the weight gradients of the two token-major matmuls are summed over the batch in fp32 instead of in
-the activation dtype). ``Mamba.forward`` takes this path when ``fused_ok`` allows (the Triton path, training, the
-plain sub-modules, nothing overridden) and no ``gate`` recompute is asked for; ``MAMBA_PARALLEL_MAMBA1_FUSED=0``
-turns it off.
+the activation dtype). ``Mamba.forward`` takes this path when ``use_fused_path`` is set, ``fused_ok`` allows (the
+Triton path, training, the plain sub-modules, nothing overridden) and no ``gate`` recompute is asked for.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import os
 
 import torch
 import torch.nn as nn
@@ -37,8 +35,7 @@ from torch.autograd.function import once_differentiable
 
 from mamba_parallel.layers.mamba1_layout import _fast
 
-ENV = "MAMBA_PARALLEL_MAMBA1_FUSED"
-# MAMBA_PARALLEL_RECOMPUTE items the fused node handles itself (dt always); with "gate" the modular layer runs
+# recompute items the fused node handles itself (dt always); with "gate" the modular layer runs
 FUSED_RECOMPUTE = frozenset({"conv", "dt"})
 
 
@@ -51,7 +48,7 @@ def fused_ok(layer: nn.Module, base: type, xz: torch.Tensor) -> bool:
     """Whether ``layer`` (a ``base`` = Mamba instance) may run its middle through ``mamba1_inner``: training with
     autograd on the Triton path, sub-steps and sub-modules as the class defines them (context parallelism replaces
     run_conv / run_scan, tensor parallelism wraps x_proj), no parametrisations, no dispatch mode watching ops."""
-    if os.environ.get(ENV) == "0" or not (torch.is_grad_enabled() and xz.requires_grad):
+    if not (torch.is_grad_enabled() and xz.requires_grad):
         return False
     if torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0 or type(xz) is not torch.Tensor:
         return False

@@ -9,9 +9,9 @@ Local sizes come from the attributes ``d_inner, nheads, headdim, ngroups, d_stat
 them); packed sequences are handled through ``seq_idx`` / ``cu_seqlens`` in both the conv and the scan.
 Both splits (zxbcdt -> z / xBC / dt, conv output -> x / B / C) go through ``ops.grad_arena``: the conv, scan
 and norm kernels write their input gradients into one buffer per split, so the backward concatenates nothing.
-MAMBA_PARALLEL_RECOMPUTE=conv,gate,states recomputes the conv output (from in_proj's output, kept anyway),
-out_proj's input (from the norm's inputs, kept anyway) and the SSD chunk states in the backward instead of keeping
-them, as mamba_ssm's fused path does (layers/recompute.py, docs/memory.md).
+``recompute`` (a subset of conv, gate, states; layers/recompute.py, docs/memory.md) rebuilds the conv output
+(from in_proj's output, kept anyway), out_proj's input (from the norm's inputs, kept anyway) and the SSD chunk
+states in the backward instead of keeping them, as mamba_ssm's fused path does.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from mamba_parallel.layers import init
 from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.norm import RMSNormGated
-from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, run_saving
+from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, recompute_set, run_saving
 from mamba_parallel.ops.grad_arena import split_with_grad_arena, tag_view
 
 
@@ -38,7 +38,8 @@ class Mamba2(nn.Module):
                  ngroups: int = 1, chunk_size: int = 256, A_init_range=(1, 16), dt_min: float = 0.001,
                  dt_max: float = 0.1, dt_init_floor: float = 1e-4, dt_limit=(0.0, float("inf")),
                  conv_bias: bool = True, bias: bool = False, rmsnorm: bool = True, norm_before_gate: bool = False,
-                 D_has_hdim: bool = False, layer_idx: int | None = None, device=None, dtype=None):
+                 D_has_hdim: bool = False, layer_idx: int | None = None, device=None, dtype=None, *,
+                 recompute=()):
         super().__init__()
         fk = dict(device=device, dtype=dtype)
         self.d_model, self.d_state, self.d_conv = d_model, d_state, d_conv
@@ -56,6 +57,7 @@ class Mamba2(nn.Module):
         self.dt_limit = tuple(float(v) for v in dt_limit)
         self.rmsnorm, self.D_has_hdim = rmsnorm, D_has_hdim
         self.layer_idx = layer_idx
+        self.recompute = recompute_set(recompute)  # conv, gate, states: rebuilt in the backward, not kept
 
         conv_dim = self.d_inner + 2 * ngroups * d_state
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner + 2 * ngroups * d_state + self.nheads, bias=bias, **fk)
@@ -99,7 +101,7 @@ class Mamba2(nn.Module):
                                  seq_idx=seq_idx, **state_kwargs)
 
     def run_scan(self, x, dt, A, B, C, D=None, z=None, dt_bias=None, seq_idx=None, cu_seqlens=None,
-                 **state_kwargs):
+                 recompute_states=False, **state_kwargs):
         """x (b, L, h, p), dt (b, L, h), A (h,), B/C (b, L, g, n), D (h,) or (h, p), z (b, L, h, p) or None
         -> y (b, L, h, p). ``state_kwargs`` (inference only): ``initial_states``, ``return_final_states``.
 
@@ -108,7 +110,8 @@ class Mamba2(nn.Module):
         if cu_seqlens is not None:
             seq_idx = None
         return ops.ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=True,
-                                  dt_limit=self.dt_limit, seq_idx=seq_idx, cu_seqlens=cu_seqlens, **state_kwargs)
+                                  dt_limit=self.dt_limit, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+                                  recompute_states=recompute_states, **state_kwargs)
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def _split_in_proj(self, zxbcdt: torch.Tensor):
@@ -155,8 +158,8 @@ class Mamba2(nn.Module):
         if conv_state is not None:
             xBC, final_conv = xBC
             conv_state[:b].copy_(final_conv)
-        # MAMBA_PARALLEL_RECOMPUTE: what the backward rebuilds instead of keeping (empty: no context at all)
-        plan = recompute_plan(self, Mamba2) if conv_state is None else NOTHING
+        # what the backward rebuilds instead of keeping (empty: no context at all)
+        plan = recompute_plan(self, "run_conv" not in self.__dict__) if conv_state is None else NOTHING
         rebuilt = None
         if "conv" in plan:
             conv_in = conv_in.detach()  # views of in_proj's output, which the conv keeps for its backward anyway
@@ -169,7 +172,8 @@ class Mamba2(nn.Module):
         # the scan keeps x, B, C (views of the conv output)
         y = run_saving(rebuilt, self.run_scan, _tagged(x, heads), dt, A, _tagged(B, groups), _tagged(C, groups),
                        D=self._D(), z=None if self.rmsnorm else _tagged(z, heads), dt_bias=self.dt_bias,
-                       seq_idx=seq_idx, cu_seqlens=cu_seqlens, **scan_kwargs)
+                       seq_idx=seq_idx, cu_seqlens=cu_seqlens, recompute_states="states" in self.recompute,
+                       **scan_kwargs)
         if ssm_state is not None:
             y, final_ssm = y
             ssm_state[:b].copy_(final_ssm)

@@ -1,9 +1,11 @@
-"""MAMBA_PARALLEL_RECOMPUTE: activations a layer rebuilds in the backward instead of keeping them.
+"""Recompute: activations a layer rebuilds in the backward instead of keeping them.
 
 Why: our Mamba-2 layer kept ~74.8 KB/token/layer for the backward against mamba_ssm's ~46.8 (docs/memory.md): the
 conv output, out_proj's input and the SSD chunk states are kept where the peer's fused backward recomputes them.
 Listing ``conv``, ``dt``, ``gate`` (and ``states``, handled inside the Triton SSD op) trades one more cheap kernel
-per layer in the backward for that memory.
+per layer in the backward for that memory. The choice is a layer attribute (``Mamba(recompute=...)``, or
+``apply_recompute(model, items)`` for a whole model; ``train --recompute``), read in the forward: the backward
+rebuilds exactly what that forward chose not to keep.
 
 How: ``RecomputeInBackward`` is a ``torch.autograd.graph.saved_tensors_hooks`` context. Tensors saved inside it
 that are views of a registered target are packed as (offset, shape, strides) only; the first unpack in the
@@ -16,20 +18,17 @@ hooks with ``torch._C._autograd._top_saved_tensors_default_hooks(ignore_is_traci
 the same signature in 2.11 and 2.13). Where a torch lacks it, a context with targets refuses to open (a
 RuntimeError naming the option) rather than silently keeping tensors away from checkpointing's hooks.
 
-Hot path: with the option unset, ``recompute_plan`` is one environment lookup and a string comparison (the parsed
-list is cached against the raw string), and layers create no context and enter no ``with`` block
-(``run_saving`` with ``None`` is a plain call).
+Hot path: with nothing to recompute, layers create no context and enter no ``with`` block (``run_saving`` with
+``None`` is a plain call).
 """
 
 from __future__ import annotations
 
-import os
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 
-RECOMPUTE_ENV = "MAMBA_PARALLEL_RECOMPUTE"
-# What MAMBA_PARALLEL_RECOMPUTE may list: activations a layer recomputes in the backward instead of keeping them.
+# What a layer may rebuild in the backward instead of keeping (the names ``--recompute`` takes).
 RECOMPUTE_ITEMS = {
     "conv": "the conv output (Mamba, Mamba2): one more depthwise conv",
     "dt": "Mamba's dt_proj output (the scan's delta): one more (d_inner x dt_rank) matmul",
@@ -41,62 +40,46 @@ NOTHING: frozenset[str] = frozenset()
 # The saved-tensor hooks active when a RecomputeInBackward context opens (see the module docstring).
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
-_parsed: tuple[str, frozenset[str]] = ("", NOTHING)  # (raw MAMBA_PARALLEL_RECOMPUTE, its items)
-
 
 def parse_items(raw: str) -> tuple[frozenset[str], list[str]]:
-    """A comma list ('conv, gate') -> (its names, those not in RECOMPUTE_ITEMS, sorted): one parser for the
-    variable and the ``--recompute`` flags."""
+    """A comma list ('conv, gate') -> (its names, those not in RECOMPUTE_ITEMS, sorted): the ``--recompute``
+    flags' parser."""
     items = frozenset(v.strip() for v in raw.split(",") if v.strip())
     return items, sorted(items - RECOMPUTE_ITEMS.keys())
 
 
-def recompute_items() -> frozenset[str]:
-    """MAMBA_PARALLEL_RECOMPUTE: comma-separated names from RECOMPUTE_ITEMS (default: none). Each trades one more
-    kernel per layer in the backward for less activation memory (docs/memory.md: to time on a GPU). Parsed again
-    only when the variable's raw string changes."""
-    global _parsed
-    raw = os.environ.get(RECOMPUTE_ENV, "")
-    if raw == _parsed[0]:
-        return _parsed[1]
-    items, unknown = parse_items(raw)
-    if unknown:
-        raise ValueError(f"{RECOMPUTE_ENV}={raw!r}: unknown {', '.join(unknown)}; expected a comma-separated "
-                         f"subset of {', '.join(RECOMPUTE_ITEMS)}")
-    _parsed = (raw, items)
-    return items
-
-
-def set_recompute(items: str | None) -> str | None:
-    """Set MAMBA_PARALLEL_RECOMPUTE to ``items`` (a comma list of RECOMPUTE_ITEMS names; None: unset it) for this
-    process, as ``--recompute`` does before the model's first forward. -> the previous raw value (None: it was
-    unset), for a caller that restores it. An unknown name raises ValueError and leaves the variable as it was."""
-    previous = os.environ.get(RECOMPUTE_ENV)
+def recompute_set(items: str | Iterable[str] | None) -> frozenset[str]:
+    """items (a comma list or names from RECOMPUTE_ITEMS; None / empty: nothing) -> their frozenset.
+    An unknown name raises ValueError naming it and the valid ones."""
     if items is None:
-        os.environ.pop(RECOMPUTE_ENV, None)
-        return previous
-    os.environ[RECOMPUTE_ENV] = items
-    try:
-        recompute_items()
-    except ValueError:
-        set_recompute(previous)
-        raise
-    return previous
+        return NOTHING
+    names, unknown = parse_items(items) if isinstance(items, str) else (frozenset(items), None)
+    unknown = sorted(names - RECOMPUTE_ITEMS.keys()) if unknown is None else unknown
+    if unknown:
+        raise ValueError(f"recompute: unknown {', '.join(map(str, unknown))}; expected names from "
+                         f"{', '.join(RECOMPUTE_ITEMS)}")
+    return names
 
 
-def recompute_plan(module: torch.nn.Module, owner: type) -> frozenset[str]:
-    """The items ``module`` (a training forward: no inference cache) rebuilds in this backward: those listed in
-    MAMBA_PARALLEL_RECOMPUTE when autograd records and nothing compiles (the hooks are eager-only), less "conv"
-    when ``run_conv`` is not ``owner``'s own (context parallelism replaces it with one that communicates)."""
-    items = recompute_items()
-    if not items:
+def apply_recompute(model: torch.nn.Module, items: str | Iterable[str] | None) -> torch.nn.Module:
+    """Set what every layer of ``model`` that can recompute (those with a ``recompute`` attribute: Mamba, Mamba2)
+    rebuilds in the backward: ``items`` from RECOMPUTE_ITEMS (a comma list or names; None / empty: nothing).
+    Each layer acts on the items it has. Returns the model. Before or after ``parallelize``, before a forward."""
+    chosen = recompute_set(items)
+    for module in model.modules():
+        if isinstance(getattr(module, "recompute", None), frozenset):
+            module.recompute = chosen
+    return model
+
+
+def recompute_plan(module: torch.nn.Module, conv_local: bool = True) -> frozenset[str]:
+    """What ``module`` (a training forward: no inference cache) rebuilds in this backward: its ``recompute``
+    items when autograd records and nothing compiles (the hooks are eager-only), less "conv" when the conv
+    communicates (``conv_local`` False: context parallelism's halo exchange)."""
+    items = module.recompute
+    if not items or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return NOTHING
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return NOTHING
-    if "conv" in items and ("run_conv" in module.__dict__
-                            or getattr(type(module), "run_conv", None) is not owner.run_conv):
-        items = items - {"conv"}
-    return items
+    return items if conv_local else items - {"conv"}
 
 
 def run_saving(rebuilt: "RecomputeInBackward | None", fn: Callable, *args, **kwargs):
@@ -162,10 +145,10 @@ class RecomputeInBackward:
         hooks = None
         if self._targets:
             if _top_hooks is None:
-                raise RuntimeError(f"{RECOMPUTE_ENV}: torch {torch.__version__} lacks "
+                raise RuntimeError(f"recompute: torch {torch.__version__} lacks "
                                    "torch._C._autograd._top_saved_tensors_default_hooks, so the rebuilt tensors' "
                                    "context would hide other saved tensors from activation checkpointing's hooks; "
-                                   f"unset {RECOMPUTE_ENV} or use torch >= 2.8")
+                                   "recompute nothing (apply_recompute(model, None)) or use torch >= 2.8")
             outer = _top_hooks(False)
             hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, outer), self._unpack)
             hooks.__enter__()

@@ -64,6 +64,8 @@ class TrainConfig:
                               "replicate across nodes)")
     tp: int = _f(1, "tensor parallel degree (ranks of one tp group share a batch)")
     cp: int = _f(1, "context parallel degree (each cp rank gets a contiguous slice of every sequence)")
+    tp_overlap: bool = _f(False, "with --tp > 1: each mixer / MLP gathers its sequence-parallel input in ring steps "
+                                 "behind per-shard matmuls of its first projection instead of before it (opt-in)")
     pp: int = _f(1, "pipeline parallel degree: the layers split into stages over pp ranks (outermost mesh dim; "
                     "composes with --tp, --cp and data parallel; docs/pipeline.md)")
     pp_schedule: str = _f("1f1b", "pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, interleaved-1f1b "
@@ -88,9 +90,8 @@ class TrainConfig:
     recompute: str = _f("", "comma list of activations each layer rebuilds in the backward instead of keeping "
                             "them (less memory for one more cheap kernel per layer; docs/memory.md): conv = the "
                             "conv output, dt = Mamba's dt_proj output, gate = out_proj's input, states = Mamba2's "
-                            "SSD chunk states. Default: keep everything (when not given, the "
-                            "MAMBA_PARALLEL_RECOMPUTE environment variable decides). Eager only: under --compile "
-                            "only states applies", metavar="ITEMS")
+                            "SSD chunk states. Default: keep everything. Eager only: under --compile only states "
+                            "applies", metavar="ITEMS")
     compile: bool = _f(False, "torch.compile each block")
     cuda_graph: bool = _f(False, "capture the whole training step (forward + backward of every micro-batch, "
                                  "clipping, fused AdamW) in one CUDA graph and replay it: no per-kernel host "
@@ -202,7 +203,7 @@ def _int_or_auto(value: str, flag: str):
 
 # Settings of the machine a run happens to be on, not of the run: `--resume` does not take them from the run's
 # config.toml (a checkpoint resumes at any layout).
-MACHINE_FIELDS = frozenset({"device", "dp_mode", "dp_replicate", "tp", "cp", "pp", "pp_schedule",
+MACHINE_FIELDS = frozenset({"device", "dp_mode", "dp_replicate", "tp", "cp", "tp_overlap", "pp", "pp_schedule",
                             "pp_stages_per_rank", "pp_split", "microbatches", "cpu_offload", "parallel",
                             "activation_checkpointing",
                             "recompute", "compile", "cuda_graph", "fsdp_param_dtype", "reshard_after_forward",

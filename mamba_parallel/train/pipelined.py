@@ -39,13 +39,14 @@ def pipeline_plan(cfg, config=None) -> PipelinePlan:
 def build_pipelined_model(config, cfg, env, dims: ParallelDims, dp_options: dict,
                           timed: bool = False) -> PipelineModel:
     """This rank's stages, built on meta and materialised shard by shard (initial values = ``init_model``'s)."""
+    from mamba_parallel.layers.recompute import apply_recompute
     from mamba_parallel.models import MambaLMHeadModel
 
     plan = pipeline_plan(cfg, config)
     dtype = torch.bfloat16 if cfg.param_dtype == "bf16" else None
     with torch.device("meta"):
-        model = MambaLMHeadModel(config, dtype=dtype)
-    return parallelize_pipeline(model, dims, plan, env.device,
+        model = apply_recompute(MambaLMHeadModel(config, dtype=dtype), cfg.recompute)
+    return parallelize_pipeline(model, dims, plan, env.device, tp_overlap=cfg.tp_overlap,
                                 materialize=lambda m: materialize(m, config, init_device(cfg, env), cfg.seed,
                                                                   buffer_device=env.device),
                                 dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,

@@ -26,8 +26,7 @@ from mamba_parallel.distributed.data_parallel import DistEnv, init_distributed
 from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
 from mamba_parallel.distributed.parallelize import parallelize
 from mamba_parallel.distributed.pipeline import stages_per_rank
-from mamba_parallel.layers.recompute import (RECOMPUTE_ENV, RECOMPUTE_ITEMS, parse_items, recompute_items,
-                                             set_recompute)
+from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS, apply_recompute, parse_items
 from mamba_parallel.train import checkpoint as ckpt
 from mamba_parallel.train.config import TrainConfig
 from mamba_parallel.train.cuda_graph import GraphedTrainStep, check_graph_layout
@@ -145,16 +144,16 @@ def build_parallel_model(config, cfg: TrainConfig, env: DistEnv, dims: ParallelD
         return pm, pm
     dtype = torch.bfloat16 if cfg.param_dtype == "bf16" else None  # weights stored in bf16 (fp32 init rounded)
     if env.world_size == 1 and not cfg.cpu_offload:
-        model = init_model(config, env.device, cfg.seed)
+        model = apply_recompute(init_model(config, env.device, cfg.seed), cfg.recompute)
         if dtype is not None:
             model.to(dtype)
         wrapped = parallelize(model, dims, dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
-                              compile=cfg.compile, **options)
+                              compile=cfg.compile, tp_overlap=cfg.tp_overlap, **options)
         return wrapped, model
     with torch.device("meta"):
-        model = _model_class()(config, dtype=dtype)
+        model = apply_recompute(_model_class()(config, dtype=dtype), cfg.recompute)
     wrapped = parallelize(model, dims, dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
-                          compile=cfg.compile, cpu_offload=cfg.cpu_offload,
+                          compile=cfg.compile, cpu_offload=cfg.cpu_offload, tp_overlap=cfg.tp_overlap,
                           materialize=lambda m: materialize(m, config, init_device(cfg, env), cfg.seed,
                                                             buffer_device=env.device), **options)
     return wrapped, model
@@ -227,36 +226,20 @@ def _drop_metrics_after(out: str, step: int) -> None:
 
 
 # ---- --recompute ------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def recompute_option(items: str, compiled: bool = False):
-    """``--recompute ITEMS`` for the duration of a run: MAMBA_PARALLEL_RECOMPUTE set to ``items`` in this process
-    (under torchrun every rank parses its own flags, so every rank sets it) before the model's first forward, and
-    restored afterwards. ``items`` empty: the variable stays as the user set it. Yields the items in effect, in
-    RECOMPUTE_ITEMS order. Warns (rank 0) when the flag overrides a different value of the variable, and when
-    ``compiled`` (--compile) leaves the eager-only items without effect."""
-    main_rank = os.environ.get("RANK", "0") == "0"
-    user = os.environ.get(RECOMPUTE_ENV)
-    if items:
-        if user and parse_items(user)[0] != parse_items(items)[0] and main_rank:
-            warnings.warn(f"--recompute {items} overrides {RECOMPUTE_ENV}={user} for this run", stacklevel=3)
-        try:
-            set_recompute(items)
-        except ValueError as e:
-            raise ConfigError(f"--recompute: {e}") from None
-    try:
-        try:
-            active = recompute_items()
-        except ValueError as e:  # a bad variable fails here, before any work, not in the first forward
-            raise ConfigError(str(e)) from None
-        eager_only = sorted(active - {"states"})
-        if compiled and eager_only and main_rank:
-            warnings.warn(f"--compile: recompute item(s) {', '.join(eager_only)} have no effect in compiled blocks "
-                          f"(saved-tensor hooks are eager-only, layers/recompute.py); only 'states' applies there",
-                          stacklevel=3)
-        yield ",".join(k for k in RECOMPUTE_ITEMS if k in active)
-    finally:
-        if items:
-            set_recompute(user)
+def resolve_recompute(items: str, compiled: bool = False) -> str:
+    """``--recompute ITEMS`` checked: the items as a comma list in RECOMPUTE_ITEMS order ("" for none), which
+    ``build_parallel_model`` sets on the model's layers (``apply_recompute``). Raises ConfigError naming an
+    unknown item; warns (rank 0) when ``compiled`` (--compile) leaves the eager-only items without effect."""
+    active, unknown = parse_items(items or "")
+    if unknown:
+        raise ConfigError(f"--recompute: unknown item(s) {', '.join(unknown)}; expected a comma list of "
+                          f"{', '.join(RECOMPUTE_ITEMS)}")
+    eager_only = sorted(active - {"states"})
+    if compiled and eager_only and os.environ.get("RANK", "0") == "0":
+        warnings.warn(f"--compile: recompute item(s) {', '.join(eager_only)} have no effect in compiled blocks "
+                      f"(saved-tensor hooks are eager-only, layers/recompute.py); only 'states' applies there",
+                      stacklevel=2)
+    return ",".join(k for k in RECOMPUTE_ITEMS if k in active)
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------------
@@ -391,12 +374,11 @@ def train(cfg: TrainConfig) -> dict:
     """Run training as configured; return ``{"losses": {step: loss}, "eval": {step: loss}, "step", "stopped"}``.
 
     Raises TrainingError on a non-finite loss / grad norm (before that step's optimizer update).
-    ``--recompute`` holds for the run only (MAMBA_PARALLEL_RECOMPUTE is restored when it returns).
     """
+    resolve_recompute(cfg.recompute, cfg.compile)  # a bad --recompute fails before any work
     had_group = dist.is_initialized()
     try:
-        with recompute_option(cfg.recompute, cfg.compile):
-            return _train(cfg)
+        return _train(cfg)
     finally:  # the one-rank group of --cpu-offload is this run's own: leave the process as it was
         if not had_group and dist.is_initialized() and dist.get_world_size() == 1:
             dist.destroy_process_group()

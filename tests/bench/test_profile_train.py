@@ -84,13 +84,19 @@ def test_cuda_run_finds_our_kernels(tmp_path):
 
 
 def test_recompute_flag_applies_to_the_profiled_run(monkeypatch, tmp_path):
-    """--recompute (inherited from bench_train's parser) is in effect while the steps run, and restored after."""
+    """--recompute (inherited from bench_train's parser) reaches the layers of the profiled model."""
     from mamba_parallel.bench import profile_train
-    from mamba_parallel.layers.recompute import RECOMPUTE_ENV, recompute_items
+    from mamba_parallel.train import trainer
 
-    monkeypatch.delenv(RECOMPUTE_ENV, raising=False)
-    seen = []
-    monkeypatch.setattr(profile_train, "_profile", lambda a: seen.append(recompute_items()) or 0)
-    assert profile_train.main(["--preset", "tiny-mamba2", "--device", "cpu", "--recompute", "conv,gate",
-                               "--out", str(tmp_path)]) == 0
-    assert seen == [frozenset({"conv", "gate"})] and recompute_items() == frozenset()
+    seen, build = [], trainer.build_parallel_model
+
+    def built(*args, **kwargs):
+        model = build(*args, **kwargs)[1]
+        seen.append({block.mixer.recompute for block in model.backbone.layers})
+        raise SystemExit(0)  # the model is what this test is about: stop before profiling it
+
+    monkeypatch.setattr(trainer, "build_parallel_model", built)
+    with pytest.raises(SystemExit):
+        profile_train.main(["--preset", "tiny-mamba2", "--device", "cpu", "--recompute", "conv,gate",
+                            "--out", str(tmp_path)])
+    assert seen == [{frozenset({"conv", "gate"})}]

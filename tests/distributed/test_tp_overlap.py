@@ -55,15 +55,15 @@ def _column_checks(rank, world, calls):
         x = _rand((3, 2, 12), 100 + rank)  # (n_local, batch, in): sharded along dim 0
         dy = _rand((3 * world, 2, 8), 200 + rank)
         runs = {}
-        for mode in ("off", "attr", "env"):
+        for mode in ("off", "attr", "func"):
             layer.overlap_comm = mode == "attr"
-            os.environ[T.OVERLAP_ENV] = "1" if mode == "env" else "0"
             layer.zero_grad()
             n0 = len(calls)
-            y, dx = _linear_run(x, layer, dy)
+            fn = layer if mode != "func" else (lambda t: T.parallel_linear_func(t, layer.weight, layer.bias, None,
+                                                                               True, overlap_comm=True))
+            y, dx = _linear_run(x, fn, dy)
             runs[mode] = (y, dx, layer.weight.grad.clone(), None if not bias else layer.bias.grad.clone(),
                           len(calls) - n0)
-        os.environ.pop(T.OVERLAP_ENV)
         full_x = torch.cat([_rand((3, 2, 12), 100 + r) for r in range(world)])
         out["column", bias] = runs, F.linear(full_x, layer.weight.detach(), None if not bias else layer.bias.detach())
     # (b, L / tp, d) activations sharded along the sequence (dim 1), as the tp modules call it.
@@ -76,12 +76,6 @@ def _column_checks(rank, world, calls):
         y, dx = _linear_run(x, lambda t: T.parallel_linear_func(t, wl, bl, None, True, 1, overlap_comm=overlap), dy)
         seq[overlap] = (y, dx, wl.grad, bl.grad)
     out["seq_dim1"] = seq
-    os.environ[T.OVERLAP_ENV] = "yes"
-    try:
-        T.parallel_linear_func(x, w, b, None, True, 1)
-    except ValueError as e:
-        out["env_error"] = str(e)
-    os.environ.pop(T.OVERLAP_ENV)
     return out
 
 
@@ -119,7 +113,7 @@ def test_column_parallel_linear_overlap_is_bit_equal(results):
         for bias in (True, False):
             runs, want = res[r]["column"]["column", bias]
             assert runs["off"][4] == 0, "overlap off must not use the ring"
-            for mode in ("attr", "env"):
+            for mode in ("attr", "func"):
                 assert runs[mode][4] == world - 1, f"{mode}: {runs[mode][4]} ring steps, want {world - 1}"
                 for i, name in enumerate(("output", "dx", "dW", "db")):
                     a, b = runs[mode][i], runs["off"][i]
@@ -136,11 +130,6 @@ def test_sequence_dim_overlap_is_bit_equal(results):
         assert seq[True][0].shape == (2, 4 * world, 6)
         for i, name in enumerate(("output", "dx", "dW", "db")):
             assert torch.equal(seq[True][i], seq[False][i]), f"rank {r}: {name} differs with overlap on"
-
-
-def test_bad_env_value_names_the_variable(results):
-    world, res = results
-    assert res[0]["column"]["env_error"] == "MAMBA_PARALLEL_TP_OVERLAP must be 0 or 1, got 'yes'"
 
 
 def test_whole_model_overlap_matches_every_gradient(results):

@@ -6,8 +6,8 @@ import torch
 from helpers import assert_close, graph_node_names, saved_bytes
 
 from mamba_parallel.layers import Mamba
-from mamba_parallel.layers.mamba1_fused import ENV, fused_ok
-from mamba_parallel.layers.recompute import RECOMPUTE_ENV
+from mamba_parallel.layers.mamba1_fused import fused_ok
+from mamba_parallel.layers.recompute import apply_recompute
 
 pytest.importorskip("triton")
 
@@ -24,7 +24,7 @@ def _layer(dtype, device="cpu", d_model=16, d_state=4):
 
 def _run(m, h, monkeypatch, fused: bool, fn=None, **kwargs):
     """Forward + backward of a fixed non-uniform loss -> [out, dh, m's parameter grads] and the graph's node names."""
-    monkeypatch.setenv(ENV, "1" if fused else "0")
+    m.use_fused_path = fused
     m.zero_grad()
     h = h.detach().requires_grad_()
     out = (fn or m)(h, **kwargs)
@@ -92,7 +92,7 @@ def test_activation_checkpointing(monkeypatch):
 
 
 def test_where_the_fused_path_does_not_apply(monkeypatch):
-    """Off: naive backend, no autograd, the variable set to 0, a recompute option, a replaced sub-step (context
+    """Off: naive backend, no autograd, use_fused_path=False, a gate recompute, a replaced sub-step (context
     parallelism) or a wrapped / hooked sub-module (tensor parallelism)."""
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
     m = _layer(torch.float32)
@@ -101,9 +101,8 @@ def test_where_the_fused_path_does_not_apply(monkeypatch):
     with torch.no_grad():
         assert not fused_ok(m, Mamba, xz)
     assert not fused_ok(m, Mamba, xz.detach())
-    monkeypatch.setenv(ENV, "0")
-    assert not fused_ok(m, Mamba, xz)
-    monkeypatch.delenv(ENV)
+    _, nodes = _run(m, torch.randn(1, 5, 16), monkeypatch, fused=False)
+    assert "_Mamba1InnerBackward" not in nodes
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
     assert not fused_ok(m, Mamba, xz)
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
@@ -115,26 +114,26 @@ def test_where_the_fused_path_does_not_apply(monkeypatch):
     handle.remove()
     assert fused_ok(m, Mamba, xz)
     # a gate recompute keeps the modular path (it rebuilds out_proj's input through saved-tensor hooks)
-    monkeypatch.setenv(RECOMPUTE_ENV, "conv,gate")
+    apply_recompute(m, "conv,gate")
     _, nodes = _run(m, torch.randn(1, 5, 16), monkeypatch, fused=True)
     assert "_Mamba1InnerBackward" not in nodes
 
 
 def test_fused_keeps_no_delta_and_rebuilds_the_conv_on_request(monkeypatch):
-    """delta is never kept (rebuilt by its matmul); MAMBA_PARALLEL_RECOMPUTE=conv (or conv,dt) drops the conv
-    output too; gradients bit-identical either way."""
+    """delta is never kept (rebuilt by its matmul); recompute=conv (or conv,dt) drops the conv output too;
+    gradients bit-identical either way."""
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
     m = _layer(torch.float32)
     b, L = 2, 12
     h = torch.randn(b, L, 16, generator=torch.Generator().manual_seed(6))
     saved, grads = {}, {}
     for items in ("", "conv,dt"):
-        monkeypatch.setenv(RECOMPUTE_ENV, items)
+        apply_recompute(m, items)
         grads[items], nodes = _run(m, h, monkeypatch, fused=True)
         assert "_Mamba1InnerBackward" in nodes
         saved[items] = saved_bytes(m, lambda: m(h.detach().requires_grad_()))[1]
-    monkeypatch.setenv(RECOMPUTE_ENV, "")
-    monkeypatch.setenv(ENV, "0")
+    apply_recompute(m, "")
+    m.use_fused_path = False
     modular = saved_bytes(m, lambda: m(h.detach().requires_grad_()))[1]
     for g, r in zip(grads["conv,dt"], grads[""]):
         assert torch.equal(g, r)

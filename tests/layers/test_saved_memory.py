@@ -12,21 +12,22 @@ from helpers import saved_bytes
 
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
-from mamba_parallel.layers.recompute import RECOMPUTE_ENV, recompute_items
+from mamba_parallel.layers.recompute import apply_recompute
 
 pytest.importorskip("triton")
 
 F32 = 4
 
 
-def _mamba2():
+def _mamba2(recompute=""):
     torch.manual_seed(0)
-    return Mamba2(32, d_state=16, headdim=16, ngroups=1, chunk_size=16)
+    return Mamba2(32, d_state=16, headdim=16, ngroups=1, chunk_size=16, recompute=recompute)
 
 
 def _mamba1():
     torch.manual_seed(0)
-    return Mamba(16, d_state=4)
+    # the modular layer (a recompute option with "gate" turns its fused middle off: layers/mamba1_fused.py)
+    return Mamba(16, d_state=4, use_fused_path=False)
 
 
 def _mamba2_expected(m, b, L, recompute: str):
@@ -52,14 +53,12 @@ def _mamba2_expected(m, b, L, recompute: str):
 @pytest.fixture
 def triton_backend(monkeypatch):
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
-    monkeypatch.delenv(RECOMPUTE_ENV, raising=False)
     return monkeypatch
 
 
 @pytest.mark.parametrize("recompute", ["", "conv", "conv,gate", "states"])
 def test_mamba2_saved_bytes_match_the_table(triton_backend, recompute):
-    triton_backend.setenv(RECOMPUTE_ENV, recompute)
-    m = _mamba2()
+    m = _mamba2(recompute)
     b, L = 2, 32
     h = torch.randn(b, L, m.d_model, requires_grad=True)
     out, saved = saved_bytes(m, lambda: m(h))
@@ -82,13 +81,11 @@ def _run_with_grads(m, h, **kw):
                                                 ("mamba1", False, "conv,dt,gate")])
 def test_recompute_is_bit_exact_and_drops_what_it_rebuilds(triton_backend, layer, packed, items):
     m = _mamba2() if layer == "mamba2" else _mamba1()
-    # against the modular Mamba layer (a recompute option turns its fused middle off: layers/mamba1_fused.py)
-    triton_backend.setenv("MAMBA_PARALLEL_MAMBA1_FUSED", "0")
     b, L = (1, 32) if packed else (2, 24)
     h = torch.randn(b, L, m.d_model)
     kw = {"cu_seqlens": torch.tensor([0, 11, 32], dtype=torch.int32)} if packed else {}
     ref_out, ref_dh, ref_grads, ref_saved = _run_with_grads(m, h, **kw)
-    triton_backend.setenv(RECOMPUTE_ENV, items)
+    apply_recompute(m, items)
     out, dh, grads, saved = _run_with_grads(m, h, **kw)
     assert torch.equal(out, ref_out) and torch.equal(dh, ref_dh)
     for name, g in grads.items():
@@ -102,14 +99,6 @@ def test_recompute_is_bit_exact_and_drops_what_it_rebuilds(triton_backend, layer
     else:
         dropped = F32 * b * L * 3 * m.d_inner
     assert ref_saved - saved == dropped
-
-
-def test_recompute_option_parses_and_rejects_unknown_names(monkeypatch):
-    monkeypatch.setenv(RECOMPUTE_ENV, " conv, gate ,")
-    assert recompute_items() == {"conv", "gate"}
-    monkeypatch.setenv(RECOMPUTE_ENV, "conv,logits")
-    with pytest.raises(ValueError, match="MAMBA_PARALLEL_RECOMPUTE.*logits"):
-        recompute_items()
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -143,9 +132,8 @@ def test_recompute_inside_activation_checkpointing(triton_backend):
     """RecomputeInBackward hands what it does not rebuild to checkpoint's hooks: same gradients, bit for bit."""
     from torch.utils.checkpoint import checkpoint
 
-    m = _mamba2()
+    m = _mamba2("conv,gate,states")
     h = torch.randn(2, 24, m.d_model)
-    triton_backend.setenv(RECOMPUTE_ENV, "conv,gate,states")
     ref_out, ref_dh, ref_grads, _ = _run_with_grads(m, h)
     h_leaf = h.detach().requires_grad_(True)
     m.zero_grad(set_to_none=True)

@@ -203,22 +203,17 @@ def test_mamba1_layout_kernels(monkeypatch, op_calls):
 @pytest.mark.parametrize("kind,mode", [("mamba1", "checkpoint"), ("mamba2", "recompute"), ("mamba2", "plain")])
 def test_layers_match_the_op_path(monkeypatch, op_calls, kind, mode):
     """Mamba / Mamba2 layers (Triton path) forward + backward: bit-identical with and without the fast path, also
-    under MAMBA_PARALLEL_RECOMPUTE (saved-tensor hooks) and non-reentrant activation checkpointing."""
+    under recompute (saved-tensor hooks) and non-reentrant activation checkpointing."""
     from torch.utils.checkpoint import checkpoint
 
     from mamba_parallel.layers.mamba1 import Mamba
     from mamba_parallel.layers.mamba2 import Mamba2
-    from mamba_parallel.layers.recompute import RECOMPUTE_ENV
 
-    # the modular Mamba-1 layer (its fused middle calls the kernels' Python directly, with no ops to compare)
-    monkeypatch.setenv("MAMBA_PARALLEL_MAMBA1_FUSED", "0")
-    if mode == "recompute":
-        monkeypatch.setenv(RECOMPUTE_ENV, "conv,dt,gate,states")
-    else:
-        monkeypatch.delenv(RECOMPUTE_ENV, raising=False)
+    items = "conv,dt,gate,states" if mode == "recompute" else ""
     torch.manual_seed(0)
-    layer = (Mamba(16, d_state=4) if kind == "mamba1" else
-             Mamba2(16, d_state=8, headdim=8, ngroups=1, chunk_size=16))
+    # the modular Mamba-1 layer (its fused middle calls the kernels' Python directly, with no ops to compare)
+    layer = (Mamba(16, d_state=4, use_fused_path=False, recompute=items) if kind == "mamba1" else
+             Mamba2(16, d_state=8, headdim=8, ngroups=1, chunk_size=16, recompute=items))
     h = _rnd(1, 9, layer.d_model, seed=3)
     fn = (lambda hidden: checkpoint(layer, hidden, use_reentrant=False)) if mode == "checkpoint" else layer
     results = {}

@@ -52,7 +52,7 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
                    dt_bias: torch.Tensor | None = None, dt_softplus: bool = False,
                    dt_limit: tuple[float, float] = (0.0, math.inf), initial_states: torch.Tensor | None = None,
                    seq_idx: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                   return_final_states: bool = False):
+                   return_final_states: bool = False, recompute_states: bool = False):
     """The Mamba-2 state space model over a whole sequence.
 
     x (b, L, h, p); dt (b, L, h); A (h,) (negative); B, C (b, L, g, n), g dividing h (head block i of h/g heads
@@ -62,14 +62,16 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     seq_idx (b, L) int32 (non-decreasing): the state restarts from zero where it changes. cu_seqlens (nseq+1,)
     int32 with b == 1: packed sequences, each from its own initial_states (nseq, h, p, n).
     Returns y (b, L, h, p) in x.dtype [, final_states (b, h, p, n) or (nseq, h, p, n), fp32].
-    L need not be a multiple of chunk_size.
+    L need not be a multiple of chunk_size. ``recompute_states`` (Triton path): the backward recomputes the
+    per-chunk dt / decay and chunk states instead of keeping them (less memory, one more state pass).
     """
     check_ssd_args("ssd_chunk_scan", x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_limit, initial_states, seq_idx,
                    cu_seqlens)
     if use_triton(x, op="ssd_chunk_scan", has_kernel=_kernel() is not None):
         check_int32_span("ssd_chunk_scan", x=x, dt=dt, B=B, C=C, z=z)
         return _kernel().ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit,
-                                        initial_states, seq_idx, cu_seqlens, return_final_states)
+                                        initial_states, seq_idx, cu_seqlens, return_final_states,
+                                        recompute_states)
     return naive.ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
                                 seq_idx, cu_seqlens, return_final_states)
 

@@ -10,7 +10,6 @@ seq_idx and cu_seqlens are turned into a chunk-aligned packed layout (triton_var
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -129,7 +128,7 @@ def _ssd_fwd_impl(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_
 
     keep_final=False: the caller drops final_states (no gradient reaches them), so the backward need not keep
     them: it only multiplies them by that zero gradient. keep_states=False: dt_proc, dA_cs and the chunk states
-    are not kept for the backward, which recomputes them (MAMBA_PARALLEL_RECOMPUTE=states)."""
+    are not kept for the backward, which recomputes them (recompute_states)."""
     return _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states,
                     seq_idx, cu_seqlens)
 
@@ -226,16 +225,9 @@ ssd_fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 fastpath(ssd_fwd_op, _ssd_fwd_impl, setup_context=_setup_context, backward=_autograd_backward)
 
 
-def recompute_states_requested() -> bool:
-    """"states" in MAMBA_PARALLEL_RECOMPUTE (comma list, checked by layers/recompute.py's recompute_items): the
-    backward recomputes dt_proc, dA_cs and the chunk states instead of keeping them (docs/memory.md)."""
-    raw = os.environ.get("MAMBA_PARALLEL_RECOMPUTE")
-    return bool(raw) and "states" in (v.strip() for v in raw.split(","))
-
-
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, cu_seqlens=None,
-                   return_final_states=False):
+                   return_final_states=False, recompute_states=False):
     """Triton path of ``mamba_parallel.ops.ssd_chunk_scan`` (arguments already checked there).
 
     x (b, L, h, p); dt (b, L, h); A (h,); B/C (b, L, g, n); D (h,) or (h, p); z (b, L, h, p); dt_bias (h,);
@@ -244,5 +236,5 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
     """
     y, final, *_ = eager(ssd_fwd_op)(x, dt, A, B, C, int(chunk_size), D, z, dt_bias, bool(dt_softplus),
                                      float(dt_limit[0]), float(dt_limit[1]), initial_states, seq_idx, cu_seqlens,
-                                     bool(return_final_states), not recompute_states_requested())
+                                     bool(return_final_states), not recompute_states)
     return (y, final) if return_final_states else y
