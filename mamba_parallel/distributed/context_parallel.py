@@ -3,39 +3,40 @@
 ``apply_context_parallel(model, cp_mesh)`` turns an unmodified single-device ``MambaLMHeadModel`` into its CP form
 in place. Every rank then receives a contiguous slice of every sequence (rank 0 the first; ``input_ids``,
 ``targets``, ``seq_idx`` and ``position_ids`` are slices of the global ones) and returns its slice of the logits or
-the GLOBAL mean loss. Per instance it overrides:
+the GLOBAL mean loss. Through the model's seams only (layers/seq_ops.py, ``model.loss_fn``) it installs:
 
-- ``mixer.run_conv`` (Mamba / Mamba2): halo exchange of the last d_conv - 1 conv inputs (distributed/cp_ops.py);
-- ``mixer.run_scan``: local scan from zero, one all-gather of (final state, slice decay), the true initial state
-  folded from the earlier ranks' contributions, outputs corrected (distributed/cp_exchange.py, cp_ops.py);
-- ``mixer.forward`` of attention layers: keys / values all-gathered over cp (distributed/cp_attention.py);
-- ``model.lm_loss``: sum of the local cross-entropy over the cp group / number of labels of the whole sequence.
-  Its backward all-reduces over cp, so every rank's gradient is cp x its share of the global mean's; FSDP's
-  average over the (dp_shard, cp) mesh then gives exactly the single-process gradient.
+- per mixer, the CP strategy of its class from ``CP_STRATEGIES`` as ``mixer.seq_ops``: for Mamba / Mamba2 a conv
+  that takes the halo of the last d_conv - 1 inputs from the previous rank and a scan that runs from zero, then
+  all-gathers (final state, slice decay) once and folds in the true initial state (distributed/cp_ops.py,
+  cp_exchange.py); for attention, keys / values all-gathered over cp (distributed/cp_attention.py);
+- ``model.loss_fn``: the sum of the local cross-entropy (the one in place: vocab-parallel under TP) over the cp
+  group / the number of targets of the whole sequence. Its backward all-reduces over cp, so every rank's gradient
+  is cp x its share of the global mean's; FSDP's average over the (dp_shard, cp) mesh then gives exactly the
+  single-process gradient;
+- forward pre-hooks refusing what a slice cannot do: ``cu_seqlens`` (its offsets would be local), ``labels=``
+  (shifting crosses the slice boundary: pass ``targets=``), inference caches (generate in one process).
 
-Packed sequences: ``seq_idx`` slices (a boundary may fall inside a slice or exactly at a rank boundary);
-``cu_seqlens`` is refused (its offsets are local). Composes with tensor parallelism applied before it (the mixers'
-local sizes come from their attributes, the loss becomes the vocab-parallel one) and with FSDP applied after it.
+Packed sequences: ``seq_idx`` slices (a boundary may fall inside a slice or exactly at a rank boundary).
+Composes with tensor parallelism applied before it (the mixers' local sizes come from their attributes, the
+strategies keep TP's channel sum, the loss wraps the vocab-parallel one) and with FSDP applied after it.
+A new mixer: write its CP strategy (a subclass of its single-device one) and add it to ``CP_STRATEGIES``.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mamba_parallel import ops
 from mamba_parallel.distributed.collectives import all_reduce_both
-from mamba_parallel.distributed.cp_attention import cp_mha_forward
+from mamba_parallel.distributed.cp_attention import CPAttentionOps
 from mamba_parallel.distributed.cp_exchange import SeqMeta
 from mamba_parallel.distributed.cp_ops import cp_causal_conv1d, cp_selective_scan, cp_ssd_chunk_scan
 from mamba_parallel.distributed.parallel_dims import ParallelConfigError
 from mamba_parallel.layers.attention import MHA
-from mamba_parallel.layers.mamba1 import Mamba
-from mamba_parallel.layers.mamba2 import Mamba2
+from mamba_parallel.layers.mamba1 import Mamba, Mamba1Ops
+from mamba_parallel.layers.mamba2 import Mamba2, Mamba2Ops
 from mamba_parallel.layers.mlp import MLP, GatedMLP
 
 
@@ -59,62 +60,92 @@ class CPContext:
         return self._meta
 
 
-def _conv_width(mixer: nn.Module) -> int:
-    return mixer.conv1d.weight.shape[-1]
-
-
 def _refuse_cu_seqlens(cu_seqlens) -> None:
     if cu_seqlens is not None:
         raise ValueError("context parallel: pass packed sequences as this rank's slice of the global seq_idx, not "
                          "cu_seqlens (its offsets would be local to the slice)")
 
 
-# ---- per-instance overrides --------------------------------------------------------------------------------------
-def _run_conv(mixer, ctx: CPContext, x, seq_idx=None, initial_state=None, return_final_state=False):
-    """x (b, conv_dim, L_local) -> silu(causal conv) (b, conv_dim, L_local), halo from the previous cp rank."""
-    w = _conv_width(mixer)
-    return cp_causal_conv1d(x, mixer.conv1d.weight[:, 0, :], mixer.conv1d.bias, activation="silu",
-                            initial_state=initial_state, seq_idx=seq_idx, return_final_state=return_final_state,
-                            group=ctx.group, meta=ctx.meta(seq_idx, w - 1))
+# ---- the mixers' strategies (layers/seq_ops.py) ------------------------------------------------------------------
+class _CPConv:
+    """The conv over this rank's slice: the previous rank's last ``halo`` (= d_conv - 1) inputs are its initial
+    state. ``inner``: the strategy this one replaces (ops it does not change go there, e.g. TP's channel sum)."""
+
+    local = False
+    local_conv = False  # the halo exchange communicates: the backward does not run it again
+
+    def __init__(self, ctx: CPContext, halo: int, inner):
+        self.ctx, self.halo, self.inner = ctx, halo, inner
+
+    def conv(self, x, weight, bias=None, activation=None, seq_idx=None, initial_state=None,
+             return_final_state=False):
+        """x (b, d, L_local) -> (b, d, L_local) [, final_state (b, d, w-1): the whole sequence's last inputs]."""
+        return cp_causal_conv1d(x, weight, bias, activation=activation, initial_state=initial_state,
+                                seq_idx=seq_idx, return_final_state=return_final_state, group=self.ctx.group,
+                                meta=self.ctx.meta(seq_idx, self.halo))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(cp={self.ctx.size}, inner={self.inner!r})"
 
 
-def _run_scan_mamba2(mixer: Mamba2, ctx: CPContext, x, dt, A, B, C, D=None, z=None, dt_bias=None, seq_idx=None,
-                     cu_seqlens=None, recompute_states=False, initial_states=None, return_final_states=False):
-    """Mamba2.run_scan over this rank's slice (same arguments); final states are the whole sequence's."""
-    _refuse_cu_seqlens(cu_seqlens)
-    return cp_ssd_chunk_scan(x, dt, A, B, C, mixer.chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=True,
-                             dt_limit=mixer.dt_limit, initial_states=initial_states, seq_idx=seq_idx,
-                             return_final_states=return_final_states, group=ctx.group,
-                             meta=ctx.meta(seq_idx, _conv_width(mixer) - 1), recompute_states=recompute_states)
+class CPMamba1Ops(_CPConv, Mamba1Ops):
+    def scan(self, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
+             return_last_state=False, seq_idx=None):
+        """``Mamba1Ops.scan`` over this rank's slice; the last state is the whole sequence's."""
+        return cp_selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                                 initial_state=initial_state, return_last_state=return_last_state, seq_idx=seq_idx,
+                                 group=self.ctx.group, meta=self.ctx.meta(seq_idx, self.halo))
+
+    def channel_sum(self, t):
+        return self.inner.channel_sum(t)
 
 
-def _run_scan_mamba1(mixer: Mamba, ctx: CPContext, u, delta, A, B, C, D=None, z=None, delta_bias=None,
-                     seq_idx=None, initial_state=None, return_last_state=False):
-    """Mamba.run_scan over this rank's slice (same arguments); the last state is the whole sequence's."""
-    return cp_selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=True,
-                             initial_state=initial_state, return_last_state=return_last_state, seq_idx=seq_idx,
-                             group=ctx.group, meta=ctx.meta(seq_idx, _conv_width(mixer) - 1))
+class CPMamba2Ops(_CPConv, Mamba2Ops):
+    def scan(self, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+             dt_limit=(0.0, float("inf")), initial_states=None, seq_idx=None, cu_seqlens=None,
+             return_final_states=False, recompute_states=False):
+        """``Mamba2Ops.scan`` over this rank's slice; final states are the whole sequence's."""
+        _refuse_cu_seqlens(cu_seqlens)
+        return cp_ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                 dt_limit=dt_limit, initial_states=initial_states, seq_idx=seq_idx,
+                                 return_final_states=return_final_states, group=self.ctx.group,
+                                 meta=self.ctx.meta(seq_idx, self.halo), recompute_states=recompute_states)
 
 
-def _cp_lm_loss(model: nn.Module, ctx: CPContext, hidden_states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """hidden_states (b, L_local, d), targets (b, L_local) already shifted -> the mean CE over the targets != -100
-    of the WHOLE sequences (the same scalar on every cp rank)."""
-    hidden, flat = hidden_states.flatten(0, 1), targets.flatten()
-    if getattr(model, "_tp_applied", False):
-        from mamba_parallel.distributed.tensor_parallel import vocab_parallel_linear_cross_entropy
-
-        local = vocab_parallel_linear_cross_entropy(hidden, model.lm_head.local_weight(), flat,
-                                                    model.tp_mesh.get_group(), reduction="sum")
-    else:
-        local = ops.linear_cross_entropy(hidden, model.lm_head.weight, flat, reduction="sum")
-    count = (flat != -100).sum().to(local.dtype)
-    dist.all_reduce(count, group=ctx.group)
-    return all_reduce_both(local, ctx.group) / count
+def _mamba_ops(cls):
+    return lambda mixer, ctx: cls(ctx, mixer.conv1d.weight.shape[-1] - 1, mixer.seq_ops)
 
 
-def _refuse_generate(*args, **kwargs):
-    raise RuntimeError("context parallel: generate() is not supported on a cp-sharded model (each rank holds a "
-                       "slice of the sequence); load the checkpoint in one process to generate")
+# mixer class -> (mixer, CPContext) -> its context-parallel sequence ops; None: the mixer is token-local (an MLP
+# block), a slice of the sequence needs nothing from the other ranks. A new mixer adds its entry here.
+CP_STRATEGIES = {
+    Mamba: _mamba_ops(CPMamba1Ops),
+    Mamba2: _mamba_ops(CPMamba2Ops),
+    MHA: lambda mixer, ctx: CPAttentionOps(ctx.group, ctx.rank, ctx.size),
+    GatedMLP: None,
+    MLP: None,
+}
+
+
+# ---- the model's loss and refusals -------------------------------------------------------------------------------
+class ContextParallelLoss:
+    """``model.loss_fn`` of a cp model: hidden (N_local, d), weight, targets (N_local,) already shifted -> the
+    mean CE over the targets != -100 of the WHOLE sequences (the same scalar on every cp rank); ``inner``: the
+    loss in place before (single-device or vocab-parallel), called with reduction="sum"."""
+
+    def __init__(self, inner, group):
+        self.inner, self.group = inner, group
+
+    def __call__(self, hidden, weight, targets, reduction: str = "mean"):
+        local = self.inner(hidden, weight, targets, reduction="sum")
+        total = all_reduce_both(local, self.group)
+        if reduction == "sum":
+            return total
+        if reduction != "mean":
+            raise ValueError(f"context parallel loss: reduction must be mean or sum, got {reduction!r}")
+        count = (targets != -100).sum().to(local.dtype)
+        dist.all_reduce(count, group=self.group)
+        return total / count
 
 
 def _refuse_labels(module, args, kwargs):
@@ -126,6 +157,10 @@ def _refuse_labels(module, args, kwargs):
 
 def _backbone_pre_hook(module, args, kwargs):
     _refuse_cu_seqlens(kwargs.get("cu_seqlens") if len(args) < 4 else args[3])
+    if (kwargs.get("inference_params") if len(args) < 2 else args[1]) is not None:
+        raise RuntimeError("context parallel: generate() / inference caches are not supported on a cp-sharded "
+                           "model (each rank holds a slice of the sequence); load the checkpoint in one process "
+                           "to generate")
     return None
 
 
@@ -138,32 +173,26 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
                                   f"{cp_mesh.mesh_dim_names}")
     if cp_mesh.size() == 1:
         return model
-    if getattr(model, "_cp_applied", False):
-        raise RuntimeError("apply_context_parallel: the model is already context-parallel")
     try:
         layers = model.backbone.layers
     except AttributeError:
         raise TypeError(f"apply_context_parallel expects a MambaLMHeadModel (model.backbone.layers), got "
                         f"{type(model).__name__}") from None
+    if isinstance(model.loss_fn, ContextParallelLoss):
+        raise RuntimeError("apply_context_parallel: the model is already context-parallel")
     ctx = CPContext(cp_mesh)
+    strategies = []
     for i, block in enumerate(layers):
         mixer = block.mixer
-        if isinstance(mixer, Mamba2):
-            mixer.run_conv = functools.partial(_run_conv, mixer, ctx)
-            mixer.run_scan = functools.partial(_run_scan_mamba2, mixer, ctx)
-        elif isinstance(mixer, Mamba):
-            mixer.run_conv = functools.partial(_run_conv, mixer, ctx)
-            mixer.run_scan = functools.partial(_run_scan_mamba1, mixer, ctx)
-        elif isinstance(mixer, MHA):
-            mixer.forward = functools.partial(cp_mha_forward, mixer, ctx.group, ctx.rank, ctx.size)
-        elif isinstance(mixer, (GatedMLP, MLP)):
-            pass  # an MLP block is token-local: a slice of the sequence needs nothing from the other ranks
-        else:
+        cls = next((c for c in CP_STRATEGIES if isinstance(mixer, c)), None)
+        if cls is None:
             raise ParallelConfigError(f"context parallel: layer {i} has a {type(mixer).__name__} mixer, which has no "
-                                      f"cp form (cp > 1 supports Mamba, Mamba2 and MHA layers)")
+                                      f"cp form (CP_STRATEGIES has {', '.join(c.__name__ for c in CP_STRATEGIES)})")
+        if CP_STRATEGIES[cls] is not None:
+            strategies.append((mixer, CP_STRATEGIES[cls](mixer, ctx)))
+    for mixer, ops_ in strategies:  # all or nothing
+        mixer.seq_ops = ops_
     model.backbone.register_forward_pre_hook(_backbone_pre_hook, with_kwargs=True)
     model.register_forward_pre_hook(_refuse_labels, with_kwargs=True)
-    model.lm_loss = functools.partial(_cp_lm_loss, model, ctx)
-    model.generate = _refuse_generate
-    model._cp_applied, model.cp_mesh, model.cp_context = True, cp_mesh, ctx
+    model.loss_fn = ContextParallelLoss(model.loss_fn, ctx.group)
     return model

@@ -117,7 +117,8 @@ def _split_into(canon_value: Tensor, view, idx: int, template: Tensor) -> Tensor
 def model_state_dict(model: torch.nn.Module) -> dict:
     """The model's state for DCP: single-device keys and global shapes (sharded tensors stay sharded)."""
     sd = canonical_tensors(get_model_state_dict(model, options=_OPTS), model)
-    if getattr(model, "_tp_applied", False) and model.lm_head.tied and "lm_head.weight" not in sd:
+    head = getattr(getattr(model, "module", model), "lm_head", None)  # (a DDP wrapper holds the model as .module)
+    if getattr(head, "tied", False) and "lm_head.weight" not in sd:  # TPTiedLMHead: no parameter of its own
         sd["lm_head.weight"] = sd["backbone.embedding.weight"]
     return sd
 

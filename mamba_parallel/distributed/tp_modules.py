@@ -84,8 +84,8 @@ class _LinearTakeover(nn.Module):
 class TPRowLinear(_LinearTakeover):
     """Row-parallel linear taking over an nn.Linear's ``weight`` / ``bias`` (same state-dict names).
 
-    x (..., in_local) -> reduce(x @ W_local^T) + bias, reduce = "reduce_scatter" (SP, along the sequence),
-    "all_reduce", or "all_reduce_both" (the sum is then used rank-locally: Mamba-1 x_proj).
+    x (..., in_local) -> reduce(x @ W_local^T) + bias, reduce = "reduce_scatter" (SP, along the sequence) or
+    "all_reduce".
     """
 
     def __init__(self, linear: nn.Linear, group, reduce: str):
@@ -96,10 +96,8 @@ class TPRowLinear(_LinearTakeover):
         out = F.linear(x, self.weight)
         if self.reduce == "reduce_scatter":
             out = coll.reduce_scatter(out, self.group, SEQ_DIM)
-        elif self.reduce == "all_reduce":
-            out = coll.all_reduce(out, self.group)
         else:
-            out = coll.all_reduce_both(out, self.group)
+            out = coll.all_reduce(out, self.group)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
@@ -225,10 +223,6 @@ class TPLMHead(nn.Module):
         if lm_head is not None:
             self.weight = lm_head.weight
 
-    def local_weight(self) -> Tensor:
-        """This rank's (V / tp, d) vocabulary rows (what the vocab-parallel losses multiply with)."""
-        return self.weight
-
     def forward(self, hidden: Tensor) -> Tensor:
         return coll.gather_from_group(F.linear(hidden, self.weight), self.group, -1)
 
@@ -247,9 +241,21 @@ class TPTiedLMHead(TPLMHead):
     def weight(self) -> Tensor:
         return self._embedding[0].weight
 
+    @weight.setter
+    def weight(self, value: Tensor) -> None:
+        """``model.tie_weights()`` assigns the embedding's weight: this head reads it itself, so nothing to do."""
+        if value is not None and value.shape != self._embedding[0].weight.shape:
+            raise ValueError(f"TPTiedLMHead: cannot tie to a weight of shape {tuple(value.shape)}, the embedding's "
+                             f"shard is {tuple(self._embedding[0].weight.shape)}")
 
-def vocab_parallel_lm_loss(model, group, hidden_states: Tensor, targets: Tensor) -> Tensor:
-    """hidden (b, L, d) full on every rank, targets (b, L) already shifted -> mean CE over targets != -100; logits
-    stay sharded."""
-    return vocab_parallel_linear_cross_entropy(hidden_states.flatten(0, 1), model.lm_head.weight,
-                                               targets.flatten(), group)
+
+class VocabParallelLoss:
+    """``model.loss_fn`` under tensor parallelism: hidden (N, d) full on every rank, weight (V / tp, d) this rank's
+    vocabulary rows, targets (N,) already shifted -> CE over targets != -100 (mean / sum / none); the logits stay
+    sharded (vocab_parallel_linear_cross_entropy)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, hidden: Tensor, weight: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+        return vocab_parallel_linear_cross_entropy(hidden, weight, targets, self.group, reduction=reduction)

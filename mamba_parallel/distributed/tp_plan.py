@@ -12,11 +12,12 @@
   ``state_dict.py`` turns them back into the canonical fused tensor, so checkpoints do not depend on tp.
 - Mamba-2: heads (and groups when ngroups % tp == 0) split; with ngroups = 1, B and C (in_proj rows, conv
   channels) are replicated and their gradients summed over tp; the gated norm then spans every channel, so its
-  sum of squares is all-reduced. Mamba-1: d_inner channels split; x_proj (a reduction over d_inner) all-reduces
-  its output in forward AND backward (dt_proj / B / C consumers are rank-local). Attention: heads; MLP: hidden.
+  sum of squares is all-reduced. Mamba-1: d_inner channels split; x_proj (a reduction over d_inner) keeps its
+  input columns and its output is all-reduced in forward AND backward by the mixer's ``seq_ops.channel_sum``
+  (``TPMamba1Ops``; dt_proj / B / C consumers are rank-local). Attention: heads; MLP: hidden.
 - out_proj / fc2 are row-parallel: reduce-scatter along the sequence (SP) or all-reduce; bias added after.
-- Embedding and LM head are vocab-parallel (tied stays tied); the loss ``model.lm_loss`` is replaced per
-  instance by a vocab-parallel cross-entropy that never gathers the logits; ``model(ids)`` logits are gathered.
+- Embedding and LM head are vocab-parallel (tied stays tied); ``model.loss_fn`` becomes a vocab-parallel
+  cross-entropy that never gathers the logits; ``model(ids)`` logits are gathered.
 - Sequence parallel: the residual stream between blocks is (b, L / tp, d); each mixer / MLP all-gathers its input
   along the sequence (backward: reduce-scatter) and reduce-scatters its output; norms and residual adds run on the
   local shard, their replicated weights' gradients summed over tp. Without SP the stream is replicated and the
@@ -29,8 +30,8 @@
   attention's pre-hook gather is not overlapped.
 
 Either the model holds real, identical weights on every tp rank (tp rank 0's are scattered), or it is on the meta
-device: then ``to_empty`` + ``model.init_weights()`` afterwards (overridden per instance) give the same values as
-the single-device model built from the same seed. SP needs seqlen % tp == 0: decode (generate) with a model made
+device: then ``to_empty`` + ``init_parallel_weights(model)`` afterwards give the same values as the
+single-device model built from the same seed. SP needs seqlen % tp == 0: decode (generate) with a model made
 with ``sequence_parallel=False``.
 """
 
@@ -44,7 +45,7 @@ import torch.nn.utils.parametrize as parametrize
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from mamba_parallel.distributed.collectives import all_gather, copy_to_group
+from mamba_parallel.distributed.collectives import all_gather, all_reduce_both, copy_to_group
 from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
 from mamba_parallel.distributed.tp_modules import (  # noqa: F401  (ShardView: re-exported for callers)
     SEQ_DIM,
@@ -55,10 +56,10 @@ from mamba_parallel.distributed.tp_modules import (  # noqa: F401  (ShardView: r
     TPLMHead,
     TPRowLinear,
     TPTiedLMHead,
-    vocab_parallel_lm_loss,
+    VocabParallelLoss,
 )
 from mamba_parallel.layers.attention import MHA
-from mamba_parallel.layers.mamba1 import Mamba
+from mamba_parallel.layers.mamba1 import Mamba, Mamba1Ops
 from mamba_parallel.layers.mamba2 import Mamba2
 from mamba_parallel.layers.mlp import MLP, GatedMLP
 
@@ -114,13 +115,31 @@ def _out_reduce(sp: bool) -> str:
     return "reduce_scatter" if sp else "all_reduce"
 
 
+class TPMamba1Ops(Mamba1Ops):
+    """Mamba's sequence ops when its d_inner channels are split over tp (layers/seq_ops.py): conv and scan stay
+    local; x_proj's partial products are summed over tp in forward and backward (each rank then uses the sum for
+    its own channels)."""
+
+    local = False  # the channel sum communicates: the fused middle (which bypasses it) must not run
+
+    def __init__(self, group):
+        self.group = group
+
+    def channel_sum(self, t):
+        return all_reduce_both(t, self.group)
+
+
 def _plan_mamba1(m: Mamba, mesh: DeviceMesh, sp: bool, overlap: bool = False) -> None:
     tp, d = mesh.size(), m.d_inner
     S = _split(d, tp, "d_inner")
     m.in_proj = _entry_column(m.in_proj, mesh, [(d, S, False), (d, S, False)], sp, overlap)  # [x | z]
     _shard(m.conv1d, "weight", mesh, [(d, S, False)])
     _shard(m.conv1d, "bias", mesh, [(d, S, False)])
-    m.x_proj = _row(m.x_proj, mesh, "all_reduce_both", bias_grad_sum=True)
+    if m.x_proj.bias is not None:
+        raise ParallelConfigError("apply_tensor_parallel: Mamba's x_proj has a bias, which the channel sum would add "
+                                  "tp times")
+    _shard(m.x_proj, "weight", mesh, [(d, Shard(1), False)], dim=1)  # input columns; the sum: seq_ops.channel_sum
+    m.seq_ops = TPMamba1Ops(mesh.get_group())
     _column(m.dt_proj, mesh, [(d, S, False)])
     _shard(m, "A_log", mesh, [(d, S, False)])
     _shard(m, "D", mesh, [(d, S, False)])
@@ -206,7 +225,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     tp = tp_mesh.size()
     if tp == 1:
         return model
-    if getattr(model, "_tp_applied", False):
+    if isinstance(model.lm_head, TPLMHead):
         raise RuntimeError("apply_tensor_parallel: the model is already tensor-parallel")
     ParallelDims(dp_shard=1, tp=tp, world_size=tp).validate_for_model(model.config)
     group, sp = tp_mesh.get_group(), sequence_parallel
@@ -243,22 +262,24 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     else:
         model.lm_head = TPLMHead(model.lm_head, group)
         _shard(model.lm_head, "weight", tp_mesh, [(vocab, Shard(0), False)])
-    model.lm_loss = functools.partial(vocab_parallel_lm_loss, model, group)
-    model._tp_applied, model.tp_mesh, model.sequence_parallel = True, tp_mesh, sp
-    model.init_weights = functools.partial(_tp_init_weights, model)
-    model.tie_weights = lambda: None  # TPLMHead reads the embedding's shard itself when tied
+    model.loss_fn = VocabParallelLoss(group)
     return model
 
 
 @torch.no_grad()
-def _tp_init_weights(model: nn.Module) -> None:
-    """``init_weights`` of a tensor-parallel model (e.g. built on meta, then ``to_empty``): the layers' init
-    helpers draw at the GLOBAL shape, which the local views cannot show; so a single-device twin is initialised
-    from the same RNG stream (same values as the single-device model for the same seed) and its weights are
-    scattered into the shards. Costs one unsharded copy of the model while it runs."""
+def init_parallel_weights(model: nn.Module) -> None:
+    """``model.init_weights()`` for a model of any layout (e.g. built on meta, parallelized, then ``to_empty``).
+
+    Data parallel alone: the model's own ``init_weights`` (its helpers draw every value at the global shape and
+    write each rank's shard). Tensor parallel: the layers see only local views of their parameters, so a
+    single-device twin is initialised from the same RNG stream (same values as the single-device model for the
+    same seed) and its weights are scattered into the shards; costs one unsharded copy of the model meanwhile."""
     from mamba_parallel.distributed.state_dict import load_model_state_dict
     from mamba_parallel.models import MambaLMHeadModel
 
+    if not any(isinstance(m, TPLMHead) for m in model.modules()):
+        model.init_weights()
+        return
     ref = next(p for p in model.parameters())
     dev = (ref.to_local() if isinstance(ref, DTensor) else ref).device
     twin = MambaLMHeadModel(model.config, device=dev, dtype=ref.dtype)

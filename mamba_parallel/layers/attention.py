@@ -2,7 +2,9 @@
 
 in_proj -> [q (h·d) | k (h_kv·d) | v (h_kv·d)]; rotary on the first ``rotary_emb_dim`` dims of q and k;
 SDPA with grouped KV heads; out_proj. Local head counts come from the attributes ``num_heads`` /
-``num_heads_kv`` (tensor parallelism rewrites them).
+``num_heads_kv`` (tensor parallelism rewrites them). A forward without an inference cache computes the rotary
+positions and the attention through ``seq_ops`` (the parallel seam, layers/seq_ops.py: context parallelism gives
+every rank the keys / values of the whole sequence there).
 """
 
 from __future__ import annotations
@@ -14,6 +16,47 @@ import torch.nn.functional as F
 from mamba_parallel.layers import init
 from mamba_parallel.layers.packing import position_ids_from_seq_idx, resolve_seq_idx
 from mamba_parallel.layers.rotary import apply_rotary, rotary_cos_sin
+from mamba_parallel.layers.seq_ops import SequenceOps
+
+
+def attention_mask(seq_idx: torch.Tensor | None, causal: bool, q_pos: torch.Tensor, k_seq: torch.Tensor | None,
+                   k_len: int) -> torch.Tensor | None:
+    """Boolean SDPA mask (b or 1, 1, Lq, Lk) -> True where query i may see key j: j <= q_pos[i] when ``causal``,
+    and the same packed sequence when ``seq_idx`` (b, Lq) / ``k_seq`` (b, Lk) are given. None: no mask needed."""
+    mask = None
+    if causal:
+        mask = (torch.arange(k_len, device=q_pos.device)[None] <= q_pos[:, None])[None, None]
+    if seq_idx is not None:
+        same = (seq_idx[:, :, None] == k_seq[:, None, :])[:, None]
+        mask = same if mask is None else mask & same
+    return mask
+
+
+class AttentionOps(SequenceOps):
+    """MHA's single-device sequence ops (the parallel seam, layers/seq_ops.py): rotary positions and causal
+    attention over the whole sequence, packed sequences kept apart."""
+
+    def positions(self, seq_idx: torch.Tensor | None, b: int, L: int, device) -> torch.Tensor:
+        """(b, L) int64: each token's position in its sequence (restarting where seq_idx (b, L) changes)."""
+        if seq_idx is not None:
+            return position_ids_from_seq_idx(seq_idx)
+        return torch.arange(L, device=device).expand(b, L)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_idx: torch.Tensor | None,
+                  causal: bool, scale: float | None) -> torch.Tensor:
+        """q (b, L, h, d), k / v (b, L, h_kv, d) -> (b, L, h, d); seq_idx (b, L): attend within a sequence."""
+        mask, is_causal = None, causal
+        if seq_idx is not None:
+            L = q.shape[1]
+            mask, is_causal = attention_mask(seq_idx, causal, torch.arange(L, device=q.device), seq_idx, L), False
+        return sdpa(q, k, v, mask, is_causal, scale)
+
+
+def sdpa(q, k, v, mask, is_causal: bool, scale: float | None) -> torch.Tensor:
+    """q (b, L, h, d), k / v (b, S, h_kv, d), h a multiple of h_kv -> (b, L, h, d) (torch SDPA, grouped KV)."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         is_causal=is_causal, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
 
 
 class MHA(nn.Module):
@@ -39,6 +82,7 @@ class MHA(nn.Module):
         qkv_dim = self.head_dim * (num_heads + 2 * self.num_heads_kv)
         self.in_proj = nn.Linear(embed_dim, qkv_dim, bias=qkv_proj_bias, **fk)
         self.out_proj = nn.Linear(self.head_dim * num_heads, embed_dim, bias=out_proj_bias, **fk)
+        self.seq_ops = AttentionOps()  # positions and attention: what context parallelism replaces
         if not init.is_meta(device):
             self.reset_parameters()
 
@@ -73,36 +117,37 @@ class MHA(nn.Module):
         seq_idx = resolve_seq_idx(seq_idx, cu_seqlens, L)
         q, k, v = self.project_qkv(hidden_states)
 
-        offset = 0 if inference_params is None else inference_params.seqlen_offset
-        if inference_params is not None and offset > 0 and L == 1:
+        if inference_params is None:
+            if self.rotary_emb_dim > 0:
+                if position_ids is None:
+                    position_ids = self.seq_ops.positions(seq_idx, b, L, q.device)
+                cos, sin = rotary_cos_sin(position_ids, self.rotary_emb_dim, self.rotary_emb_base)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            out = self.seq_ops.attention(q, k, v, seq_idx, self.causal, self.softmax_scale)
+            return self.out_proj(out.flatten(-2))
+
+        if not self.seq_ops.local:
+            raise ValueError("MHA: an inference cache needs the whole sequence on this device (the sequence ops "
+                             "are sharded, e.g. by context parallelism): generate in one process")
+        offset = inference_params.seqlen_offset
+        if offset > 0 and L == 1:
             return self.step(q, k, v, inference_params)
+        if seq_idx is not None:
+            raise ValueError("MHA: seq_idx (packed sequences) cannot fill an inference cache")
         if self.rotary_emb_dim > 0:
             if position_ids is None:
-                if seq_idx is not None:
-                    position_ids = position_ids_from_seq_idx(seq_idx)
-                else:
-                    position_ids = torch.arange(offset, offset + L, device=q.device).expand(b, L)
+                position_ids = torch.arange(offset, offset + L, device=q.device).expand(b, L)
             cos, sin = rotary_cos_sin(position_ids, self.rotary_emb_dim, self.rotary_emb_base)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
+        kv_cache = self._kv_cache(inference_params, offset + L)
+        kv_cache[:b, offset:offset + L, 0] = k
+        kv_cache[:b, offset:offset + L, 1] = v
+        k, v = kv_cache[:b, :offset + L, 0].to(q.dtype), kv_cache[:b, :offset + L, 1].to(q.dtype)
         mask, is_causal = None, self.causal
-        if inference_params is not None:
-            if seq_idx is not None:
-                raise ValueError("MHA: seq_idx (packed sequences) cannot fill an inference cache")
-            kv_cache = self._kv_cache(inference_params, offset + L)
-            kv_cache[:b, offset:offset + L, 0] = k
-            kv_cache[:b, offset:offset + L, 1] = v
-            k, v = kv_cache[:b, :offset + L, 0].to(q.dtype), kv_cache[:b, :offset + L, 1].to(q.dtype)
-            if offset > 0:
-                is_causal = False  # query i sits at offset + i: it sees keys j <= offset + i
-                if self.causal:
-                    i = torch.arange(L, device=q.device)[:, None]
-                    mask = torch.arange(offset + L, device=q.device)[None] <= offset + i
-        elif seq_idx is not None:
-            same = seq_idx[:, :, None] == seq_idx[:, None, :]  # (b, L, L)
-            if self.causal:
-                same = same & torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-            mask, is_causal = same[:, None], False
+        if offset > 0:  # query i sits at offset + i: it sees keys j <= offset + i
+            mask = attention_mask(None, True, offset + torch.arange(L, device=q.device), None, offset + L) \
+                if self.causal else None
+            is_causal = False
         return self._attend(q, k, v, mask, is_causal)
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inference_params) -> torch.Tensor:
@@ -129,10 +174,7 @@ class MHA(nn.Module):
 
     def _attend(self, q, k, v, mask, is_causal) -> torch.Tensor:
         """q (b, L, h, d), k/v (b, S, h_kv, d) -> out_proj(attention) (b, L, d_model)."""
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, is_causal=is_causal, scale=self.softmax_scale,
-                                             enable_gqa=self.num_heads != self.num_heads_kv)
-        return self.out_proj(out.transpose(1, 2).flatten(-2))
+        return self.out_proj(sdpa(q, k, v, mask, is_causal, self.softmax_scale).flatten(-2))
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None) -> torch.Tensor:
         """-> kv_cache (batch, max_seqlen, 2, num_heads_kv, head_dim) in ``dtype``."""

@@ -14,7 +14,8 @@ docs/memory.md) rebuilds the conv output (its token-major copy), the scan's delt
 backward instead of keeping them. Training on the Triton path with ``use_fused_path`` (the default), nothing
 replaced and no ``gate`` recompute runs the middle (conv .. gate) as one autograd node with the same kernels
 (layers/mamba1_fused.py): fewer launches and less host work per layer.
-Local sizes come from the attributes ``d_inner``, ``d_state``, ``dt_rank`` (tensor parallelism rewrites them).
+Local sizes come from the attributes ``d_inner``, ``d_state``, ``dt_rank`` (tensor parallelism rewrites them); the
+conv, the scan and x_proj's channel sum go through ``seq_ops`` (the parallel seam, layers/seq_ops.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from mamba_parallel.layers.mamba1_fused import FUSED_RECOMPUTE, fused_ok, mamba1
 from mamba_parallel.layers.mamba1_layout import gate_to_token_last, split_xz, token_major
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, recompute_set, run_saving
+from mamba_parallel.layers.seq_ops import SequenceOps
 
 
 def _token_major_linear(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,6 +44,23 @@ def _token_major_linear(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
     """
     y = torch.bmm(weight.unsqueeze(0).expand(x.shape[0], -1, -1), x)
     return y if bias is None else y + bias.to(y.dtype)[:, None]  # in the product's dtype, as F.linear under autocast
+
+
+class Mamba1Ops(SequenceOps):
+    """Mamba's single-device sequence ops (the parallel seam, layers/seq_ops.py): the conv, the selective scan,
+    and the sum of x_proj's output over channel shards (the identity here)."""
+
+    def scan(self, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
+             return_last_state=False, seq_idx=None):
+        """``ops.selective_scan``: u / delta / z (b, d, L), A (d, n), B / C (b, n, L) -> y (b, d, L)
+        [, last_state (b, d, n) fp32]."""
+        return ops.selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                                  initial_state=initial_state, return_last_state=return_last_state,
+                                  seq_idx=seq_idx)
+
+    def channel_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """x_proj's output (b, r + 2n, L) from this device's d_inner channels -> the sum over all channels."""
+        return t
 
 
 class Mamba(nn.Module):
@@ -63,6 +82,7 @@ class Mamba(nn.Module):
         # training on the Triton path: the middle as one autograd node (layers/mamba1_fused.py); False: the
         # modular forward below, op by op
         self.use_fused_path = bool(use_fused_path)
+        self.seq_ops = Mamba1Ops()  # conv, scan, channel_sum: what context / tensor parallelism replace
 
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=bias, **fk)
         self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, d_conv, groups=self.d_inner, padding=d_conv - 1,
@@ -99,37 +119,10 @@ class Mamba(nn.Module):
         init.linear_zero_bias_(self.out_proj)
         init.mark_no_weight_decay(self)
 
-    # ---- overridable sub-steps (context parallelism replaces them per instance) ---------------------------------
-    def run_conv(self, x: torch.Tensor, seq_idx: torch.Tensor | None = None, **state_kwargs):
-        """x (b, d_inner, L) any strides (the layer passes a channels-last view of in_proj's output)
-        -> silu(causal depthwise conv(x)) (b, d_inner, L), any layout.
-
-        ``state_kwargs`` (inference only): ``initial_state``, ``return_final_state`` of ops.causal_conv1d.
-        """
-        return ops.causal_conv1d(x, self.conv1d.weight[:, 0, :], self.conv1d.bias, activation="silu",
-                                 seq_idx=seq_idx, **state_kwargs)
-
-    def run_scan(self, u, delta, A, B, C, D=None, z=None, delta_bias=None, seq_idx=None, **state_kwargs):
-        """u/delta/z (b, d_inner, L), A (d_inner, n), B/C (b, n, L), D (d_inner,) -> y (b, d_inner, L).
-
-        delta is softplus'ed inside (after adding delta_bias). The layer passes z=None (it gates outside the
-        scan); z is kept for callers of the op's full signature. ``state_kwargs`` (inference only):
-        ``initial_state``, ``return_last_state`` of ops.selective_scan.
-        """
-        return ops.selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=True,
-                                  seq_idx=seq_idx, **state_kwargs)
-
     def _x_proj_token_major(self, x: torch.Tensor) -> torch.Tensor:
-        """x (b, d_inner, L) -> x_proj(x) as (b, r + 2n, L).
-
-        A plain x_proj is applied token-major (no copy of x, which the scan also keeps for backward); a replaced
-        one (tensor parallelism wraps it to all-reduce its output) is called as a module on the (b, L, d_inner)
-        view.
-        """
-        lin = self.x_proj
-        if type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks):
-            return _token_major_linear(lin.weight, x, lin.bias)
-        return lin(x.transpose(1, 2)).transpose(1, 2)
+        """x (b, d_inner, L) -> x_proj(x) as (b, r + 2n, L), applied token-major (no copy of x, which the scan also
+        keeps for backward), summed over the ranks holding the other channels (``seq_ops.channel_sum``)."""
+        return self.seq_ops.channel_sum(_token_major_linear(self.x_proj.weight, x, self.x_proj.bias))
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, inference_params=None, seq_idx: torch.Tensor | None = None,
@@ -151,7 +144,7 @@ class Mamba(nn.Module):
         xz = self.in_proj(hidden_states)
         if xz.shape[-1] != 2 * d_inner:
             raise ValueError(f"Mamba: in_proj gives {xz.shape[-1]} features, expected 2 * d_inner = {2 * d_inner}")
-        if conv_state is None and self.use_fused_path and fused_ok(self, Mamba, xz):
+        if conv_state is None and self.use_fused_path and self.seq_ops.local and fused_ok(self, xz):
             plan = recompute_plan(self)
             if plan <= FUSED_RECOMPUTE:  # one autograd node (layers/mamba1_fused.py); it always rebuilds dt
                 return self.out_proj(mamba1_inner(self, xz, seq_idx, recompute_conv="conv" in plan))
@@ -163,19 +156,19 @@ class Mamba(nn.Module):
             conv_kwargs = dict(initial_state=conv_state[:b] if resume else None, return_final_state=True)
             scan_kwargs = dict(initial_state=ssm_state[:b] if resume else None, return_last_state=True)
         conv_in = x
-        x = self.run_conv(x, seq_idx, **conv_kwargs)  # reads the strided view; may keep its layout
+        x = self._conv(x, seq_idx, **conv_kwargs)  # reads the strided view; may keep its layout
         if conv_state is not None:
             x, final_conv = x
             conv_state[:b].copy_(final_conv)
         x = token_major(x)  # unit token stride for x_proj and the scan, which stream along L
         # recompute (training or a plain forward: no inference states to fill): what the backward rebuilds
         # instead of keeping; empty: no context at all
-        plan = recompute_plan(self, "run_conv" not in self.__dict__) if conv_state is None else NOTHING
+        plan = recompute_plan(self, self.seq_ops.local_conv) if conv_state is None else NOTHING
         rebuilt = None
         if "conv" in plan:
             conv_in = conv_in.detach()  # a view of in_proj's output, which the conv keeps for its backward anyway
             rebuilt = RecomputeInBackward()
-            rebuilt.add(x, lambda: token_major(self.run_conv(conv_in, seq_idx)))
+            rebuilt.add(x, lambda: token_major(self._conv(conv_in, seq_idx)))
         x_dbl = run_saving(rebuilt, self._x_proj_token_major, x)  # (b, r + 2n, L); x_proj keeps x
         dt_low, B, C = x_dbl.split([r, n, n], dim=1)
         dt = _token_major_linear(self.dt_proj.weight, dt_low)  # (b, d_inner, L); bias added in the scan
@@ -186,8 +179,8 @@ class Mamba(nn.Module):
             rebuilt.add(dt, lambda: _token_major_linear(w, low))
         A = -torch.exp(self.A_log.float())
         # the scan keeps x and dt for the backward
-        y = run_saving(rebuilt, self.run_scan, x, dt, A, B, C, D=self.D.float(),
-                       delta_bias=self.dt_proj.bias.float(), seq_idx=seq_idx, **scan_kwargs)
+        y = run_saving(rebuilt, self.seq_ops.scan, x, dt, A, B, C, D=self.D.float(),
+                       delta_bias=self.dt_proj.bias.float(), delta_softplus=True, seq_idx=seq_idx, **scan_kwargs)
         if ssm_state is not None:
             y, last_state = y
             ssm_state[:b].copy_(last_state)
@@ -200,6 +193,11 @@ class Mamba(nn.Module):
         rebuilt.add(gated, lambda: gate_to_token_last(y_in, z_in))
         with rebuilt:  # out_proj keeps its input for the weight gradient
             return self.out_proj(gated)
+
+    def _conv(self, x: torch.Tensor, seq_idx: torch.Tensor | None, **state_kwargs):
+        """x (b, d_inner, L) any strides -> silu(causal depthwise conv(x)) (b, d_inner, L), any layout."""
+        return self.seq_ops.conv(x, self.conv1d.weight[:, 0, :], self.conv1d.bias, activation="silu",
+                                 seq_idx=seq_idx, **state_kwargs)
 
     def step(self, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
         """One decode token: hidden_states (b, 1, d_model) -> (b, 1, d_model); states updated in place."""

@@ -19,8 +19,9 @@ gradients, A's chain rule). Here one ``autograd.Function`` runs the same kernels
 
 Same numerics as the modular path: the same kernels in the same dtypes (weights cast to the activations' dtype, as
 autocast does; the weight gradients of the two token-major matmuls are summed over the batch in fp32 instead of in
-the activation dtype). ``Mamba.forward`` takes this path when ``use_fused_path`` is set, ``fused_ok`` allows (the
-Triton path, training, the plain sub-modules, nothing overridden) and no ``gate`` recompute is asked for.
+the activation dtype). ``Mamba.forward`` takes this path when ``use_fused_path`` is set, its ``seq_ops`` are the
+local ones, ``fused_ok`` allows (the Triton path, training) and no ``gate`` recompute is asked for. The node reads
+the sub-modules' weights directly: their forward hooks do not run (``use_fused_path=False`` runs them).
 """
 
 from __future__ import annotations
@@ -39,25 +40,12 @@ from mamba_parallel.layers.mamba1_layout import _fast
 FUSED_RECOMPUTE = frozenset({"conv", "dt"})
 
 
-def _plain(module: nn.Module, cls: type) -> bool:
-    return type(module) is cls and not (module._forward_hooks or module._forward_pre_hooks
-                                        or module._backward_hooks or getattr(module, "parametrizations", None))
-
-
-def fused_ok(layer: nn.Module, base: type, xz: torch.Tensor) -> bool:
-    """Whether ``layer`` (a ``base`` = Mamba instance) may run its middle through ``mamba1_inner``: training with
-    autograd on the Triton path, sub-steps and sub-modules as the class defines them (context parallelism replaces
-    run_conv / run_scan, tensor parallelism wraps x_proj), no parametrisations, no dispatch mode watching ops."""
+def fused_ok(layer: nn.Module, xz: torch.Tensor) -> bool:
+    """Whether ``layer`` (a Mamba whose ``seq_ops`` are local) may run its middle through ``mamba1_inner`` now:
+    training with autograd on the Triton path, nothing compiling, no dispatch mode watching ops, a plain tensor."""
     if not (torch.is_grad_enabled() and xz.requires_grad):
         return False
     if torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0 or type(xz) is not torch.Tensor:
-        return False
-    inst = layer.__dict__
-    if ("run_conv" in inst or "run_scan" in inst or type(layer).run_conv is not base.run_conv
-            or type(layer).run_scan is not base.run_scan or getattr(layer, "parametrizations", None)):
-        return False
-    if not (_plain(layer.x_proj, nn.Linear) and layer.x_proj.bias is None and _plain(layer.dt_proj, nn.Linear)
-            and layer.dt_proj.bias is not None and _plain(layer.conv1d, nn.Conv1d)):
         return False
     return _fast(xz)
 

@@ -6,7 +6,8 @@ Data flow for hidden (b, L, d_model):
   dt = clamp(softplus(dt + dt_bias), dt_limit); y = norm(y, z) (gated RMSNorm, group size d_inner / ngroups)
   -> out_proj -> (b, L, d_model).
 Local sizes come from the attributes ``d_inner, nheads, headdim, ngroups, d_state`` (tensor parallelism rewrites
-them); packed sequences are handled through ``seq_idx`` / ``cu_seqlens`` in both the conv and the scan.
+them); the conv and the scan go through ``seq_ops`` (the parallel seam, layers/seq_ops.py); packed sequences are
+handled through ``seq_idx`` / ``cu_seqlens`` in both the conv and the scan.
 Both splits (zxbcdt -> z / xBC / dt, conv output -> x / B / C) go through ``ops.grad_arena``: the conv, scan
 and norm kernels write their input gradients into one buffer per split, so the backward concatenates nothing.
 ``recompute`` (a subset of conv, gate, states; layers/recompute.py, docs/memory.md) rebuilds the conv output
@@ -25,12 +26,27 @@ from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.norm import RMSNormGated
 from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, recompute_set, run_saving
+from mamba_parallel.layers.seq_ops import SequenceOps
 from mamba_parallel.ops.grad_arena import split_with_grad_arena, tag_view
 
 
 def _tagged(piece: torch.Tensor, view):
     """view(piece), carrying piece's gradient-arena slot through the same view (ops/grad_arena.py)."""
     return tag_view(view(piece), piece, view)
+
+
+class Mamba2Ops(SequenceOps):
+    """Mamba2's single-device sequence ops (the parallel seam, layers/seq_ops.py): the conv and the SSD scan."""
+
+    def scan(self, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+             dt_limit=(0.0, float("inf")), initial_states=None, seq_idx=None, cu_seqlens=None,
+             return_final_states=False, recompute_states=False):
+        """``ops.ssd_chunk_scan``: x (b, L, h, p), dt (b, L, h), A (h,), B / C (b, L, g, n) -> y (b, L, h, p)
+        [, final_states (b, h, p, n) fp32]."""
+        return ops.ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                  dt_limit=dt_limit, initial_states=initial_states, seq_idx=seq_idx,
+                                  cu_seqlens=cu_seqlens, return_final_states=return_final_states,
+                                  recompute_states=recompute_states)
 
 
 class Mamba2(nn.Module):
@@ -58,6 +74,7 @@ class Mamba2(nn.Module):
         self.rmsnorm, self.D_has_hdim = rmsnorm, D_has_hdim
         self.layer_idx = layer_idx
         self.recompute = recompute_set(recompute)  # conv, gate, states: rebuilt in the backward, not kept
+        self.seq_ops = Mamba2Ops()  # conv and scan: what context parallelism replaces
 
         conv_dim = self.d_inner + 2 * ngroups * d_state
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner + 2 * ngroups * d_state + self.nheads, bias=bias, **fk)
@@ -90,28 +107,6 @@ class Mamba2(nn.Module):
             self.norm.reset_parameters()
         init.linear_zero_bias_(self.out_proj)
         init.mark_no_weight_decay(self)
-
-    # ---- overridable sub-steps (context parallelism replaces them per instance) ---------------------------------
-    def run_conv(self, xBC: torch.Tensor, seq_idx: torch.Tensor | None = None, **state_kwargs):
-        """xBC (b, conv_dim, L) -> silu(causal depthwise conv(xBC)) (b, conv_dim, L); no mixing across seq_idx.
-
-        ``state_kwargs`` (inference only): ``initial_state``, ``return_final_state`` of ops.causal_conv1d.
-        """
-        return ops.causal_conv1d(xBC, self.conv1d.weight[:, 0, :], self.conv1d.bias, activation="silu",
-                                 seq_idx=seq_idx, **state_kwargs)
-
-    def run_scan(self, x, dt, A, B, C, D=None, z=None, dt_bias=None, seq_idx=None, cu_seqlens=None,
-                 recompute_states=False, **state_kwargs):
-        """x (b, L, h, p), dt (b, L, h), A (h,), B/C (b, L, g, n), D (h,) or (h, p), z (b, L, h, p) or None
-        -> y (b, L, h, p). ``state_kwargs`` (inference only): ``initial_states``, ``return_final_states``.
-
-        Packed input may come with both seq_idx and cu_seqlens (the model derives one from the other); the op takes
-        one, cu_seqlens (b == 1) when given."""
-        if cu_seqlens is not None:
-            seq_idx = None
-        return ops.ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=True,
-                                  dt_limit=self.dt_limit, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
-                                  recompute_states=recompute_states, **state_kwargs)
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def _split_in_proj(self, zxbcdt: torch.Tensor):
@@ -154,26 +149,29 @@ class Mamba2(nn.Module):
             conv_kwargs = dict(initial_state=conv_state[:b] if resume else None, return_final_state=True)
             scan_kwargs = dict(initial_states=ssm_state[:b] if resume else None, return_final_states=True)
         conv_in = _tagged(xBC, lambda t: t.transpose(1, 2))
-        xBC = self.run_conv(conv_in, seq_idx, **conv_kwargs)
+        xBC = self._conv(conv_in, seq_idx, **conv_kwargs)
         if conv_state is not None:
             xBC, final_conv = xBC
             conv_state[:b].copy_(final_conv)
         # what the backward rebuilds instead of keeping (empty: no context at all)
-        plan = recompute_plan(self, "run_conv" not in self.__dict__) if conv_state is None else NOTHING
+        plan = recompute_plan(self, self.seq_ops.local_conv) if conv_state is None else NOTHING
         rebuilt = None
         if "conv" in plan:
             conv_in = conv_in.detach()  # views of in_proj's output, which the conv keeps for its backward anyway
             rebuilt = RecomputeInBackward()
-            rebuilt.add(xBC, lambda: self.run_conv(conv_in, seq_idx))
+            rebuilt.add(xBC, lambda: self._conv(conv_in, seq_idx))
         x, B, C = split_with_grad_arena(xBC.transpose(1, 2), [self.d_inner, g * n, g * n], dim=-1)
 
         A = -torch.exp(self.A_log.float())
         heads, groups = (lambda t: t.unflatten(-1, (h, p))), (lambda t: t.unflatten(-1, (g, n)))
         # the scan keeps x, B, C (views of the conv output)
-        y = run_saving(rebuilt, self.run_scan, _tagged(x, heads), dt, A, _tagged(B, groups), _tagged(C, groups),
-                       D=self._D(), z=None if self.rmsnorm else _tagged(z, heads), dt_bias=self.dt_bias,
-                       seq_idx=seq_idx, cu_seqlens=cu_seqlens, recompute_states="states" in self.recompute,
-                       **scan_kwargs)
+        # packed input may come with both seq_idx and cu_seqlens (the model derives one from the other): the op takes
+        # one, cu_seqlens (b == 1) when given
+        y = run_saving(rebuilt, self.seq_ops.scan, _tagged(x, heads), dt, A, _tagged(B, groups), _tagged(C, groups),
+                       self.chunk_size, D=self._D(), z=None if self.rmsnorm else _tagged(z, heads),
+                       dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
+                       seq_idx=None if cu_seqlens is not None else seq_idx, cu_seqlens=cu_seqlens,
+                       recompute_states="states" in self.recompute, **scan_kwargs)
         if ssm_state is not None:
             y, final_ssm = y
             ssm_state[:b].copy_(final_ssm)
@@ -188,6 +186,11 @@ class Mamba2(nn.Module):
         rebuilt.add(y, lambda: self.norm(y_in, z_in))
         with rebuilt:  # out_proj keeps its input for the weight gradient
             return self.out_proj(y)
+
+    def _conv(self, xBC: torch.Tensor, seq_idx: torch.Tensor | None, **state_kwargs):
+        """xBC (b, conv_dim, L) -> silu(causal depthwise conv(xBC)) (b, conv_dim, L); no mixing across seq_idx."""
+        return self.seq_ops.conv(xBC, self.conv1d.weight[:, 0, :], self.conv1d.bias, activation="silu",
+                                 seq_idx=seq_idx, **state_kwargs)
 
     def step(self, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
         """One decode token: hidden_states (b, 1, d_model) -> (b, 1, d_model); states updated in place."""

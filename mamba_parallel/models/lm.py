@@ -111,6 +111,9 @@ class MambaLMHeadModel(nn.Module):
         self.generation_config = GenerationConfig()
         # The folder this model was loaded from when it holds tokenizer files (save_pretrained copies them)
         self.tokenizer_folder = None
+        # The loss: (hidden (N, d), lm_head weight (V, d), targets (N,), reduction="mean") -> fp32 scalar, logits
+        # formed chunk by chunk. The model's parallel seam: tensor / context parallelism replace this attribute.
+        self.loss_fn = ops.linear_cross_entropy
         # Build on meta, then materialise once: every parameter is initialised exactly once, by init_weights.
         target = torch.empty(0, device=device).device  # honours a `with torch.device(...)` default
         self.backbone = MixerModel(config, device="meta", dtype=dtype)
@@ -199,10 +202,10 @@ class MambaLMHeadModel(nn.Module):
         """hidden_states (b, L, d_model), targets (b, L) int64, already shifted -> mean CE over targets != -100
         (scalar, fp32).
 
-        Logits are formed chunk by chunk inside the op, never all at once. Tensor / context parallelism replace
-        this with their own loss (vocab-parallel, sequence-sharded).
+        Logits are formed chunk by chunk inside ``loss_fn``, never all at once; tensor / context parallelism
+        replace ``loss_fn`` with their own (vocab-parallel, sequence-sharded).
         """
-        return ops.linear_cross_entropy(hidden_states.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        return self.loss_fn(hidden_states.flatten(0, 1), self.lm_head.weight, targets.flatten())
 
     # ---- inference ----------------------------------------------------------------------------------------------
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None) -> InferenceParams:

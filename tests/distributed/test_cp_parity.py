@@ -178,8 +178,11 @@ def _ranks(rank: int, world: int) -> dict:
     dims = ParallelDims(dp_shard=1, cp=4, world_size=world)
     dims.build_mesh("cpu")
     cp_mesh = dims.submesh("cp")
+    from tp_cases import shadowed_methods
+
     for name, packed in CP4_CASES:
         model = apply_context_parallel(build(name), cp_mesh)
+        res.setdefault("patched", []).extend(shadowed_methods(model))
         ids, labels, seq = inputs(40, packed)
         sl = slice(rank * 10, (rank + 1) * 10)
         logits, loss, grads = run_model(model, ids[:, sl], labels[:, sl], None if seq is None else seq[:, sl])
@@ -195,6 +198,7 @@ def _ranks(rank: int, world: int) -> dict:
         model = build(name)
         apply_tensor_parallel(model, dims.submesh("tp"), sequence_parallel=True)
         apply_context_parallel(model, cp_mesh)
+        res["patched"].extend(shadowed_methods(model))
         ids, labels, seq = inputs(24, True)
         sl = slice(cp_rank * 12, (cp_rank + 1) * 12)
         logits, loss, grads = run_model(model, ids[:, sl], labels[:, sl], seq[:, sl])
@@ -284,6 +288,7 @@ def test_cp4_model_matches_one_process(results, name, packed):
 def test_cp_refuses_what_it_cannot_shard(results):
     _, ranks = results
     for r in ranks:
+        assert r["patched"] == [], f"instance attributes hide methods: {r['patched']}"
         errs = r["errors"]
         assert errs["short"] and "d_conv - 1" in errs["short"], errs["short"]
         assert errs["cu_seqlens"] and "seq_idx" in errs["cu_seqlens"], errs["cu_seqlens"]

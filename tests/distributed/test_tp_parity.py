@@ -20,6 +20,7 @@ from tp_cases import (
     build,
     full,
     one_step_errors,
+    shadowed_methods,
 )
 from mamba_parallel import get_preset
 from mamba_parallel.distributed import ParallelConfigError
@@ -54,11 +55,12 @@ def _train(model, opt, steps, seed=20):
 def _parity(mesh, case, sp):
     ref = build(case)
     tp = apply_tensor_parallel(copy.deepcopy(ref), mesh, sequence_parallel=sp)
+    patched = shadowed_methods(tp)
     res = one_step_errors(tp, ref, *batch())
     # The trainer's clipping norm: DTensor gradients (sharded and replicated) give the global norm.
     norms = [full(torch.nn.utils.get_total_norm([p.grad for p in m.parameters() if p.grad is not None]))
              for m in (tp, ref)]
-    return {**res, "norm": abs(norms[0].item() / norms[1].item() - 1)}
+    return {**res, "norm": abs(norms[0].item() / norms[1].item() - 1), "patched": patched}
 
 
 def _steps(mesh, case, sp):
@@ -138,6 +140,7 @@ def test_logits_loss_and_every_gradient(results, case, sp):
         assert_one_step_matches(res, r)
         assert len(res["grads"]) >= 10
         assert res["norm"] <= 1e-5, f"rank {r} total gradient norm rel err {res['norm']:.2e}"
+        assert res["patched"] == [], f"rank {r}: instance attributes hide methods: {res['patched']}"
 
 
 @pytest.mark.parametrize("case", ["mamba1", "mamba2_g1", "hybrid"])

@@ -50,6 +50,13 @@ def grads(model) -> dict[str, torch.Tensor]:
     return {k: full(v).detach().clone() for k, v in canonical_tensors(named, model).items()}
 
 
+def shadowed_methods(model) -> list[str]:
+    """'module.name' of every instance attribute hiding a method of its module's class: parallelism must work
+    through the model's seams (``seq_ops``, ``loss_fn``), never by patching an instance."""
+    return [f"{path}.{name}" for path, mod in model.named_modules() for name, value in vars(mod).items()
+            if callable(value) and callable(getattr(type(mod), name, None))]
+
+
 def rel_errs(a: dict, b: dict) -> dict[str, float]:
     """Relative RMS error of every entry of ``a`` against ``b`` (missing entries -> inf)."""
     out = {}

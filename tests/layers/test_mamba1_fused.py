@@ -6,6 +6,7 @@ import torch
 from helpers import assert_close, graph_node_names, saved_bytes
 
 from mamba_parallel.layers import Mamba
+from mamba_parallel.layers.mamba1 import Mamba1Ops
 from mamba_parallel.layers.mamba1_fused import fused_ok
 from mamba_parallel.layers.recompute import apply_recompute
 
@@ -92,31 +93,31 @@ def test_activation_checkpointing(monkeypatch):
 
 
 def test_where_the_fused_path_does_not_apply(monkeypatch):
-    """Off: naive backend, no autograd, use_fused_path=False, a gate recompute, a replaced sub-step (context
-    parallelism) or a wrapped / hooked sub-module (tensor parallelism)."""
+    """Off: naive backend, no autograd, use_fused_path=False, a gate recompute, sequence ops that communicate
+    (context / tensor parallelism install such strategies: layers/seq_ops.py)."""
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
     m = _layer(torch.float32)
     xz = torch.randn(1, 5, 2 * m.d_inner, requires_grad=True)
-    assert fused_ok(m, Mamba, xz)
+    assert fused_ok(m, xz)
     with torch.no_grad():
-        assert not fused_ok(m, Mamba, xz)
-    assert not fused_ok(m, Mamba, xz.detach())
-    _, nodes = _run(m, torch.randn(1, 5, 16), monkeypatch, fused=False)
-    assert "_Mamba1InnerBackward" not in nodes
+        assert not fused_ok(m, xz)
+    assert not fused_ok(m, xz.detach())
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
-    assert not fused_ok(m, Mamba, xz)
+    assert not fused_ok(m, xz)
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
-    m.run_conv = lambda *a, **k: Mamba.run_conv(m, *a, **k)
-    assert not fused_ok(m, Mamba, xz)
-    del m.run_conv
-    handle = m.x_proj.register_forward_hook(lambda *a: None)
-    assert not fused_ok(m, Mamba, xz)
-    handle.remove()
-    assert fused_ok(m, Mamba, xz)
+    h = torch.randn(1, 5, 16)
+    assert "_Mamba1InnerBackward" in _run(m, h, monkeypatch, fused=True)[1]
+    assert "_Mamba1InnerBackward" not in _run(m, h, monkeypatch, fused=False)[1]
+
+    class Communicating(Mamba1Ops):
+        local = False
+
+    m.seq_ops = Communicating()
+    assert "_Mamba1InnerBackward" not in _run(m, h, monkeypatch, fused=True)[1]
+    m.seq_ops = Mamba1Ops()
     # a gate recompute keeps the modular path (it rebuilds out_proj's input through saved-tensor hooks)
     apply_recompute(m, "conv,gate")
-    _, nodes = _run(m, torch.randn(1, 5, 16), monkeypatch, fused=True)
-    assert "_Mamba1InnerBackward" not in nodes
+    assert "_Mamba1InnerBackward" not in _run(m, h, monkeypatch, fused=True)[1]
 
 
 def test_fused_keeps_no_delta_and_rebuilds_the_conv_on_request(monkeypatch):
