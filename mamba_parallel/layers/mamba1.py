@@ -6,34 +6,54 @@ Data flow for hidden (b, L, d_model):
   -> y * silu(z) -> out_proj -> (b, L, d_model). As in mamba_ssm, the Δ bias is added in fp32 inside the scan
   (under bf16 autocast a bf16 linear output would round Δ before the softplus), so dt_proj's weight and bias are
   read directly.
-Layouts (layers/mamba1_layout.py): x and z stay channels-last views of in_proj's output; the conv's output is
-made token-major once for x_proj and the scan; the gate writes out_proj's (b, L, d_inner) input. In backward the
-gate writes dz straight into in_proj's output gradient and the conv's dx is copied into its other half: nothing
-is concatenated or transposed by torch. ``recompute`` (a subset of conv, dt, gate; layers/recompute.py,
-docs/memory.md) rebuilds the conv output (its token-major copy), the scan's delta and out_proj's input in the
-backward instead of keeping them. Training on the Triton path with ``use_fused_path`` (the default), nothing
-replaced and no ``gate`` recompute runs the middle (conv .. gate) as one autograd node with the same kernels
-(layers/mamba1_fused.py): fewer launches and less host work per layer.
-Local sizes come from the attributes ``d_inner``, ``d_state``, ``dt_rank`` (tensor parallelism rewrites them); the
-conv, the scan and x_proj's channel sum go through ``seq_ops`` (the parallel seam, layers/seq_ops.py).
+
+``forward`` is the reference: one op per step, the conv, the scan and x_proj's channel sum through ``seq_ops``
+(the parallel seam, layers/seq_ops.py). Layouts: x and z stay channels-last views of in_proj's output (split with
+a gradient arena, ops/grad_arena.py); the conv's output is made token-major once for x_proj and the scan
+(``ops.token_major``); the gate writes out_proj's (b, L, d_inner) input (``ops.silu_gate``). In backward the conv
+and the gate write dx and dz straight into in_proj's output gradient: torch concatenates and transposes nothing.
+``recompute`` (a subset of conv, dt, gate; layers/recompute.py, docs/memory.md) rebuilds the conv output (its
+token-major copy), the scan's delta and out_proj's input in the backward instead of keeping them.
+
+The fused training path (``use_fused_path``, the default; bottom of this file): training on the Triton path with
+the local ``seq_ops`` and no ``gate`` recompute runs the middle (conv .. gate) as ONE autograd node with a
+hand-written backward and the same kernels. Why: a small Mamba-1 model's eager step is bound by the host
+(mamba-130m on an H200: ~1,800 launches and ~100 ms of CPU per step against ~93 ms of GPU work), and the reference
+builds about ten autograd nodes per layer; the node saves ~500 launches per mamba-130m step and keeps less
+(delta is rebuilt in the backward, as mamba_ssm's fused path does).
+
+Local sizes come from the attributes ``d_inner``, ``d_state``, ``dt_rank`` (tensor parallelism rewrites them).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._C import _len_torch_dispatch_stack
+from torch.autograd.function import once_differentiable
 
 from mamba_parallel import ops
 from mamba_parallel.layers import init
 from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
-from mamba_parallel.layers.mamba1_fused import FUSED_RECOMPUTE, fused_ok, mamba1_inner
-from mamba_parallel.layers.mamba1_layout import gate_to_token_last, split_xz, token_major
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, recompute_set, run_saving
 from mamba_parallel.layers.seq_ops import SequenceOps
+from mamba_parallel.ops.backend import triton_available, use_triton
+from mamba_parallel.ops.grad_arena import split_with_grad_arena, tag_view
+
+
+def _channels_last(piece: torch.Tensor) -> torch.Tensor:
+    """A (b, L, d) piece of in_proj's output -> its (b, d, L) view, carrying the piece's gradient-arena slot."""
+    return tag_view(piece.transpose(1, 2), piece, lambda g: g.transpose(1, 2))
+
+
+def _expand(w: torch.Tensor, b: int) -> torch.Tensor:
+    return w.unsqueeze(0).expand(b, -1, -1)
 
 
 def _token_major_linear(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,7 +62,7 @@ def _token_major_linear(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
     The token-major counterpart of F.linear: one batched matmul over a stride-0 expanded weight (no copy of the
     weight; autograd sums its gradient over b), so neither x nor the result needs a transposing copy.
     """
-    y = torch.bmm(weight.unsqueeze(0).expand(x.shape[0], -1, -1), x)
+    y = torch.bmm(_expand(weight, x.shape[0]), x)
     return y if bias is None else y + bias.to(y.dtype)[:, None]  # in the product's dtype, as F.linear under autocast
 
 
@@ -79,8 +99,8 @@ class Mamba(nn.Module):
         self.dt_init_floor = dt_init_floor
         self.layer_idx = layer_idx
         self.recompute = recompute_set(recompute)  # conv, dt, gate: rebuilt in the backward, not kept
-        # training on the Triton path: the middle as one autograd node (layers/mamba1_fused.py); False: the
-        # modular forward below, op by op
+        # training on the Triton path: the middle as one autograd node (``_Mamba1Inner`` below); False: the
+        # reference forward, op by op (e.g. to compare, or to run the sub-modules' forward hooks)
         self.use_fused_path = bool(use_fused_path)
         self.seq_ops = Mamba1Ops()  # conv, scan, channel_sum: what context / tensor parallelism replace
 
@@ -101,9 +121,7 @@ class Mamba(nn.Module):
         """The paper's init: A = -[1..N] per channel (S4D-real), D = 1, softplus(dt bias) log-uniform in
         [dt_min, dt_max], dt_proj weight ±dt_rank^-0.5·dt_scale; projections and conv as PyTorch's default.
         The model's ``init_weights`` then re-scales out_proj (see models/lm.py)."""
-        init.linear_default_(self.in_proj.weight, None)
-        if self.in_proj.bias is not None:
-            init.constant_(self.in_proj.bias, 0.0)
+        init.linear_zero_bias_(self.in_proj)
         init.linear_default_(self.conv1d.weight, self.conv1d.bias)
         init.linear_default_(self.x_proj.weight)
         std = self.dt_rank ** -0.5 * self.dt_scale
@@ -144,11 +162,12 @@ class Mamba(nn.Module):
         xz = self.in_proj(hidden_states)
         if xz.shape[-1] != 2 * d_inner:
             raise ValueError(f"Mamba: in_proj gives {xz.shape[-1]} features, expected 2 * d_inner = {2 * d_inner}")
-        if conv_state is None and self.use_fused_path and self.seq_ops.local and fused_ok(self, xz):
+        if conv_state is None and self.use_fused_path and self.seq_ops.local and fused_ok(xz):
             plan = recompute_plan(self)
-            if plan <= FUSED_RECOMPUTE:  # one autograd node (layers/mamba1_fused.py); it always rebuilds dt
-                return self.out_proj(mamba1_inner(self, xz, seq_idx, recompute_conv="conv" in plan))
-        x, z, xz_grad = split_xz(xz, d_inner)  # channels-last (b, d_inner, L) views of xz
+            if plan <= _FUSED_RECOMPUTE:  # one autograd node (below); it always rebuilds dt
+                return self.out_proj(_fused_middle(self, xz, seq_idx, recompute_conv="conv" in plan))
+        # channels-last (b, d_inner, L) views of xz, whose gradient the conv and the gate write in place
+        x, z = (_channels_last(t) for t in split_with_grad_arena(xz, [d_inner, d_inner], dim=-1))
 
         conv_kwargs, scan_kwargs = {}, {}
         if conv_state is not None:
@@ -160,7 +179,7 @@ class Mamba(nn.Module):
         if conv_state is not None:
             x, final_conv = x
             conv_state[:b].copy_(final_conv)
-        x = token_major(x)  # unit token stride for x_proj and the scan, which stream along L
+        x = ops.token_major(x)  # unit token stride for x_proj and the scan, which stream along L
         # recompute (training or a plain forward: no inference states to fill): what the backward rebuilds
         # instead of keeping; empty: no context at all
         plan = recompute_plan(self, self.seq_ops.local_conv) if conv_state is None else NOTHING
@@ -168,7 +187,7 @@ class Mamba(nn.Module):
         if "conv" in plan:
             conv_in = conv_in.detach()  # a view of in_proj's output, which the conv keeps for its backward anyway
             rebuilt = RecomputeInBackward()
-            rebuilt.add(x, lambda: token_major(self._conv(conv_in, seq_idx)))
+            rebuilt.add(x, lambda: ops.token_major(self._conv(conv_in, seq_idx)))
         x_dbl = run_saving(rebuilt, self._x_proj_token_major, x)  # (b, r + 2n, L); x_proj keeps x
         dt_low, B, C = x_dbl.split([r, n, n], dim=1)
         dt = _token_major_linear(self.dt_proj.weight, dt_low)  # (b, d_inner, L); bias added in the scan
@@ -184,13 +203,13 @@ class Mamba(nn.Module):
         if ssm_state is not None:
             y, last_state = y
             ssm_state[:b].copy_(last_state)
-        # the gate outside the scan: it reads z in place and writes out_proj's input (b, L, d_inner) contiguous
-        gated = gate_to_token_last(y, z, xz_grad)
+        # the gate outside the scan: it reads z in place and writes out_proj's input (b, L, d_inner)
+        gated = ops.silu_gate(y, z)
         if "gate" not in plan:
             return self.out_proj(gated)
         y_in, z_in = y.detach(), z.detach()  # the gate keeps both for its backward anyway
         rebuilt = RecomputeInBackward()
-        rebuilt.add(gated, lambda: gate_to_token_last(y_in, z_in))
+        rebuilt.add(gated, lambda: ops.silu_gate(y_in, z_in))
         with rebuilt:  # out_proj keeps its input for the weight gradient
             return self.out_proj(gated)
 
@@ -206,7 +225,7 @@ class Mamba(nn.Module):
         x, z = self.in_proj(hidden_states[:, 0]).split([d_inner, d_inner], dim=-1)  # (b, d_inner)
         x = ops.causal_conv1d_update(x, conv_state[:b], self.conv1d.weight[:, 0, :], self.conv1d.bias,
                                      activation="silu")
-        dt, B, C = self.x_proj(x).split([r, n, n], dim=-1)
+        dt, B, C = self.seq_ops.channel_sum(self.x_proj(x)).split([r, n, n], dim=-1)
         dt = F.linear(dt, self.dt_proj.weight)
         A = derived(self, "A_log", neg_exp_fp32)
         # D and the dt bias go in their own dtype: the step computes in fp32 either way (no per-token casts)
@@ -221,3 +240,126 @@ class Mamba(nn.Module):
         conv_state = torch.zeros(batch_size, self.d_inner, w.shape[-1] - 1, device=device, dtype=dtype or w.dtype)
         ssm_state = torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=torch.float32)
         return conv_state, ssm_state
+
+
+# ---- the fused training path --------------------------------------------------------------------------------------
+# One autograd.Function runs the reference's kernels with a hand-written backward:
+# - forward: the conv writes its output token-major directly (no layout copy), B and C become fp32 in one copy
+#   (kept for the backward: the scan would otherwise convert them again there), A = -exp(A_log) is built
+#   state-major once (the kernels' layout); delta (d_inner values per token) is not kept: the backward runs its
+#   small matmul again, and with recompute "conv" the conv too;
+# - backward: one buffer receives x_proj's output gradient (ddt_low from the dt matmul, dB / dC straight from the
+#   scan's finishing kernel), x's two gradients meet in one matmul (du + W^T dx_dbl, accumulated in place), the
+#   scan's finishing kernel returns d(A_log) directly, and the conv writes dx into the x half of in_proj's output
+#   gradient, whose z half the gate's backward fills.
+# Same numerics as the reference on the Triton path: the same kernels in the same dtypes (weights cast to the
+# activations' dtype, as autocast does; the weight gradients of the two token-major matmuls are summed over the
+# batch in fp32 instead of in the activation dtype). The node reads the sub-modules' weights directly: their
+# forward hooks do not run.
+
+_FUSED_RECOMPUTE = frozenset({"conv", "dt"})  # recompute items the node handles (dt always); "gate": the reference
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def fused_ok(xz: torch.Tensor) -> bool:
+    """Whether the fused node may run now for in_proj's output ``xz``: training with autograd on the Triton path
+    (the kernels' dtypes), nothing compiling, no dispatch mode watching ops (op logs, FLOP counters), a plain
+    tensor."""
+    if not (torch.is_grad_enabled() and xz.requires_grad):
+        return False
+    if torch.compiler.is_compiling() or _len_torch_dispatch_stack() > 0 or type(xz) is not torch.Tensor:
+        return False
+    return xz.dtype in _KERNEL_DTYPES and triton_available() and use_triton(xz, op="Mamba fused path")
+
+
+@functools.cache
+def _kernels():
+    """The Triton modules (imported on first use: only where Triton runs)."""
+    return tuple(importlib.import_module(f"mamba_parallel.ops.{m}.triton_impl")
+                 for m in ("conv1d", "selective_scan", "layout"))
+
+
+def _xz_views(xz: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """in_proj's output (b, L, 2d) -> x, z as channels-last (b, d, L) views."""
+    return xz[..., :d].transpose(1, 2), xz[..., d:].transpose(1, 2)
+
+
+def _delta(wdt: torch.Tensor, x_dbl: torch.Tensor, r: int) -> torch.Tensor:
+    """dt_proj's output (b, d, L) from x_proj's (b, r + 2n, L); its bias is added in fp32 inside the scan."""
+    return torch.bmm(_expand(wdt, x_dbl.shape[0]), x_dbl[:, :r])
+
+
+def _conv_token_major(conv, x, w2, conv_b, seq_idx):
+    """silu(conv(x)) written token-major (x_proj and the scan stream along L): no layout copy."""
+    xc = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    conv._launch_fwd(x, w2, conv_b, None, seq_idx, None, xc, True)
+    return xc
+
+
+class _Mamba1Inner(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xz, conv_w, conv_b, xproj_w, dt_w, dt_b, A_log, D, seq_idx, d_inner: int, r: int, n: int,
+                recompute_conv: bool):
+        conv, scan, layout = _kernels()
+        b = xz.shape[0]
+        d, cdt = d_inner, xz.dtype
+        x, z = _xz_views(xz, d)
+        xc = _conv_token_major(conv, x, conv_w[:, 0, :], conv_b, seq_idx)
+        wx, wdt = xproj_w.to(cdt), dt_w.to(cdt)  # what autocast would cast (no-op without it)
+        x_dbl = torch.bmm(_expand(wx, b), xc)  # (b, r + 2n, L)
+        dt = _delta(wdt, x_dbl, r)
+        bc = x_dbl[:, r:].float()  # (b, 2n, L) fp32 once, for both passes
+        B4, C4 = bc[:, :n].unsqueeze(1), bc[:, n:].unsqueeze(1)
+        # (d, n) view of a state-major (n, d) tensor: the kernels' layout, so the scan makes no transposed copy
+        A = torch.exp(A_log.t(), out=A_log.new_empty(A_log.shape[::-1], dtype=torch.float32)).neg_().t()
+        D32, dtb32 = D.float(), dt_b.float()
+        sid = seq_idx.to(torch.int32) if seq_idx is not None else None
+        impl = scan.scan_impl(b, d, n, xz.device, scan._interpreted(xc), False)
+        y, _, ckpt, _ = scan._scan_fwd(xc, dt, A, B4, C4, D32, None, dtb32, None, sid, True, False, b, True, impl)
+        out = layout._gate_fwd(y, z)  # (b, L, d) contiguous: out_proj's input
+        # dt is rebuilt in the backward (one small matmul), xc too with recompute_conv (one conv)
+        ctx.save_for_backward(xz, conv_w, conv_b, wx, wdt, None if recompute_conv else xc, x_dbl, B4, C4, A, D32,
+                              dtb32, sid, ckpt, y, seq_idx)
+        ctx.meta = (d, r, n, impl, D.dtype, dt_b.dtype, A_log.dtype)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        conv, scan, layout = _kernels()
+        xz, conv_w, conv_b, wx, wdt, xc, x_dbl, B4, C4, A, D32, dtb32, sid, ckpt, y, seq_idx = ctx.saved_tensors
+        d, r, n, impl, d_dtype, dtb_dtype, alog_dtype = ctx.meta
+        b = xz.shape[0]
+        x, z = _xz_views(xz, d)
+        if xc is None:
+            xc = _conv_token_major(conv, x, conv_w[:, 0, :], conv_b, seq_idx)
+        dt = _delta(wdt, x_dbl, r)  # the forward's values (the same matmul)
+        dxz = torch.empty_like(xz)  # in_proj's output gradient: the gate fills the z half, the conv the x half
+        dy = layout._gate_bwd(dout, y, z, dxz[..., d:].transpose(1, 2))
+        dx_dbl = torch.empty_like(x_dbl)  # x_proj's output gradient: [ddt_low | dB | dC]
+        du, ddt, dA_log, _, _, dD, _, ddtb, _ = scan.scan_bwd_impl(
+            xc, dt, A, B4, C4, D32, None, dtb32, None, sid, ckpt, xc.new_empty((0,)), dy, None, True, False, impl,
+            dB_out=dx_dbl[:, r:r + n].unsqueeze(1), dC_out=dx_dbl[:, r + n:].unsqueeze(1), dA_scale=A)
+        del dy, dt  # activation-sized: free before the next ones are made (peak memory of the largest models)
+        torch.bmm(_expand(wdt.t(), b), ddt, out=dx_dbl[:, :r])
+        dwdt = torch.bmm(ddt, x_dbl[:, :r].transpose(1, 2)).sum(0, dtype=torch.float32)  # (d, r)
+        dwx = torch.bmm(dx_dbl, xc.transpose(1, 2)).sum(0, dtype=torch.float32)  # (r + 2n, d)
+        del ddt
+        dxc = du.baddbmm_(_expand(wx.t(), b), dx_dbl)  # x's two gradients: the scan's and x_proj's
+        _, dw2, dcb, _ = conv._conv_bwd_impl(x, conv_w[:, 0, :], conv_b, None, seq_idx, dxc, None, True,
+                                             dxz[..., :d].transpose(1, 2))
+        need = ctx.needs_input_grad
+        grads = (dxz, dw2.view_as(conv_w), dcb if conv_b is not None else None, dwx, dwdt, ddtb.to(dtb_dtype),
+                 dA_log.to(alog_dtype), dD.to(d_dtype))
+        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None)
+
+
+def _fused_middle(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None,
+                  recompute_conv: bool = False) -> torch.Tensor:
+    """xz (b, L, 2 d_inner) in_proj's output -> y * silu(z) (b, L, d_inner) contiguous (out_proj's input), the
+    middle of ``layer`` as one autograd node. ``recompute_conv``: rebuild the conv output in the backward instead
+    of keeping it. Call only where ``fused_ok`` allows and ``layer.seq_ops`` are local."""
+    conv1d, dt_proj = layer.conv1d, layer.dt_proj
+    return _Mamba1Inner.apply(xz, conv1d.weight, conv1d.bias, layer.x_proj.weight, dt_proj.weight, dt_proj.bias,
+                              layer.A_log, layer.D, seq_idx, layer.d_inner, layer.dt_rank, layer.d_state,
+                              recompute_conv)

@@ -6,6 +6,7 @@ Each op folder holds ``naive.py`` (pure PyTorch: the specification and the CPU r
 
 from mamba_parallel.ops.conv1d import causal_conv1d, causal_conv1d_update
 from mamba_parallel.ops.cross_entropy import linear_cross_entropy
+from mamba_parallel.ops.layout import silu_gate, token_major
 from mamba_parallel.ops.norm import add_rms_norm, gated_rms_norm, rms_norm
 from mamba_parallel.ops.selective_scan import selective_scan
 from mamba_parallel.ops.selective_scan.naive import selective_scan_sequential
@@ -16,7 +17,7 @@ from mamba_parallel.ops.state_update import selective_state_update, ssd_state_up
 __all__ = [
     "selective_scan", "ssd_chunk_scan", "causal_conv1d", "causal_conv1d_update", "rms_norm", "add_rms_norm",
     "gated_rms_norm", "selective_state_update", "ssd_state_update", "linear_cross_entropy", "ssd_sequential",
-    "selective_scan_sequential",
+    "selective_scan_sequential", "token_major", "silu_gate",
 ]
 
 # Resolve the kernel modules now, while not compiling: the lookup (importlib) is not traceable by torch.compile,
@@ -25,5 +26,5 @@ from mamba_parallel.ops._common import kernel_module as _kernel_module  # noqa: 
 from mamba_parallel.ops.backend import triton_available as _triton_available  # noqa: E402
 
 if _triton_available():
-    for _pkg in ("conv1d", "cross_entropy", "norm", "selective_scan", "ssd", "state_update"):
+    for _pkg in ("conv1d", "cross_entropy", "layout", "norm", "selective_scan", "ssd", "state_update"):
         _kernel_module(f"{__name__}.{_pkg}")

@@ -1,4 +1,4 @@
-"""The Mamba-1 layer's fused middle (layers/mamba1_fused.py) under FSDP2 and DDP on 2 gloo ranks: it runs there
+"""The Mamba-1 layer's fused training path (layers/mamba1.py) under FSDP2 and DDP on 2 gloo ranks: it runs there
 (one ``_Mamba1Inner`` node per layer) and gives one process's loss and gradients on the global batch.
 
 The Triton path on CPU (MAMBA_PARALLEL_BACKEND=triton, the interpreter): the fused node only runs where the

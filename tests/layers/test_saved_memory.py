@@ -26,7 +26,7 @@ def _mamba2(recompute=""):
 
 def _mamba1():
     torch.manual_seed(0)
-    # the modular layer (a recompute option with "gate" turns its fused middle off: layers/mamba1_fused.py)
+    # the reference forward (a "gate" recompute turns the fused training path off: layers/mamba1.py)
     return Mamba(16, d_state=4, use_fused_path=False)
 
 

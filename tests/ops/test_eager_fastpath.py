@@ -15,9 +15,9 @@ from mamba_parallel.ops.eager_fastpath import ENV, eager, fastpath
 
 pytest.importorskip("triton")
 
-from mamba_parallel.layers import mamba1_layout_kernels as m1k  # noqa: E402
 from mamba_parallel.ops.conv1d import triton_impl as conv  # noqa: E402
 from mamba_parallel.ops.cross_entropy import triton_impl as ce  # noqa: E402
+from mamba_parallel.ops.layout import triton_impl as m1k  # noqa: E402
 from mamba_parallel.ops.norm import triton_impl as norm  # noqa: E402
 from mamba_parallel.ops.selective_scan import triton_impl as scan  # noqa: E402
 from mamba_parallel.ops.ssd import triton_impl as ssd  # noqa: E402
@@ -175,7 +175,7 @@ def test_cross_entropy(monkeypatch, op_calls, reduction):
     _both_paths(monkeypatch, op_calls, fn, inputs, _wsum, ops)
 
 
-def test_mamba1_layout_kernels(monkeypatch, op_calls):
+def test_layout_kernels(monkeypatch, op_calls):
     """copy_ / gate_fwd / gate_bwd: direct calls, same results, mutated outputs written in place."""
     b, d, L = 2, 6, 5
     y, z = _rnd(b, d, L, seed=1), _rnd(b, L, d, seed=2).transpose(1, 2)

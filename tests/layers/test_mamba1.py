@@ -1,16 +1,35 @@
-"""The Mamba-1 layer's fused middle (layers/mamba1_fused.py): one autograd node with the modular path's values and
-gradients, taken only where it applies."""
+"""The Mamba-1 layer (layers/mamba1.py) on the Triton path: the reference forward against the reference ops, with
+no torch copy of an activation-sized tensor (no transposing copy, no concatenation of dx | dz) in forward or
+backward; and the fused training path: one autograd node with the reference's values and gradients, taken only
+where it applies, keeping less."""
 
 import pytest
 import torch
 from helpers import assert_close, graph_node_names, saved_bytes
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from mamba_parallel.inference.cache import InferenceParams
 from mamba_parallel.layers import Mamba
-from mamba_parallel.layers.mamba1 import Mamba1Ops
-from mamba_parallel.layers.mamba1_fused import fused_ok
+from mamba_parallel.layers.mamba1 import Mamba1Ops, fused_ok
 from mamba_parallel.layers.recompute import apply_recompute
 
 pytest.importorskip("triton")
+_COPIES = ("aten.cat", "aten.clone", "aten.copy_", "aten._to_copy", "aten.contiguous", "aten.stack")
+
+
+class _OpLog(TorchDispatchMode):
+    """Names of the ops run, with the largest floating-point output (or mutated argument) of each."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ts = [t for t in (list(out) if isinstance(out, (list, tuple)) else [out]) + list(args)
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        self.ops.append((str(func), max((t.numel() for t in ts), default=0)))
+        return out
 
 
 def _layer(dtype, device="cpu", d_model=16, d_state=4):
@@ -23,8 +42,10 @@ def _layer(dtype, device="cpu", d_model=16, d_state=4):
     return m
 
 
-def _run(m, h, monkeypatch, fused: bool, fn=None, **kwargs):
-    """Forward + backward of a fixed non-uniform loss -> [out, dh, m's parameter grads] and the graph's node names."""
+def _run(m, h, monkeypatch, fused: bool, fn=None, backend="triton", **kwargs):
+    """Forward (of ``fn``, default m) + backward of a fixed non-uniform loss on ``backend`` -> [out, dh, m's
+    parameter grads] and the graph's node names."""
+    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", backend)
     m.use_fused_path = fused
     m.zero_grad()
     h = h.detach().requires_grad_()
@@ -39,6 +60,67 @@ def _names(m):
     return ["out", "d hidden"] + [n for n, _ in m.named_parameters()]
 
 
+# ---- the reference forward on the Triton path ----------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,packed", [(torch.float32, False), (torch.float32, True), (torch.float16, False)])
+def test_reference_forward_on_triton_matches_the_reference_ops(dtype, packed, monkeypatch):
+    m = _layer(dtype)
+    b, L = (1, 13) if packed else (2, 11)
+    h = torch.randn(b, L, 16, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    kw = dict(cu_seqlens=torch.tensor([0, 5, 13], dtype=torch.int32)) if packed else {}
+    ref, _ = _run(m, h, monkeypatch, fused=False, backend="naive", **kw)
+    got, _ = _run(m, h, monkeypatch, fused=False, **kw)
+    for g, r, name in zip(got, ref, _names(m)):
+        assert_close(g, r, dtype=dtype, grad=name != "out", name=name)
+
+
+def test_no_activation_sized_torch_copies(monkeypatch):
+    """Every activation-sized layout change runs in the layout op's Triton kernels: one copy in forward (the conv's
+    output made token-major); in backward the conv and the gate write dx / dz into in_proj's output gradient."""
+    m = _layer(torch.float32)
+    b, L = 2, 9
+    with _OpLog() as log:
+        _run(m, torch.randn(b, L, 16), monkeypatch, fused=False)
+    act = b * L * m.d_inner
+    big_copies = [(op, n) for op, n in log.ops if op.startswith(_COPIES) and n >= act]
+    assert big_copies == [], big_copies
+    own = [op for op, _ in log.ops if op.startswith("mamba_parallel.token_major_copy_")]
+    assert len(own) == 1, own
+    assert any(op.startswith("mamba_parallel.silu_gate_bwd") for op, _ in log.ops)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_activation_checkpointing_keeps_gradients(fused, monkeypatch):
+    """Non-reentrant checkpointing (parallelize's) replays the forward: the recomputed layer and the original
+    backward nodes must still meet in one in_proj gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    m = _layer(torch.float32)
+    h = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(5))
+    ref, _ = _run(m, h, monkeypatch, fused)
+    got, _ = _run(m, h, monkeypatch, fused, fn=lambda x: checkpoint(m, x, use_reentrant=False))
+    for g, r in zip(got, ref):
+        assert torch.equal(g, r)
+
+
+def test_chunked_prefill_and_decode_on_triton_path(monkeypatch):
+    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
+    m = _layer(torch.float32).eval()
+    m.layer_idx = 0
+    b, L, prefill = 2, 12, 5
+    h = torch.randn(b, L, 16, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = m(h)
+        cache = InferenceParams(max_seqlen=L, max_batch_size=b)
+        cache.key_value_memory_dict[0] = m.allocate_inference_cache(b, L)
+        pieces = [m(h[:, :prefill], inference_params=cache)]
+        cache.seqlen_offset = prefill
+        pieces.append(m(h[:, prefill:L - 1], inference_params=cache))  # resumes from the cached states
+        cache.seqlen_offset = L - 1
+        pieces.append(m(h[:, L - 1:], inference_params=cache))  # one-token step
+    assert_close(torch.cat(pieces, dim=1), full, name="chunked prefill + step")
+
+
+# ---- the fused training path ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype,b,L,packed", [(torch.float32, 2, 19, False), (torch.float32, 1, 21, True),
                                              (torch.float16, 2, 19, False)])
 def test_fused_matches_the_modular_path(dtype, b, L, packed, monkeypatch):
@@ -51,7 +133,7 @@ def test_fused_matches_the_modular_path(dtype, b, L, packed, monkeypatch):
     ref, ref_nodes = _run(m, h, monkeypatch, fused=False, **kw)
     got, nodes = _run(m, h, monkeypatch, fused=True, **kw)
     assert "_Mamba1InnerBackward" in nodes and "_Mamba1InnerBackward" not in ref_nodes
-    assert not any("SplitXZ" in n or "GateTokenLast" in n or "BmmBackward" in n for n in nodes), nodes
+    assert not any("SiluGate" in n or "TokenMajor" in n or "BmmBackward" in n for n in nodes), nodes
     for g, r, name in zip(got, ref, _names(m)):
         assert g is not None, name
         assert_close(g, r, dtype=dtype, grad=name != "out", name=name)
@@ -61,9 +143,7 @@ def test_fused_matches_the_reference_ops(monkeypatch):
     """Against the pure-PyTorch reference ops (the modular layer on MAMBA_PARALLEL_BACKEND=naive)."""
     m = _layer(torch.float32)
     h = torch.randn(2, 17, 16, generator=torch.Generator().manual_seed(2))
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
-    ref, _ = _run(m, h, monkeypatch, fused=True)
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
+    ref, _ = _run(m, h, monkeypatch, fused=True, backend="naive")
     got, nodes = _run(m, h, monkeypatch, fused=True)
     assert "_Mamba1InnerBackward" in nodes
     for g, r, name in zip(got, ref, _names(m)):
@@ -80,30 +160,18 @@ def test_frozen_parameters_get_no_gradient(monkeypatch):
     assert m.A_log.grad is None and m.conv1d.weight.grad is None and m.x_proj.weight.grad is not None
 
 
-def test_activation_checkpointing(monkeypatch):
-    from torch.utils.checkpoint import checkpoint
-
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
-    m = _layer(torch.float32)
-    h = torch.randn(1, 9, 16, generator=torch.Generator().manual_seed(5))
-    ref, _ = _run(m, h, monkeypatch, fused=True)
-    got, _ = _run(m, h, monkeypatch, fused=True, fn=lambda x: checkpoint(m, x, use_reentrant=False))
-    for g, r in zip(got, ref):
-        assert torch.equal(g, r)
-
-
 def test_where_the_fused_path_does_not_apply(monkeypatch):
     """Off: naive backend, no autograd, use_fused_path=False, a gate recompute, sequence ops that communicate
     (context / tensor parallelism install such strategies: layers/seq_ops.py)."""
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
     m = _layer(torch.float32)
     xz = torch.randn(1, 5, 2 * m.d_inner, requires_grad=True)
-    assert fused_ok(m, xz)
+    assert fused_ok(xz)
     with torch.no_grad():
-        assert not fused_ok(m, xz)
-    assert not fused_ok(m, xz.detach())
+        assert not fused_ok(xz)
+    assert not fused_ok(xz.detach())
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
-    assert not fused_ok(m, xz)
+    assert not fused_ok(xz)
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
     h = torch.randn(1, 5, 16)
     assert "_Mamba1InnerBackward" in _run(m, h, monkeypatch, fused=True)[1]
@@ -155,3 +223,17 @@ def test_gpu_fused_matches_the_modular_path(dtype, monkeypatch, nan_poison):
     for g, r, name in zip(got, ref, _names(m)):
         assert torch.isfinite(g).all(), name
         assert_close(g, r, dtype=dtype, grad=name != "out", factor=2, name=name)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_reference_forward_matches_reference_ops_without_copies(monkeypatch):
+    m = _layer(torch.bfloat16, "cuda")
+    b, L = 2, 300
+    h = torch.randn(b, L, 16, device="cuda", dtype=torch.bfloat16)
+    ref, _ = _run(m, h, monkeypatch, fused=False, backend="naive")
+    with _OpLog() as log:
+        got, _ = _run(m, h, monkeypatch, fused=False)
+    for gv, r, name in zip(got, ref, _names(m)):
+        assert_close(gv, r, dtype=torch.bfloat16, grad=name != "out", factor=2, name=name)
+    act = b * L * m.d_inner
+    assert [(op, n) for op, n in log.ops if op.startswith(_COPIES) and n >= act] == []

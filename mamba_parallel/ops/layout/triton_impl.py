@@ -1,11 +1,10 @@
-"""Triton kernels that move the Mamba-1 layer's (b, d_inner, L) tensors between layouts at copy bandwidth.
+"""Triton path of the layout ops (ops/layout/__init__.py): (b, d, L) tensors between layouts at copy bandwidth.
 
-in_proj writes [x | z] channels-last ((b, L, 2 d_inner) memory); the conv / scan kernels stream along L and want
-unit token stride. These kernels take every tensor through its strides and tile (BD channels, BL tokens): Triton
-coalesces each load / store along whichever axis has unit stride and transposes the tile through shared memory,
-so a layout change costs one read and one write (torch's transposing copy runs far below bandwidth).
-Launchers are ``torch.library`` custom ops (``*_op``) so torch.compile treats them as opaque; ``copy_``, ``gate_fwd``
-and ``gate_bwd`` call them through the eager fast path (ops/eager_fastpath.py: the Python body directly in eager).
+The kernels take every tensor through its strides and tile (BD channels, BL tokens): Triton coalesces each load /
+store along whichever axis has unit stride and transposes the tile through shared memory, so a layout change costs
+one read and one write. Launchers are ``torch.library`` custom ops (``*_op``) so torch.compile treats them as
+opaque; ``copy_``, ``gate_fwd`` and ``gate_bwd`` call them through the eager fast path (ops/eager_fastpath.py).
+``_gate_fwd`` / ``_gate_bwd`` are the raw launchers (no autograd) that Mamba's fused training path calls.
 """
 
 from __future__ import annotations
@@ -13,9 +12,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from mamba_parallel.ops.backend import interpret_mode
 from mamba_parallel.ops.eager_fastpath import fastpath
+from mamba_parallel.ops.grad_arena import grad_slot
 
 
 @triton.jit
@@ -79,7 +80,7 @@ def _copy(src: torch.Tensor, dst: torch.Tensor) -> None:
     copy_kernel[grid](src, dst, dst.shape[1], dst.shape[2], *src.stride(), *dst.stride(), **meta)
 
 
-copy_op = torch.library.custom_op("mamba_parallel::m1_copy_", mutates_args=("dst",))(_copy)
+copy_op = torch.library.custom_op("mamba_parallel::token_major_copy_", mutates_args=("dst",))(_copy)
 copy_ = fastpath(copy_op, _copy)
 
 
@@ -99,7 +100,7 @@ def _gate_fwd(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return out
 
 
-gate_fwd_op = torch.library.custom_op("mamba_parallel::m1_gate_fwd", mutates_args=())(_gate_fwd)
+gate_fwd_op = torch.library.custom_op("mamba_parallel::silu_gate_fwd", mutates_args=())(_gate_fwd)
 gate_fwd = fastpath(gate_fwd_op, _gate_fwd)
 
 
@@ -121,10 +122,58 @@ def _gate_bwd(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor, dz: torch.Te
     return dy
 
 
-gate_bwd_op = torch.library.custom_op("mamba_parallel::m1_gate_bwd", mutates_args=("dz",))(_gate_bwd)
+gate_bwd_op = torch.library.custom_op("mamba_parallel::silu_gate_bwd", mutates_args=("dz",))(_gate_bwd)
 gate_bwd = fastpath(gate_bwd_op, _gate_bwd)
 
 
 @gate_bwd_op.register_fake
 def _(dout, y, z, dz):
     return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+
+# ---- the public ops' Triton path (autograd) -----------------------------------------------------------------------
+def _token_major_copy(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    copy_(x, out)
+    return out
+
+
+class _TokenMajor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _token_major_copy(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g  # same values, any layout: the producer's backward (the conv) reads strides
+
+
+class _SiluGate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, z):
+        ctx.save_for_backward(y, z)
+        ctx.z_slot = grad_slot(z)  # the z half of in_proj's output gradient (the layer's gradient arena), or None
+        return gate_fwd(y, z)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        y, z = ctx.saved_tensors
+        want_dz = ctx.needs_input_grad[1]
+        dz = ctx.z_slot.get() if want_dz and ctx.z_slot is not None else torch.empty_like(z)
+        dy = gate_bwd(dout, y, z, dz)
+        return dy, dz if want_dz else None
+
+
+def _needs_graph(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def token_major(x: torch.Tensor) -> torch.Tensor:
+    """``ops.token_major`` (arguments checked there): x (b, d, L), token stride != 1 -> a token-major copy."""
+    return _TokenMajor.apply(x) if _needs_graph(x) else _token_major_copy(x)
+
+
+def silu_gate(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``ops.silu_gate`` (arguments checked there): y, z (b, d, L) -> y * silu(z) as a contiguous (b, L, d)."""
+    return _SiluGate.apply(y, z) if _needs_graph(y, z) else gate_fwd(y, z)
