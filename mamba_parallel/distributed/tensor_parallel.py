@@ -1,14 +1,17 @@
-"""Tensor-parallel building blocks with the names and arguments of the seed (mamba_ssm / flash-attn style).
+"""Tensor-parallel building blocks with the names and arguments of the seed (mamba_ssm / flash-attn style): the
+same layers the model's tensor-parallel plan (tp_plan.py) builds.
 
 Layout conventions:
-- ``sequence_parallel=True``: activations between parallel regions are sharded along dim 0 (flatten
-  ``(batch, seqlen)`` first, or keep batch first with batch divisible by the group size). A column-parallel layer
-  all-gathers its input on dim 0; a row-parallel layer reduce-scatters its output on dim 0.
+- ``sequence_parallel=True``: activations between parallel regions are sharded along ``seq_dim``: dim 0 as in the
+  seed (flatten ``(batch, seqlen)`` first, or keep batch first with batch divisible by the group size), dim 1 for
+  the model's (batch, seqlen, d). A column-parallel layer all-gathers its input along it; a row-parallel layer
+  reduce-scatters its output along it.
 - ``sequence_parallel=False``: activations are replicated; the column layer all-reduces its input gradient, the
   row layer all-reduces its output.
-- Parameters may be plain tensors (this rank's shard, as the seed builds them with a ``process_group``) or
-  DTensors on a tp mesh (what ``tp_plan.apply_tensor_parallel`` makes, so FSDP2 and DCP see global shapes);
-  computation always runs on the local shard.
+- Parameters may be plain tensors (this rank's shard, as the seed builds them with a ``process_group``) or, for
+  layers made by ``from_linear`` / ``from_embedding``, DTensor segments behind a ShardView (what
+  ``tp_plan.apply_tensor_parallel`` makes, so FSDP2 and DCP see global shapes); computation always runs on the
+  local shard.
 
 Overlap: ``parallel_linear_func``'s backward re-gathers the sequence-sharded input asynchronously while it computes
 the input gradient, then reduce-scatters (or all-reduces) that gradient asynchronously while it computes the
@@ -16,8 +19,9 @@ weight gradient, so both collectives hide behind a matmul.
 
 Forward overlap (opt-in, OFF by default until a GPU run shows it pays): with ``overlap_comm=True`` on the layer
 (``ColumnParallelLinear.overlap_comm``, ``apply_tensor_parallel(..., overlap_comm=True)``, ``train --tp-overlap``),
-a sequence-parallel column linear replaces its input all-gather by ``tp - 1`` ring steps: while the shard in hand is multiplied, the next one arrives from the previous
-rank (P2P), and each partial product is written into its rows of the output. The per-shard matmuls are the same
+a sequence-parallel column linear replaces its input all-gather by ``tp - 1`` ring steps: while the shard in hand
+is multiplied, the next one arrives from the previous rank (P2P), and each partial product is written into its
+rows of the output. The per-shard matmuls are the same
 as in gather-then-matmul, so the output matches it; the backward is unchanged.
 """
 
@@ -201,14 +205,16 @@ def parallel_linear_func(x: Tensor, weight: Tensor, bias: Tensor | None = None, 
 
 class _ParallelLinear(nn.Module):
     """Shared constructor of the column / row layers: weight (out_features, in_features) with dim ``split_dim``
-    split over ``process_group`` in units of ``multiple_of``; bias (weight rows,)."""
+    split over ``process_group`` in units of ``multiple_of``; bias (weight rows,). ``seq_dim``: the activation
+    dim sequence parallelism shards (0 as in the seed's flattened (batch * seqlen, d); 1 for (b, L, d))."""
 
     split_dim: int
 
     def __init__(self, in_features: int, out_features: int, process_group=None, bias: bool = True,
-                 sequence_parallel: bool = True, multiple_of: int = 1, device=None, dtype=None):
+                 sequence_parallel: bool = True, multiple_of: int = 1, device=None, dtype=None, *,
+                 seq_dim: int = 0):
         super().__init__()
-        self.process_group, self.sequence_parallel = process_group, sequence_parallel
+        self.process_group, self.sequence_parallel, self.seq_dim = process_group, sequence_parallel, seq_dim
         self.in_features, self.out_features = in_features, out_features
         shape = [out_features, in_features]
         shape[self.split_dim] = get_dim_for_local_rank(shape[self.split_dim], group_size(process_group),
@@ -222,11 +228,26 @@ class _ParallelLinear(nn.Module):
                 bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
                 nn.init.uniform_(self.bias, -bound, bound)
 
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, process_group, sequence_parallel: bool = True, seq_dim: int = 1):
+        """The layer taking over ``linear``'s parameters as they are (same names ``weight`` / ``bias``, so the
+        same state-dict keys): the caller shards them (``apply_tensor_parallel`` stores them as DTensor
+        segments behind a ShardView, whose local views are what the forward reads)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.process_group, layer.sequence_parallel, layer.seq_dim = process_group, sequence_parallel, seq_dim
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight = linear.weight
+        layer.register_parameter("bias", linear.bias)
+        return layer
+
 
 class ColumnParallelLinear(_ParallelLinear):
     """y = x W^T + b with W's rows (out_features) split over ``process_group``.
 
-    forward: x (n_local, ..., in_features) [sequence_parallel] or (n, ..., in_features) -> (n, ..., out_local).
+    forward: x (n_local, ..., in_features) [sequence_parallel: all-gathered along ``seq_dim``] or
+    (n, ..., in_features) [replicated: the input gradient is all-reduced] -> (n, ..., out_local). Only the local
+    shard of x is saved for backward; the backward overlaps its collectives with the matmuls.
     ``multiple_of``: each rank's share of out_features is a multiple of this (e.g. a head size).
     ``overlap_comm``: set True to ring-gather x behind the matmul under SP.
     """
@@ -236,18 +257,20 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         return parallel_linear_func(x, local_tensor(self.weight), local_tensor(self.bias), self.process_group,
-                                    self.sequence_parallel, overlap_comm=self.overlap_comm)
+                                    self.sequence_parallel, dim=self.seq_dim, overlap_comm=self.overlap_comm)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local "
-                f"{self.weight.shape[0]}), sequence_parallel={self.sequence_parallel}")
+                f"{self.weight.shape[0]}), sequence_parallel={self.sequence_parallel}, overlap_comm="
+                f"{self.overlap_comm}")
 
 
 class RowParallelLinear(_ParallelLinear):
     """y = sum over ranks of x_r W_r^T, + b, with W's columns (in_features) split over ``process_group``.
 
-    forward: x (n, ..., in_local) -> (n_local, ..., out_features) [sequence_parallel: reduce-scatter on dim 0] or
-    (n, ..., out_features) [all-reduce]. The bias is added once, after the reduction.
+    forward: x (n, ..., in_local) -> (n_local, ..., out_features) [sequence_parallel: reduce-scatter along
+    ``seq_dim``] or (n, ..., out_features) [all-reduce]. The bias is added once, after the reduction, in the
+    product's dtype (as nn.Linear under autocast).
     ``multiple_of``: each rank's share of in_features is a multiple of this.
     """
 
@@ -255,13 +278,13 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: Tensor) -> Tensor:
         out = F.linear(x, local_tensor(self.weight))
-        out = reduce_scatter(out, self.process_group, 0) if self.sequence_parallel else \
+        out = reduce_scatter(out, self.process_group, self.seq_dim) if self.sequence_parallel else \
             all_reduce(out, self.process_group)
         if self.bias is not None:
             bias = local_tensor(self.bias)
             if self.sequence_parallel:  # each rank adds it to its own rows: its gradient is a sum over ranks
                 bias = copy_to_group(bias, self.process_group)
-            out = out + bias
+            out = out + bias.to(out.dtype)
         return out
 
     def extra_repr(self) -> str:
@@ -273,12 +296,17 @@ class RowParallelLinear(_ParallelLinear):
 class VocabParallelEmbedding(nn.Embedding):
     """Embedding whose rows (the vocabulary) are split evenly over ``process_group``.
 
-    forward: ids (...) int64 with GLOBAL token ids -> (..., embedding_dim) PARTIAL sums: rows of ids owned by
-    other ranks are zero. Sum over ranks (all-reduce or reduce-scatter) to get the embedding.
+    forward: ids (...) int64 with GLOBAL token ids -> (..., embedding_dim): with ``reduce=None`` (the seed's
+    layer) PARTIAL sums, rows of ids owned by other ranks zero (sum over ranks to get the embedding, as
+    ``ParallelEmbeddings`` does); with ``reduce="all_reduce"`` the summed embedding, replicated; with
+    ``reduce="reduce_scatter"`` (sequence parallel) this rank's slice of it along ``seq_dim``.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, process_group=None, padding_idx: int | None = None,
-                 device=None, dtype=None):
+                 device=None, dtype=None, *, reduce: str | None = None, seq_dim: int = 0):
+        if reduce not in (None, "all_reduce", "reduce_scatter"):
+            raise ValueError(f"VocabParallelEmbedding: reduce must be None, 'all_reduce' or 'reduce_scatter', got "
+                             f"{reduce!r}")
         world, rank = group_size(process_group), group_rank(process_group)
         if num_embeddings % world:
             raise ValueError(f"VocabParallelEmbedding: num_embeddings={num_embeddings} is not divisible by the "
@@ -290,9 +318,29 @@ class VocabParallelEmbedding(nn.Embedding):
             local_pad = padding_idx - self.vocab_start
         super().__init__(per, embedding_dim, padding_idx=local_pad, device=device, dtype=dtype)
         self.process_group, self.num_embeddings_global = process_group, num_embeddings
+        self.reduce, self.seq_dim = reduce, seq_dim
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, process_group, reduce: str, seq_dim: int = 1):
+        """The layer taking over ``emb``'s (V, d) ``weight`` as it is (same state-dict key): the caller shards
+        it along the vocabulary (``apply_tensor_parallel``: a DTensor behind a ShardView)."""
+        layer = cls(emb.num_embeddings, emb.embedding_dim, process_group, emb.padding_idx, device="meta",
+                    dtype=emb.weight.dtype, reduce=reduce, seq_dim=seq_dim)
+        layer.weight = emb.weight
+        return layer
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        return vocab_parallel_embedding(input_ids, local_tensor(self.weight), self.vocab_start, self.padding_idx)
+        out = vocab_parallel_embedding(input_ids, local_tensor(self.weight), self.vocab_start, self.padding_idx)
+        if self.reduce == "all_reduce":
+            return all_reduce(out, self.process_group)
+        if self.reduce == "reduce_scatter":
+            world = group_size(self.process_group)
+            if input_ids.shape[self.seq_dim] % world:
+                raise ValueError(f"sequence parallel needs seqlen divisible by tp={world}, got input_ids of shape "
+                                 f"{tuple(input_ids.shape)} (pad the batch, or apply tp with "
+                                 f"sequence_parallel=False)")
+            return reduce_scatter(out, self.process_group, self.seq_dim)
+        return out
 
 
 def vocab_parallel_embedding(input_ids: Tensor, weight: Tensor, vocab_start: int,

@@ -1,8 +1,11 @@
-"""The modules a tensor-parallel ``MambaLMHeadModel`` is made of (built by ``tp_plan.apply_tensor_parallel``).
+"""What a tensor-parallel ``MambaLMHeadModel`` is made of beyond the seed layers of tensor_parallel.py (built by
+``tp_plan.apply_tensor_parallel``).
 
-``ShardView`` keeps a parameter as DTensor segment(s) on the tp mesh and shows the model code its local tensor;
-the other modules replace single-device ones, taking over their parameters (same state-dict names).
-Activations are (batch, seqlen, features); sequence parallelism shards dim 1.
+``ShardView`` keeps a parameter as DTensor segment(s) on the tp mesh and shows the model code its local tensor.
+``TPMamba1Ops`` is Mamba's sequence-ops strategy with x_proj's channel sum over tp; ``TPGatedRMSNorm`` Mamba-2's
+gated norm over channels split across ranks; ``TPLMHead`` / ``TPTiedLMHead`` the vocab-parallel head and
+``VocabParallelLoss`` its loss (``model.loss_fn``). Activations are (batch, seqlen, features); sequence
+parallelism shards dim 1.
 """
 
 from __future__ import annotations
@@ -16,12 +19,8 @@ from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from mamba_parallel.distributed import collectives as coll
-from mamba_parallel.distributed.tensor_parallel import (
-    local_tensor,
-    parallel_linear_func,
-    vocab_parallel_embedding,
-    vocab_parallel_linear_cross_entropy,
-)
+from mamba_parallel.distributed.tensor_parallel import local_tensor, vocab_parallel_linear_cross_entropy
+from mamba_parallel.layers.mamba1 import Mamba1Ops
 from mamba_parallel.layers.norm import RMSNormGated
 
 SEQ_DIM = 1  # activations are (batch, seqlen, features)
@@ -69,59 +68,22 @@ def _meta_dtensor(shape, dtype, mesh: DeviceMesh, placement: Placement) -> DTens
                               stride=torch.empty(shape, device="meta").stride())
 
 
-# ---- replacement modules ----------------------------------------------------------------------------------------
-class _LinearTakeover(nn.Module):
-    """Takes over an nn.Linear's ``weight`` / ``bias`` (same state-dict names) for a tp ``group``."""
+# ---- what the seed layers (tensor_parallel.py) do not cover ---------------------------------------------------
+class TPMamba1Ops(Mamba1Ops):
+    """Mamba's sequence ops when its d_inner channels are split over tp (the parallel seam, layers/seq_ops.py):
+    conv and scan stay local; x_proj's partial products are summed over tp in forward AND backward (each rank then
+    uses the sum for its own channels: dt_proj, and B / C in its scan)."""
 
-    def __init__(self, linear: nn.Linear, group):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
+    local = False  # the channel sum communicates: the fused training path (which bypasses it) must not run
+
+    def __init__(self, group):
         self.group = group
 
+    def channel_sum(self, t: Tensor) -> Tensor:
+        return coll.all_reduce_both(t, self.group)
 
-class TPRowLinear(_LinearTakeover):
-    """Row-parallel linear taking over an nn.Linear's ``weight`` / ``bias`` (same state-dict names).
-
-    x (..., in_local) -> reduce(x @ W_local^T) + bias, reduce = "reduce_scatter" (SP, along the sequence) or
-    "all_reduce".
-    """
-
-    def __init__(self, linear: nn.Linear, group, reduce: str):
-        super().__init__(linear, group)
-        self.reduce = reduce
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = F.linear(x, self.weight)
-        if self.reduce == "reduce_scatter":
-            out = coll.reduce_scatter(out, self.group, SEQ_DIM)
-        else:
-            out = coll.all_reduce(out, self.group)
-        return out if self.bias is None else out + self.bias.to(out.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, reduce={self.reduce}"
-
-
-class TPColumnLinear(_LinearTakeover):
-    """Column-parallel linear taking over an nn.Linear's ``weight`` / ``bias``, entering the parallel region:
-    x (b, L / tp, in) [SP] or (b, L, in) -> (b, L, out_local). The sequence all-gather happens inside
-    ``parallel_linear_func`` so only the local shard is saved for backward, and the backward overlaps the
-    input-gradient reduce-scatter (or all-reduce) with the weight-gradient matmul. ``overlap_comm``: under SP,
-    ring-gather the sequence behind per-shard matmuls (opt-in)."""
-
-    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool, overlap_comm: bool = False):
-        super().__init__(linear, group)
-        self.sequence_parallel, self.overlap_comm = sequence_parallel, overlap_comm
-
-    def forward(self, x: Tensor) -> Tensor:
-        return parallel_linear_func(x, self.weight, self.bias, self.group, self.sequence_parallel, dim=SEQ_DIM,
-                                    overlap_comm=self.overlap_comm)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"sequence_parallel={self.sequence_parallel}, overlap_comm={self.overlap_comm}")
+    def __repr__(self) -> str:
+        return "TPMamba1Ops()"
 
 
 class TPGatedRMSNorm(nn.Module):
@@ -186,27 +148,6 @@ class TPGatedRMSNormFunc(torch.autograd.Function):
                 dz = dy * (g * rstd * w) * dsilu
             dz = dz.to(z.dtype)
         return dg.to(x.dtype), dz, dw.to(weight.dtype), None, None, None, None
-
-
-class TPEmbedding(nn.Module):
-    """Vocab-parallel embedding taking over an nn.Embedding's ``weight``: ids (b, L) -> (b, L / tp, d) summed
-    over ranks [SP: reduce-scatter along the sequence] or (b, L, d) [all-reduce]."""
-
-    def __init__(self, emb: nn.Embedding, group, tp_rank: int, tp: int, sequence_parallel: bool):
-        super().__init__()
-        self.weight = emb.weight
-        self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
-        self.vocab_start = tp_rank * (emb.num_embeddings // tp)
-        self.group, self.tp, self.sequence_parallel = group, tp, sequence_parallel
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        out = vocab_parallel_embedding(input_ids, self.weight, self.vocab_start)
-        if not self.sequence_parallel:
-            return coll.all_reduce(out, self.group)
-        if input_ids.shape[SEQ_DIM] % self.tp:
-            raise ValueError(f"sequence parallel needs seqlen divisible by tp={self.tp}, got input_ids of shape "
-                             f"{tuple(input_ids.shape)} (pad the batch, or apply tp with sequence_parallel=False)")
-        return coll.reduce_scatter(out, self.group, SEQ_DIM)
 
 
 class TPLMHead(nn.Module):

@@ -113,9 +113,9 @@ class MHA(nn.Module):
         sequence unless ``position_ids`` (b, L) are given. With ``inference_params`` the new keys / values are
         written at ``seqlen_offset`` and the queries attend to the whole cached prefix.
         """
-        b, L, _ = hidden_states.shape
-        seq_idx = resolve_seq_idx(seq_idx, cu_seqlens, L)
         q, k, v = self.project_qkv(hidden_states)
+        b, L = q.shape[:2]  # the whole sequence (a tensor-parallel in_proj gathers a sequence-parallel input)
+        seq_idx = resolve_seq_idx(seq_idx, cu_seqlens, L)
 
         if inference_params is None:
             if self.rotary_emb_dim > 0:
