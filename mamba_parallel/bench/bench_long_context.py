@@ -94,6 +94,7 @@ def _max_over_ranks(x: float, device) -> float:
 def run_timing(args) -> dict:
     from mamba_parallel import get_preset
     from mamba_parallel.distributed.parallelize import parallelize
+    from mamba_parallel.distributed.materialize import materialize
     from mamba_parallel.models import MambaLMHeadModel
     from mamba_parallel.train.optim import build_optimizer
 
@@ -102,10 +103,7 @@ def run_timing(args) -> dict:
     with torch.device("meta"):
         model = MambaLMHeadModel(config)
     model = parallelize(model, dims, activation_checkpointing=args.activation_checkpointing)
-    model.to_empty(device=env.device)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights()
+    materialize(model, config, env.device, seed=0)
     opt = build_optimizer(model, 1e-4, 0.1, fused=env.device.type == "cuda")
     ids, labels = _tokens(args.seq_len, config.vocab_size, env.device)
     n = args.seq_len // cp

@@ -35,16 +35,16 @@ from mamba_parallel.distributed.tensor_parallel import (
 
 
 def __getattr__(name):  # the tp plan imports the model layers: load it only when asked for
-    if name in ("apply_tensor_parallel", "init_parallel_weights"):
-        from mamba_parallel.distributed import tp_plan
+    if name == "apply_tensor_parallel":
+        from mamba_parallel.distributed.tp_plan import apply_tensor_parallel
 
-        return getattr(tp_plan, name)
+        return apply_tensor_parallel
     raise AttributeError(name)
 
 
 __all__ = [
     "ParallelDims", "ParallelConfigError", "dims_from_world", "choose_parallel", "apply_tensor_parallel",
-    "init_parallel_weights", "parallelize",
+    "parallelize",
     "ColumnParallelLinear", "RowParallelLinear", "parallel_linear_func", "VocabParallelEmbedding",
     "ColumnParallelEmbedding", "ParallelEmbeddings", "get_dim_for_local_rank", "vocab_parallel_cross_entropy",
     "vocab_parallel_linear_cross_entropy", "all_gather_raw", "reduce_scatter_raw", "all_reduce_raw", "all_gather",

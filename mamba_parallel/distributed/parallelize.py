@@ -8,7 +8,7 @@
    (dp_shard, cp) mesh, HSDP when dp_replicate > 1; or DDP over the dp_replicate mesh.
 
 Works on a model built on the meta device (FSDP / TP / CP shard meta params; materialise afterwards with
-``to_empty`` + ``init_parallel_weights``); DDP needs materialised params: pass ``materialize`` (called on the model once its
+``distributed.materialize``); DDP needs materialised params: pass ``materialize`` (called on the model once its
 own shards are laid out: before DDP wraps it, after FSDP shards it) so every layout builds on meta and no rank
 holds the full model. ``parallelize_pipeline`` cuts the model into pipeline stages between the TP/CP and the data
 parallel steps (distributed/pipeline.py).

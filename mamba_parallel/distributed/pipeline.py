@@ -253,7 +253,7 @@ class PipelineStageModel(nn.Module):
     forward: first stage ``(input_ids (b, L), targets=...)``, later stages ``(hidden (b, L, d), residual (b, L, d),
     targets=...)`` -> ``(hidden, residual)``; the last stage -> the mean loss over ``targets`` (b, L) (0-d fp32;
     targets already shifted: targets[:, t] is the token after position t, -100 ignored),
-    through the model's own loss (``model.lm_loss``, which tensor / context parallelism replace).
+    through the model's own loss (``model.lm_loss`` -> ``model.loss_fn``, which tensor / context parallelism replace).
     """
 
     def __init__(self, model: nn.Module, stage: int, n_stages: int, layers: range):

@@ -23,19 +23,18 @@ them back, so checkpoints do not depend on tp. Norms are replicated (gradients s
 other tokens); the embedding is a ``VocabParallelEmbedding``; the final hidden states are all-gathered for the
 vocab-parallel LM head (tied stays tied) and ``model.loss_fn``, a vocab-parallel cross-entropy.
 
-A model built on meta: ``to_empty`` + ``init_parallel_weights(model)`` give the single-device values of the same
-seed. SP needs seqlen % tp == 0: decode (generate) with a model made with ``sequence_parallel=False``.
+A model built on meta: ``distributed.materialize.materialize`` gives every rank its shards of the single-device
+values of the same seed. SP needs seqlen % tp == 0: decode (generate) with a model made with ``sequence_parallel=False``.
 """
 
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-import torch
 import torch.nn as nn
 import torch.nn.utils.parametrize as parametrize
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from mamba_parallel.distributed.collectives import all_gather, copy_to_group
 from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
@@ -281,24 +280,3 @@ def _gather_final_hidden(group, sp: bool):
     def hook(module, args, out):
         return all_gather(out, group, SEQ_DIM) if sp else copy_to_group(out, group)
     return hook
-
-
-@torch.no_grad()
-def init_parallel_weights(model: nn.Module) -> None:
-    """``model.init_weights()`` for a model of any layout (e.g. built on meta, parallelized, then ``to_empty``).
-
-    Data parallel alone: the model's own ``init_weights`` (its helpers draw every value at the global shape and
-    write each rank's shard). Tensor parallel: the layers see only local views of their parameters, so a
-    single-device twin is initialised from the same RNG stream (same values as the single-device model for the
-    same seed) and its weights are scattered into the shards; costs one unsharded copy of the model meanwhile."""
-    from mamba_parallel.distributed.state_dict import load_model_state_dict
-    from mamba_parallel.models import MambaLMHeadModel
-
-    if not any(isinstance(m, TPLMHead) for m in model.modules()):
-        model.init_weights()
-        return
-    ref = next(p for p in model.parameters())
-    dev = (ref.to_local() if isinstance(ref, DTensor) else ref).device
-    twin = MambaLMHeadModel(model.config, device=dev, dtype=ref.dtype)
-    load_model_state_dict(model, twin.state_dict())
-    del twin

@@ -17,8 +17,8 @@ import torch.nn as nn
 def derived(module: nn.Module, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """fn(module.<name>), recomputed only when that parameter's storage or version changed."""
     p = getattr(module, name)
-    if (torch.is_grad_enabled() and p.requires_grad) or hasattr(p, "device_mesh"):
-        return fn(p)  # gradients must flow / DTensor versions do not track their shards' updates
+    if (torch.is_grad_enabled() and p.requires_grad) or type(p) not in (torch.Tensor, nn.Parameter):
+        return fn(p)  # gradients must flow / a tensor subclass's version need not track the data it shows
     key = (p.data_ptr(), p._version, p.dtype, p.device)
     slot = "_decode_" + name
     hit = module.__dict__.get(slot)

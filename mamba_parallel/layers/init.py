@@ -1,14 +1,14 @@
 """Deterministic parameter initialisation, shared by every layer.
 
 Each value is drawn at the parameter's FULL (global) shape from the torch RNG and then written into the
-parameter, so a DTensor-sharded parameter (FSDP2 builds on ``meta``, materialises with ``to_empty``, then calls
-``init_weights``) gets exactly the values of the single-device model, whatever the layout.
+parameter, so the values never depend on the layout: a model parallelized on ``meta`` is materialised by
+``distributed/materialize.py``, which runs these helpers block by block on a single-device twin and keeps each
+rank's shard.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
@@ -23,25 +23,13 @@ def is_meta(device) -> bool:
 
 
 def assign_(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Write ``value`` (param's global shape) into ``param``; for a DTensor only the local shard is written."""
+    """Write ``value`` (param's global shape) into ``param``."""
     with torch.no_grad():
-        if _is_dtensor(param):
-            from torch.distributed.tensor import distribute_tensor
-
-            # Every rank drew the same full value: take the local chunk without communicating.
-            value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
-                                      src_data_rank=None)
         param.copy_(value.to(param.dtype))
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    # A DTensor exists only if its module was imported: skip the (slow) import otherwise.
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(t, mod.DTensor)
-
-
 def _device(param: torch.Tensor) -> torch.device:
-    return param.device  # a DTensor reports its local device
+    return param.device  # a sharded parameter reports its local device
 
 
 def uniform_(param: torch.Tensor, low: float, high: float) -> None:

@@ -99,7 +99,8 @@ class MambaLMHeadModel(nn.Module):
     """A Mamba-1 / Mamba-2 / hybrid language model described by a ``MambaConfig``.
 
     Built on ``device="meta"`` it holds no memory; ``to_empty(device=...)`` then ``init_weights()`` makes it real
-    (the way FSDP2 materialises it). On any other device it is initialised at construction.
+    (parallelized on meta: ``distributed.materialize.materialize`` gives each rank its shards of those values).
+    On any other device it is initialised at construction.
     """
 
     def __init__(self, config: MambaConfig, device=None, dtype=None):

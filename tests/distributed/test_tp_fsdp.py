@@ -23,7 +23,8 @@ from mamba_parallel.distributed.state_dict import (
     model_state_dict,
     optim_state_dict,
 )
-from mamba_parallel.distributed.tp_plan import apply_tensor_parallel, init_parallel_weights
+from mamba_parallel.distributed.materialize import materialize
+from mamba_parallel.distributed.tp_plan import apply_tensor_parallel
 from mamba_parallel.models import MambaLMHeadModel
 
 GLOBAL_BATCH = 4
@@ -90,9 +91,7 @@ def _meta_init(dims, case):
     with torch.device("meta"):
         meta = MambaLMHeadModel(model.config)
     parallelize(meta, dims)
-    meta.to_empty(device="cpu")
-    torch.manual_seed(0)  # build() seeds 0 before its single-device init
-    init_parallel_weights(meta)  # TP: through a single-device twin (tp_plan.py)
+    materialize(meta, model.config, "cpu", seed=0)  # build() seeds 0 before its single-device init
     got = {k: full(v).detach() for k, v in canonical_tensors(dict(meta.named_parameters()), meta).items()}
     want = dict(model.named_parameters())
     return rel_errs(got, {k: v.detach() for k, v in want.items()})

@@ -132,13 +132,16 @@ def test_meta_build_to_empty_init_weights_is_a_real_tied_model():
 
 
 def test_init_weights_on_fsdp2_shards_gives_single_device_values():
-    """FSDP2's path: meta build -> fully_shard -> to_empty -> init_weights. Each rank's shard must hold the slice of
-    the single-device model's values (same seed). Rank 1 of 2 is simulated in-process with a fake process group."""
+    """FSDP2's path: meta build -> fully_shard -> materialize (to_empty, then init block by block). Each rank's shard
+    must hold the slice of the single-device model's values (same seed). Rank 1 of 2 is simulated in-process with
+    a fake process group."""
     import torch.distributed as dist
 
     fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from mamba_parallel.distributed.materialize import materialize
 
     cfg = get_preset("tiny-hybrid")
     dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=1, world_size=2)
@@ -148,9 +151,7 @@ def test_init_weights_on_fsdp2_shards_gives_single_device_values():
         for block in model.backbone.layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        model.to_empty(device="cpu")
-        torch.manual_seed(5)
-        model.init_weights()
+        materialize(model, cfg, "cpu", seed=5)
         local = {k: v.to_local() for k, v in model.state_dict().items()}
     finally:
         dist.destroy_process_group()
