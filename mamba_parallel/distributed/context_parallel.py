@@ -1,25 +1,21 @@
 """Context parallelism by state passing: the SEQUENCE is sharded over ``cp`` ranks, with no cap but its length.
 
 ``apply_context_parallel(model, cp_mesh)`` turns an unmodified single-device ``MambaLMHeadModel`` into its CP form
-in place. Every rank then receives a contiguous slice of every sequence (rank 0 the first; ``input_ids``,
-``targets``, ``seq_idx`` and ``position_ids`` are slices of the global ones) and returns its slice of the logits or
-the GLOBAL mean loss. Through the model's seams only (layers/seq_ops.py, ``model.loss_fn``) it installs:
+in place. Every rank receives a contiguous slice of every sequence (rank 0 the first; ``input_ids``, ``targets``,
+``seq_idx``, ``position_ids`` are slices of the global ones) and returns its slice of the logits or the GLOBAL mean
+loss. Only through the model's seams (layers/seq_ops.py, ``model.loss_fn``), it installs:
 
-- per mixer, the CP strategy of its class from ``CP_STRATEGIES`` as ``mixer.seq_ops``: for Mamba / Mamba2 a conv
-  that takes the halo of the last d_conv - 1 inputs from the previous rank and a scan that runs from zero, then
-  all-gathers (final state, slice decay) once and folds in the true initial state (distributed/cp_ops.py,
-  cp_exchange.py); for attention, keys / values all-gathered over cp (distributed/cp_attention.py);
-- ``model.loss_fn``: the sum of the local cross-entropy (the one in place: vocab-parallel under TP) over the cp
-  group / the number of targets of the whole sequence. Its backward all-reduces over cp, so every rank's gradient
-  is cp x its share of the global mean's; FSDP's average over the (dp_shard, cp) mesh then gives exactly the
-  single-process gradient;
-- forward pre-hooks refusing what a slice cannot do: ``cu_seqlens`` (its offsets would be local), ``labels=``
-  (shifting crosses the slice boundary: pass ``targets=``), inference caches (generate in one process).
+- per mixer, its class's strategy from ``CP_STRATEGIES`` as ``mixer.seq_ops``: for Mamba / Mamba2 a conv taking
+  the previous rank's last d_conv - 1 inputs (halo) and a scan run from zero, then folding in the earlier ranks'
+  state after ONE all-gather of (final state, slice decay) (cp_ops.py, cp_exchange.py); for attention, keys /
+  values all-gathered (cp_attention.py); a new mixer adds its entry;
+- ``model.loss_fn``: the sum of the loss in place (vocab-parallel under TP) over the cp group / the number of
+  targets of the whole sequence; its backward all-reduces over cp, so FSDP's average over (dp_shard, cp) gives
+  the single-process gradient;
+- forward pre-hooks refusing what a slice cannot do: ``cu_seqlens``, ``labels=`` (pass ``targets=``), caches.
 
-Packed sequences: ``seq_idx`` slices (a boundary may fall inside a slice or exactly at a rank boundary).
-Composes with tensor parallelism applied before it (the mixers' local sizes come from their attributes, the
-strategies keep TP's channel sum, the loss wraps the vocab-parallel one) and with FSDP applied after it.
-A new mixer: write its CP strategy (a subclass of its single-device one) and add it to ``CP_STRATEGIES``.
+Packed sequences: ``seq_idx`` slices (a boundary may fall inside a slice or at a rank boundary). Composes with
+tensor parallelism applied before it and FSDP after it.
 """
 
 from __future__ import annotations

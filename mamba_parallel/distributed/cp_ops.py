@@ -13,6 +13,7 @@ rank's slice of the single-process outputs; final states (when asked) are the wh
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -37,19 +38,10 @@ def _meta(meta: SeqMeta | None, seq_idx: Tensor | None, k: int, group, rank: int
     return meta if meta is not None else SeqMeta(seq_idx, max(k, 1), group, rank)
 
 
-class _NoAutocast:
+def _no_autocast(t: Tensor):
     """fp32 state math inside a caller's autocast region (decays and states must not drop to bf16)."""
-
-    def __init__(self, t: Tensor):
-        self.ctx = torch.autocast(t.device.type, enabled=False) if t.device.type in ("cpu", "cuda") else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
+    dev = t.device.type
+    return torch.autocast(dev, enabled=False) if dev in ("cpu", "cuda") else contextlib.nullcontext()
 
 
 class _SSDInitialStateTerm(torch.autograd.Function):
@@ -110,7 +102,7 @@ def cp_ssd_chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ch
     y, S_loc = ops.ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                   dt_limit=dt_limit, seq_idx=seq_idx, return_final_states=True,
                                   recompute_states=recompute_states)
-    with _NoAutocast(x):
+    with _no_autocast(x):
         # (b, L, h). Scanned along the innermost dim of a (b, h, L) copy: torch's scan along an outer dim runs one
         # thread per column (h of them) and took 13 ms per layer at L = 131072 on an H200, this form ~0.1 ms.
         dA = (process_dt(dt, dt_bias, dt_softplus, dt_limit) * A.float()).transpose(1, 2).contiguous()
@@ -144,7 +136,7 @@ def cp_selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor,
     else:
         y, S_loc = ops.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, seq_idx=seq_idx,
                                       return_last_state=True)
-    with _NoAutocast(u):
+    with _no_autocast(u):
         dl = delta.float() if delta_bias is None else delta.float() + delta_bias.float()[:, None]
         if delta_softplus:
             dl = F.softplus(dl)

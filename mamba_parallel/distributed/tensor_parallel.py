@@ -1,28 +1,18 @@
-"""Tensor-parallel building blocks with the names and arguments of the seed (mamba_ssm / flash-attn style): the
-same layers the model's tensor-parallel plan (tp_plan.py) builds.
+"""Tensor-parallel building blocks with the seed's names and arguments (mamba_ssm / flash-attn style), the same
+layers the model's plan (tp_plan.py) builds.
 
-Layout conventions:
-- ``sequence_parallel=True``: activations between parallel regions are sharded along ``seq_dim``: dim 0 as in the
-  seed (flatten ``(batch, seqlen)`` first, or keep batch first with batch divisible by the group size), dim 1 for
-  the model's (batch, seqlen, d). A column-parallel layer all-gathers its input along it; a row-parallel layer
-  reduce-scatters its output along it.
-- ``sequence_parallel=False``: activations are replicated; the column layer all-reduces its input gradient, the
-  row layer all-reduces its output.
-- Parameters may be plain tensors (this rank's shard, as the seed builds them with a ``process_group``) or, for
-  layers made by ``from_linear`` / ``from_embedding``, DTensor segments behind a ShardView (what
-  ``tp_plan.apply_tensor_parallel`` makes, so FSDP2 and DCP see global shapes); computation always runs on the
-  local shard.
-
-Overlap: ``parallel_linear_func``'s backward re-gathers the sequence-sharded input asynchronously while it computes
-the input gradient, then reduce-scatters (or all-reduces) that gradient asynchronously while it computes the
-weight gradient, so both collectives hide behind a matmul.
-
-Forward overlap (opt-in, OFF by default until a GPU run shows it pays): with ``overlap_comm=True`` on the layer
-(``ColumnParallelLinear.overlap_comm``, ``apply_tensor_parallel(..., overlap_comm=True)``, ``train --tp-overlap``),
-a sequence-parallel column linear replaces its input all-gather by ``tp - 1`` ring steps: while the shard in hand
-is multiplied, the next one arrives from the previous rank (P2P), and each partial product is written into its
-rows of the output. The per-shard matmuls are the same
-as in gather-then-matmul, so the output matches it; the backward is unchanged.
+- ``sequence_parallel=True``: activations between parallel regions are sharded along ``seq_dim`` (0 as in the
+  seed: flatten (batch, seqlen) first; 1 for the model's (batch, seqlen, d)): a column-parallel layer all-gathers
+  its input along it, a row-parallel layer reduce-scatters its output. ``False``: activations are replicated; the
+  column layer all-reduces its input gradient, the row layer its output.
+- Parameters are this rank's shard (as the seed builds them with a ``process_group``) or, for layers made by
+  ``from_linear`` / ``from_embedding``, DTensor segments behind a ShardView (global shapes for FSDP2 and DCP); the
+  computation runs on the local shard.
+- ``parallel_linear_func``'s backward re-gathers the sequence-sharded input while it computes the input gradient,
+  then reduce-scatters (or all-reduces) that gradient while it computes the weight gradient: both collectives
+  hide behind a matmul. ``overlap_comm=True`` (opt-in until a GPU run shows it pays; ``train --tp-overlap``) also
+  splits the forward gather into ``tp - 1`` ring steps behind the per-shard matmuls (the same products, so the
+  same output).
 """
 
 from __future__ import annotations

@@ -1,34 +1,27 @@
 """Tensor + sequence parallelism applied from outside to an unmodified single-device ``MambaLMHeadModel``.
 
-``apply_tensor_parallel(model, tp_mesh, sequence_parallel=True, overlap_comm=False)`` rewrites the model in place
-by a declarative plan, as torchtitan's are: ``TP_PLANS`` maps each layer class to a function giving an instance's
-``LayerPlan``: a style per sub-module / parameter name, the size attributes that become local and, for Mamba,
-its sequence-ops strategy (the parallel seam, layers/seq_ops.py). A new layer adds its entry. Styles:
+``apply_tensor_parallel(model, tp_mesh, sequence_parallel=True, overlap_comm=False)`` rewrites the model in place by
+a declarative plan, as torchtitan's are: ``TP_PLANS`` maps each layer class to a function giving an instance's
+``LayerPlan``: a style per sub-module / parameter name, the size attributes that become local and, for Mamba, its
+sequence-ops strategy (the parallel seam, layers/seq_ops.py). A new layer adds its entry. ``Entry``: the first
+projection becomes a ``ColumnParallelLinear`` that gathers the (b, L / tp, d) stream inside its matmul under SP
+(only the local shard saved; all-reduced input gradient without SP); ``Rowwise``: the projection back to the
+residual stream becomes a ``RowParallelLinear``; ``Colwise`` / ``Sharded``: nn.Linear rows / one parameter sharded
+in place; ``NormAcrossRanks``: Mamba-2's gated norm over channels on every rank (ngroups = 1).
 
-- ``Entry``: the first projection of a mixer / MLP becomes a ``ColumnParallelLinear`` entering the parallel
-  region: under sequence parallelism it all-gathers the (b, L / tp, d) stream inside its matmul (only the local
-  shard is saved; the backward overlaps its collectives with its matmuls; ``overlap_comm`` rings the forward
-  gather behind per-shard matmuls), without it it all-reduces its input gradient;
-- ``Rowwise``: the projection back to the residual stream becomes a ``RowParallelLinear`` (reduce-scatter along
-  the sequence, or all-reduce; bias added once);
-- ``Colwise``: a later column-sharded nn.Linear; ``Sharded``: one parameter; ``NormAcrossRanks``: Mamba-2's gated
-  norm over every channel (ngroups = 1), ``TPGatedRMSNorm``.
-
-Parameters become DTensor segments on ``tp_mesh`` (global shapes) behind a ``torch.nn.utils.parametrize`` view
-(``ShardView``): the model code, reading ``self.A_log`` or calling ``self.in_proj(x)``, sees this rank's local
-tensor, and FSDP2 shards the DTensors again over the dp mesh. Fused projections are sharded PER SEGMENT (Mamba-2
-in_proj [z | x | B | C | dt], conv1d [x | B | C], Mamba-1 in_proj [x | z], attention [q | k | v], MLP fc1
-[value | gate]), one DTensor each (``<module>.parametrizations.weight.original{i}``); ``state_dict.py`` fuses
-them back, so checkpoints do not depend on tp. Norms are replicated (gradients summed under SP: each rank saw
-other tokens); the embedding is a ``VocabParallelEmbedding``; the final hidden states are all-gathered for the
-vocab-parallel LM head (tied stays tied) and ``model.loss_fn``, a vocab-parallel cross-entropy.
-
-A model built on meta: ``distributed.materialize.materialize`` gives every rank its shards of the single-device
-values of the same seed. SP needs seqlen % tp == 0: decode (generate) with a model made with ``sequence_parallel=False``.
+Parameters become DTensor segments on ``tp_mesh`` (global shapes) behind a ``parametrize`` view (``ShardView``): the
+model code sees this rank's local tensor, FSDP2 shards the DTensors again over the dp mesh. Fused projections are
+sharded PER SEGMENT (``split(n)`` / ``shared(n)``: replicated, gradient summed; e.g. Mamba-2 in_proj [z | x | B | C |
+dt]), one DTensor each (``<module>.parametrizations.weight.original{i}``), fused back by state_dict.py: checkpoints
+do not depend on tp. Norms are replicated (gradients summed under SP); the embedding is a VocabParallelEmbedding;
+the final hidden states are all-gathered for the vocab-parallel LM head (tied stays tied) and ``model.loss_fn``.
+A model built on meta: ``distributed.materialize`` fills its shards. SP needs seqlen % tp == 0 (decode with
+``sequence_parallel=False``).
 """
 
 from __future__ import annotations
 
+from collections import namedtuple
 from typing import Callable, NamedTuple
 
 import torch.nn as nn
@@ -63,25 +56,11 @@ def replicated(n: int, grad_sum: bool = False) -> tuple[int, bool, bool]:
     return n, True, grad_sum
 
 
-class Entry(NamedTuple):  # a mixer's / MLP's first projection: ColumnParallelLinear, rows split per segment
-    segments: list
-
-
-class Rowwise(NamedTuple):  # the projection back to the residual stream: RowParallelLinear
-    pass
-
-
-class Colwise(NamedTuple):  # a column-sharded nn.Linear (weight rows and bias per segment)
-    segments: list
-
-
-class Sharded(NamedTuple):  # one parameter, per segment along dim
-    segments: list
-    dim: int = 0
-
-
-class NormAcrossRanks(NamedTuple):  # a gated norm whose channels span the tp ranks
-    channels: int
+Entry = namedtuple("Entry", "segments")  # a first projection: ColumnParallelLinear, rows split per segment
+Rowwise = namedtuple("Rowwise", "")  # the projection back to the residual stream: RowParallelLinear
+Colwise = namedtuple("Colwise", "segments")  # an nn.Linear's weight rows and bias sharded per segment
+Sharded = namedtuple("Sharded", "segments dim", defaults=[0])  # one parameter, per segment along dim
+NormAcrossRanks = namedtuple("NormAcrossRanks", "channels")  # a gated norm over every rank's channels
 
 
 class LayerPlan(NamedTuple):

@@ -90,9 +90,7 @@ class MHA(nn.Module):
     def reset_parameters(self) -> None:
         """PyTorch's default Linear weights, zero biases (mamba_ssm's _init_weights)."""
         for lin in (self.in_proj, self.out_proj):
-            init.linear_default_(lin.weight)
-            if lin.bias is not None:
-                init.constant_(lin.bias, 0.0)
+            init.linear_zero_bias_(lin)
 
     def project_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states (b, L, d_model) -> q (b, L, h, d), k and v (b, L, h_kv, d), from this module's (local)

@@ -32,9 +32,7 @@ class GatedMLP(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         for lin in (self.fc1, self.fc2):
-            init.linear_default_(lin.weight)
-            if lin.bias is not None:
-                init.constant_(lin.bias, 0.0)
+            init.linear_zero_bias_(lin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in_features) -> (..., out_features). The split uses fc1's output width (local under TP)."""
@@ -64,9 +62,7 @@ class MLP(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         for lin in (self.fc1, self.fc2):
-            init.linear_default_(lin.weight)
-            if lin.bias is not None:
-                init.constant_(lin.bias, 0.0)
+            init.linear_zero_bias_(lin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in_features) -> (..., out_features)."""

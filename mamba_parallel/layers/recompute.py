@@ -1,25 +1,17 @@
 """Recompute: activations a layer rebuilds in the backward instead of keeping them.
 
-Why: our Mamba-2 layer kept ~74.8 KB/token/layer for the backward against mamba_ssm's ~46.8 (docs/memory.md): the
-conv output, out_proj's input and the SSD chunk states are kept where the peer's fused backward recomputes them.
-Listing ``conv``, ``dt``, ``gate`` (and ``states``, handled inside the Triton SSD op) trades one more cheap kernel
-per layer in the backward for that memory. The choice is a layer attribute (``Mamba(recompute=...)``, or
-``apply_recompute(model, items)`` for a whole model; ``train --recompute``), read in the forward: the backward
-rebuilds exactly what that forward chose not to keep.
+Why: our Mamba-2 layer kept ~74.8 KB/token/layer for the backward against mamba_ssm's ~46.8 (docs/memory.md).
+Listing ``conv``, ``dt``, ``gate`` (and ``states``, inside the Triton SSD op) trades one more cheap kernel per layer
+in the backward for that memory. The choice is a layer attribute (``Mamba(recompute=...)``; ``apply_recompute(model,
+items)``; ``train --recompute``) read in the forward: the backward rebuilds exactly what that forward did not keep.
 
-How: ``RecomputeInBackward`` is a ``torch.autograd.graph.saved_tensors_hooks`` context. Tensors saved inside it
-that are views of a registered target are packed as (offset, shape, strides) only; the first unpack in the
-backward runs the target's producer again (no grad, the forward's autocast state) and every saved view is rebuilt
-from that one tensor, which is dropped once its last view is unpacked.
-
-Private torch API: an inner ``saved_tensors_hooks`` context hides what is saved inside it from the hooks active
-outside (activation checkpointing's, a memory probe's). To hand those tensors on, the context reads the outer
-hooks with ``torch._C._autograd._top_saved_tensors_default_hooks(ignore_is_tracing: bool)`` (added in torch 2.8;
-the same signature in 2.11 and 2.13). Where a torch lacks it, a context with targets refuses to open (a
-RuntimeError naming the option) rather than silently keeping tensors away from checkpointing's hooks.
-
-Hot path: with nothing to recompute, layers create no context and enter no ``with`` block (``run_saving`` with
-``None`` is a plain call).
+How: ``RecomputeInBackward`` is a ``saved_tensors_hooks`` context: tensors saved inside it that are views of a
+registered target are packed as (offset, shape, strides); the first unpack in the backward runs the target's
+producer again (no grad, the forward's autocast state) and rebuilds every view from it, dropped after the last.
+To hand the other saved tensors on to the hooks active outside (activation checkpointing's), it reads them with
+the private ``torch._C._autograd._top_saved_tensors_default_hooks(ignore_is_tracing)`` (torch >= 2.8; the same in
+2.11 and 2.13); without it, a context with targets refuses to open rather than hide tensors from checkpointing.
+With nothing to recompute, layers create no context (``run_saving`` with ``None`` is a plain call).
 """
 
 from __future__ import annotations

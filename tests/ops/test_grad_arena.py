@@ -285,7 +285,7 @@ def test_mamba2_layer_under_torch_compile(monkeypatch):
         assert_close(a, b, grad=True, name="compiled gradient")
 
 
-# ---- context parallel (run_conv / run_scan overridden) and tensor parallel (local split sizes), 2 gloo ranks ------
+# ---- context parallel (its sequence ops installed) and tensor parallel (local split sizes), 2 gloo ranks ------
 
 def _parallel_ranks(rank: int, world: int) -> dict:
     """Per parallel mode: (max relative gradient difference arena vs plain split, fallback copies) of one rank."""

@@ -1,15 +1,10 @@
 """Layout ops of the Mamba-1 layer: (b, d, L) tensors moved between layouts at copy bandwidth.
 
-in_proj writes [x | z] as (b, L, 2 d_inner), so x and z are channels-last (b, d_inner, L) views; the conv and scan
-kernels stream along L and want unit token stride; out_proj reads (b, L, d_inner). Torch's transposing copies run
-far below bandwidth; these ops make each layout change one read and one write:
-
-- ``token_major(x)``: the conv's output made token-major for x_proj and the scan (its backward passes the gradient
-  through: the conv's backward reads any strides);
-- ``silu_gate(y, z)``: the gate y * silu(z) outside the scan, written as out_proj's (b, L, d) input; its backward
-  writes dz straight into z's gradient-arena slot (ops/grad_arena.py: the z half of in_proj's output gradient).
-
-The Triton path (triton_impl.py) and the reference (naive.py) give the same values.
+in_proj writes [x | z] as (b, L, 2 d_inner): x and z are channels-last (b, d_inner, L) views; the conv and scan
+kernels stream along L; out_proj reads (b, L, d_inner). Torch's transposing copies run far below bandwidth; here
+each layout change is one read and one write: ``token_major(x)`` (the conv's output for x_proj and the scan; the
+gradient passes through) and ``silu_gate(y, z)`` (y * silu(z) written as out_proj's input; dz goes straight into
+z's gradient-arena slot, ops/grad_arena.py). triton_impl.py and naive.py give the same values.
 """
 
 from __future__ import annotations
