@@ -17,6 +17,8 @@ from typing import Any
 MAMBA1_DEFAULTS: dict[str, Any] = dict(
     d_state=16, d_conv=4, expand=2, dt_rank="auto", dt_min=0.001, dt_max=0.1, dt_init="random",
     dt_scale=1.0, dt_init_floor=1e-4, conv_bias=True, bias=False,
+    # Falcon-Mamba: weightless RMS norms on dt_low, B and C after x_proj (eps in fp32)
+    bcdt_rms_norm=False, bcdt_rms_eps=1e-6,
 )
 MAMBA2_DEFAULTS: dict[str, Any] = dict(
     d_state=128, d_conv=4, expand=2, headdim=64, ngroups=1, chunk_size=256, A_init_range=(1, 16),
@@ -159,6 +161,8 @@ class MambaConfig:
             need(c[k] > 0, f"ssm_cfg.{k}", f"must be > 0, got {c[k]!r}")
         need(float(self.d_inner) == c["expand"] * self.d_model, "ssm_cfg.expand",
              f"expand * d_model = {c['expand'] * self.d_model} must be an integer")
+        if self.layer == "Mamba1":
+            need(c["bcdt_rms_eps"] > 0, "ssm_cfg.bcdt_rms_eps", f"must be > 0, got {c['bcdt_rms_eps']!r}")
         if self.layer == "Mamba2":
             need(self.d_inner % c["headdim"] == 0, "ssm_cfg.headdim",
                  f"d_inner = {self.d_inner} (expand {c['expand']} x d_model {self.d_model}) is not divisible by "
@@ -260,6 +264,10 @@ PRESETS: dict[str, dict] = {
     # Mistral's Mamba-Codestral-7B: Mamba-2, 8 B/C groups, untied 32768-token vocabulary (7,285,403,648 params).
     "mamba-codestral-7b": dict(d_model=4096, n_layer=64, vocab_size=32768, ssm_cfg={"layer": "Mamba2", "ngroups": 8},
                                pad_vocab_size_multiple=1, tie_embeddings=False),
+    # TII's Falcon-Mamba-7B: Mamba-1 with weightless RMS norms on dt, B and C; untied (7,272,665,088 params).
+    "falcon-mamba-7b": dict(d_model=4096, n_layer=64, vocab_size=65024,
+                            ssm_cfg={"layer": "Mamba1", "bcdt_rms_norm": True}, pad_vocab_size_multiple=1,
+                            tie_embeddings=False),
     # NVIDIA's Nemotron-H 8B shape (8,100,852,736 params); dt is clamped below at dt_min, as transformers does.
     "nemotron-h-8b": _nemotron_h(4096, NEMOTRON_H_8B_PATTERN, 21504, 131072,
                                  ssm={"d_state": 128, "headdim": 64, "ngroups": 8, "chunk_size": 128,
@@ -275,6 +283,8 @@ PRESETS: dict[str, dict] = {
                         ssm_cfg={"layer": "Mamba2", "d_state": 16, "headdim": 16, "chunk_size": 16},
                         attn_layer_idx=[1], attn_cfg={"num_heads": 4, "num_heads_kv": 2, "rotary_emb_dim": 16},
                         pad_vocab_size_multiple=8),
+    "tiny-falcon-mamba": dict(d_model=64, n_layer=2, vocab_size=256, pad_vocab_size_multiple=8,
+                              ssm_cfg={"layer": "Mamba1", "d_state": 8, "bcdt_rms_norm": True}),
     "tiny-nemotron-h": _nemotron_h(64, "M*-M-", 128, 256,
                                    ssm={"d_state": 16, "headdim": 16, "ngroups": 2, "chunk_size": 16,
                                         "dt_limit": (0.001, float("inf"))},

@@ -15,6 +15,10 @@ and the gate write dx and dz straight into in_proj's output gradient: torch conc
 ``recompute`` (a subset of conv, dt, gate; layers/recompute.py, docs/memory.md) rebuilds the conv output (its
 token-major copy), the scan's delta and out_proj's input in the backward instead of keeping them.
 
+``bcdt_rms_norm`` (Falcon-Mamba): x_proj's three outputs dt_low (dt_rank), B and C (d_state) each pass through a
+weightless RMS norm (eps ``bcdt_rms_eps``, computed in fp32) before dt_proj and the scan, in the reference, the
+decode step and the fused node alike.
+
 The fused training path (``use_fused_path``, the default; bottom of this file): training on the Triton path with
 the local ``seq_ops`` and no ``gate`` recompute runs the middle (conv .. gate) as ONE autograd node with a
 hand-written backward and the same kernels. Why: a small Mamba-1 model's eager step is bound by the host
@@ -66,6 +70,30 @@ def _token_major_linear(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tenso
     return y if bias is None else y + bias.to(y.dtype)[:, None]  # in the product's dtype, as F.linear under autocast
 
 
+def bcdt_rms_norm(x_dbl: torch.Tensor, r: int, n: int, eps: float, dim: int) -> torch.Tensor:
+    """x_dbl (..., r + 2n, ...) along ``dim`` = [dt_low | B | C] -> each piece divided by its root mean square
+    (+ eps), computed in fp32, returned in x_dbl's dtype (Falcon-Mamba's weightless norms)."""
+    pieces = x_dbl.float().split([r, n, n], dim=dim)
+    return torch.cat([p * torch.rsqrt(p.square().mean(dim, keepdim=True) + eps) for p in pieces],
+                     dim=dim).to(x_dbl.dtype)
+
+
+def _bcdt_norm_fwd(x_dbl: torch.Tensor, r: int, n: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused node's forward of the norms: x_dbl (b, r + 2n, L) -> (normed, same dtype; rstd (b, 3, L) fp32)."""
+    pieces = x_dbl.float().split([r, n, n], dim=1)
+    rstd = torch.cat([torch.rsqrt(p.square().mean(1, keepdim=True) + eps) for p in pieces], dim=1)
+    normed = torch.cat([p * rstd[:, i:i + 1] for i, p in enumerate(pieces)], dim=1).to(x_dbl.dtype)
+    return normed, rstd
+
+
+def _bcdt_norm_bwd(grad: torch.Tensor, normed: torch.Tensor, rstd: torch.Tensor, r: int, n: int) -> torch.Tensor:
+    """d(normed) (b, r + 2n, L) -> d(x_dbl), in place: per piece, rstd * (g - y * mean(g * y)) with y = normed."""
+    for i, (g, y) in enumerate(zip(grad.split([r, n, n], dim=1), normed.split([r, n, n], dim=1))):
+        g32, y32 = g.float(), y.float()
+        g.copy_(rstd[:, i:i + 1] * (g32 - y32 * (g32 * y32).mean(1, keepdim=True)))
+    return grad
+
+
 class Mamba1Ops(SequenceOps):
     """Mamba's single-device sequence ops (the parallel seam, layers/seq_ops.py): the conv, the selective scan,
     and the sum of x_proj's output over channel shards (the identity here)."""
@@ -86,7 +114,8 @@ class Mamba1Ops(SequenceOps):
 class Mamba(nn.Module):
     def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: float = 2, dt_rank="auto",
                  dt_min: float = 0.001, dt_max: float = 0.1, dt_init: str = "random", dt_scale: float = 1.0,
-                 dt_init_floor: float = 1e-4, conv_bias: bool = True, bias: bool = False, layer_idx: int | None = None,
+                 dt_init_floor: float = 1e-4, conv_bias: bool = True, bias: bool = False,
+                 bcdt_rms_norm: bool = False, bcdt_rms_eps: float = 1e-6, layer_idx: int | None = None,
                  device=None, dtype=None, *, recompute=(), use_fused_path: bool = True):
         super().__init__()
         if dt_init not in ("random", "constant"):
@@ -97,6 +126,8 @@ class Mamba(nn.Module):
         self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)
         self.dt_min, self.dt_max, self.dt_init, self.dt_scale = dt_min, dt_max, dt_init, dt_scale
         self.dt_init_floor = dt_init_floor
+        # Falcon-Mamba's weightless RMS norms on dt_low, B and C (None: off)
+        self.bcdt_rms_eps = float(bcdt_rms_eps) if bcdt_rms_norm else None
         self.layer_idx = layer_idx
         self.recompute = recompute_set(recompute)  # conv, dt, gate: rebuilt in the backward, not kept
         # training on the Triton path: the middle as one autograd node (``_Mamba1Inner`` below); False: the
@@ -189,6 +220,8 @@ class Mamba(nn.Module):
             rebuilt = RecomputeInBackward()
             rebuilt.add(x, lambda: ops.token_major(self._conv(conv_in, seq_idx)))
         x_dbl = run_saving(rebuilt, self._x_proj_token_major, x)  # (b, r + 2n, L); x_proj keeps x
+        if self.bcdt_rms_eps is not None:
+            x_dbl = bcdt_rms_norm(x_dbl, r, n, self.bcdt_rms_eps, dim=1)
         dt_low, B, C = x_dbl.split([r, n, n], dim=1)
         dt = _token_major_linear(self.dt_proj.weight, dt_low)  # (b, d_inner, L); bias added in the scan
         if "dt" in plan:
@@ -225,7 +258,10 @@ class Mamba(nn.Module):
         x, z = self.in_proj(hidden_states[:, 0]).split([d_inner, d_inner], dim=-1)  # (b, d_inner)
         x = ops.causal_conv1d_update(x, conv_state[:b], self.conv1d.weight[:, 0, :], self.conv1d.bias,
                                      activation="silu")
-        dt, B, C = self.seq_ops.channel_sum(self.x_proj(x)).split([r, n, n], dim=-1)
+        x_dbl = self.seq_ops.channel_sum(self.x_proj(x))
+        if self.bcdt_rms_eps is not None:
+            x_dbl = bcdt_rms_norm(x_dbl, r, n, self.bcdt_rms_eps, dim=-1)
+        dt, B, C = x_dbl.split([r, n, n], dim=-1)
         dt = F.linear(dt, self.dt_proj.weight)
         A = derived(self, "A_log", neg_exp_fp32)
         # D and the dt bias go in their own dtype: the step computes in fp32 either way (no per-token casts)
@@ -299,7 +335,7 @@ def _conv_token_major(conv, x, w2, conv_b, seq_idx):
 class _Mamba1Inner(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xz, conv_w, conv_b, xproj_w, dt_w, dt_b, A_log, D, seq_idx, d_inner: int, r: int, n: int,
-                recompute_conv: bool):
+                recompute_conv: bool, bcdt_eps: float | None):
         conv, scan, layout = _kernels()
         b = xz.shape[0]
         d, cdt = d_inner, xz.dtype
@@ -307,6 +343,9 @@ class _Mamba1Inner(torch.autograd.Function):
         xc = _conv_token_major(conv, x, conv_w[:, 0, :], conv_b, seq_idx)
         wx, wdt = xproj_w.to(cdt), dt_w.to(cdt)  # what autocast would cast (no-op without it)
         x_dbl = torch.bmm(_expand(wx, b), xc)  # (b, r + 2n, L)
+        rstd = None
+        if bcdt_eps is not None:  # Falcon-Mamba's norms: the node keeps the normed x_dbl and its rstd
+            x_dbl, rstd = _bcdt_norm_fwd(x_dbl, r, n, bcdt_eps)
         dt = _delta(wdt, x_dbl, r)
         bc = x_dbl[:, r:].float()  # (b, 2n, L) fp32 once, for both passes
         B4, C4 = bc[:, :n].unsqueeze(1), bc[:, n:].unsqueeze(1)
@@ -319,7 +358,7 @@ class _Mamba1Inner(torch.autograd.Function):
         out = layout._gate_fwd(y, z)  # (b, L, d) contiguous: out_proj's input
         # dt is rebuilt in the backward (one small matmul), xc too with recompute_conv (one conv)
         ctx.save_for_backward(xz, conv_w, conv_b, wx, wdt, None if recompute_conv else xc, x_dbl, B4, C4, A, D32,
-                              dtb32, sid, ckpt, y, seq_idx)
+                              dtb32, sid, ckpt, y, seq_idx, rstd)
         ctx.meta = (d, r, n, impl, D.dtype, dt_b.dtype, A_log.dtype)
         return out
 
@@ -327,7 +366,8 @@ class _Mamba1Inner(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         conv, scan, layout = _kernels()
-        xz, conv_w, conv_b, wx, wdt, xc, x_dbl, B4, C4, A, D32, dtb32, sid, ckpt, y, seq_idx = ctx.saved_tensors
+        xz, conv_w, conv_b, wx, wdt, xc, x_dbl, B4, C4, A, D32, dtb32, sid, ckpt, y, seq_idx, rstd = \
+            ctx.saved_tensors
         d, r, n, impl, d_dtype, dtb_dtype, alog_dtype = ctx.meta
         b = xz.shape[0]
         x, z = _xz_views(xz, d)
@@ -343,6 +383,8 @@ class _Mamba1Inner(torch.autograd.Function):
         del dy, dt  # activation-sized: free before the next ones are made (peak memory of the largest models)
         torch.bmm(_expand(wdt.t(), b), ddt, out=dx_dbl[:, :r])
         dwdt = torch.bmm(ddt, x_dbl[:, :r].transpose(1, 2)).sum(0, dtype=torch.float32)  # (d, r)
+        if rstd is not None:  # through the norms: the gradient of x_proj's raw output
+            _bcdt_norm_bwd(dx_dbl, x_dbl, rstd, r, n)
         dwx = torch.bmm(dx_dbl, xc.transpose(1, 2)).sum(0, dtype=torch.float32)  # (r + 2n, d)
         del ddt
         dxc = du.baddbmm_(_expand(wx.t(), b), dx_dbl)  # x's two gradients: the scan's and x_proj's
@@ -351,7 +393,7 @@ class _Mamba1Inner(torch.autograd.Function):
         need = ctx.needs_input_grad
         grads = (dxz, dw2.view_as(conv_w), dcb if conv_b is not None else None, dwx, dwdt, ddtb.to(dtb_dtype),
                  dA_log.to(alog_dtype), dD.to(d_dtype))
-        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None)
+        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None, None)
 
 
 def _fused_middle(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None,
@@ -362,4 +404,4 @@ def _fused_middle(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None,
     conv1d, dt_proj = layer.conv1d, layer.dt_proj
     return _Mamba1Inner.apply(xz, conv1d.weight, conv1d.bias, layer.x_proj.weight, dt_proj.weight, dt_proj.bias,
                               layer.A_log, layer.D, seq_idx, layer.d_inner, layer.dt_rank, layer.d_state,
-                              recompute_conv)
+                              recompute_conv, layer.bcdt_rms_eps)

@@ -1,7 +1,7 @@
 """MambaConfig <-> the ``config.json`` of an HF transformers checkpoint, one architecture per module.
 
 transformers is not imported: each architecture's field names and defaults (transformers 5.x) are written down
-in its module (models/hf_mamba.py: MambaForCausalLM, Mamba2ForCausalLM, FalconMambaForCausalLM;
+in its module (models/hf_mamba.py: MambaForCausalLM, FalconMambaForCausalLM, Mamba2ForCausalLM;
 models/hf_bamba.py: BambaForCausalLM; models/hf_nemotron_h.py: NemotronHForCausalLM), so a field missing from a
 config.json means what it means to transformers. Each architecture also names its tensors (``tensor_names``: our
 state-dict name -> the file's names, several when transformers splits what we fuse, e.g. q / k / v).

@@ -1,4 +1,6 @@
-"""transformers' MambaForCausalLM and Mamba2ForCausalLM (model_type "mamba" / "mamba2") <-> MambaConfig.
+"""transformers' MambaForCausalLM, FalconMambaForCausalLM and Mamba2ForCausalLM (model_type "mamba",
+"falcon_mamba", "mamba2") <-> MambaConfig. Falcon-Mamba is Mamba-1 with weightless RMS norms on dt_low, B and C
+(``ssm_cfg.bcdt_rms_norm``, eps ``mixer_rms_eps``); its norms hold no weights in a file.
 
 Tensor names equal ours (mamba_ssm's) but for the embedding: ``backbone.embeddings.weight``; a tied
 ``lm_head.weight`` is not stored. The backbone-only classes (MambaModel / Mamba2Model) store no "backbone." prefix.
@@ -31,6 +33,7 @@ HF_MAMBA1_DEFAULTS: dict[str, Any] = dict(
     HF_COMMON_DEFAULTS, state_size=16, time_step_rank="auto", time_step_scale=1.0, time_step_init_scheme="random",
     tie_word_embeddings=True,
 )
+HF_FALCON_MAMBA_DEFAULTS: dict[str, Any] = dict(HF_MAMBA1_DEFAULTS, mixer_rms_eps=1e-6)
 HF_MAMBA2_DEFAULTS: dict[str, Any] = dict(
     HF_COMMON_DEFAULTS, hidden_size=4096, num_hidden_layers=64, vocab_size=32768, state_size=128, num_heads=128,
     head_dim=64, n_groups=8, chunk_size=256, time_step_limit=(0.0, math.inf), tie_word_embeddings=False,
@@ -55,11 +58,13 @@ def _ssm_common(c: dict) -> dict:
                 bias=bool(c["use_bias"]))
 
 
-def read_mamba1(raw: dict, source: str, defaults: dict | None = None) -> MambaConfig:
-    c = with_defaults(raw, defaults or HF_MAMBA1_DEFAULTS)
+def read_mamba1(raw: dict, source: str, falcon: bool = False) -> MambaConfig:
+    c = with_defaults(raw, HF_FALCON_MAMBA_DEFAULTS if falcon else HF_MAMBA1_DEFAULTS)
     need_silu(c["hidden_act"], "hidden_act", source)
     ssm = dict(_ssm_common(c), layer="Mamba1", dt_rank=c["time_step_rank"], dt_scale=c["time_step_scale"],
                dt_init=c["time_step_init_scheme"])
+    if falcon:
+        ssm.update(bcdt_rms_norm=True, bcdt_rms_eps=float(c["mixer_rms_eps"]))
     return build(source, **_common(c), ssm_cfg=ssm)
 
 
@@ -106,8 +111,11 @@ def write_common(config: MambaConfig) -> dict:
 
 def write_mamba1(config: MambaConfig) -> dict:
     m = config.mixer_cfg
-    return dict(write_common(config), intermediate_size=config.d_inner, time_step_rank=config.dt_rank,
-                time_step_scale=m["dt_scale"], time_step_init_scheme=m["dt_init"])
+    out = dict(write_common(config), intermediate_size=config.d_inner, time_step_rank=config.dt_rank,
+               time_step_scale=m["dt_scale"], time_step_init_scheme=m["dt_init"])
+    if m["bcdt_rms_norm"]:
+        out["mixer_rms_eps"] = float(m["bcdt_rms_eps"])
+    return out
 
 
 def write_mamba2(config: MambaConfig) -> dict:
@@ -120,6 +128,9 @@ def write_mamba2(config: MambaConfig) -> dict:
 register(HFArch("mamba", "MambaForCausalLM", read_mamba1, write_mamba1,
                 lambda c: pure_stack_reasons(c) + integer_expand_reason(c), mamba_tensor_names,
                 backbone_class="MambaModel"))
+register(HFArch("falcon_mamba", "FalconMambaForCausalLM", lambda raw, src: read_mamba1(raw, src, falcon=True),
+                write_mamba1, lambda c: pure_stack_reasons(c) + integer_expand_reason(c), mamba_tensor_names,
+                backbone_class="FalconMambaModel", ignored=(r".*\.(b|c|dt)_layernorm\.weight$",)))
 register(HFArch("mamba2", "Mamba2ForCausalLM", read_mamba2, write_mamba2,
                 lambda c: pure_stack_reasons(c) + integer_expand_reason(c), mamba_tensor_names,
                 backbone_class="Mamba2Model"))

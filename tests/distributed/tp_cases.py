@@ -20,6 +20,8 @@ CASES = {
     "hybrid": ("tiny-hybrid", {}),
     # one kind per layer: Mamba-2, attention without rotary or biases, squared-ReLU MLP blocks
     "nemotron_h": ("tiny-nemotron-h", {}),
+    # Falcon-Mamba: the norms on dt / B / C read x_proj's output after its sum over the tp ranks
+    "falcon_mamba": ("tiny-falcon-mamba", {}),
 }
 
 

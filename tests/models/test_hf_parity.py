@@ -1,5 +1,5 @@
 """Parity with HF transformers' own classes (their pure-torch path), both directions: MambaForCausalLM,
-Mamba2ForCausalLM, BambaForCausalLM (Mamba-2 + attention with partial rotary + SwiGLU MLPs), NemotronHForCausalLM
+FalconMambaForCausalLM (Mamba-1 + weightless B / C / dt norms), Mamba2ForCausalLM, BambaForCausalLM (Mamba-2 + attention with partial rotary + SwiGLU MLPs), NemotronHForCausalLM
 (per-layer Mamba-2 / attention / squared-ReLU MLP blocks).
 
 transformers is a test-only dependency. Models are built from local configs with random weights (no downloads);
@@ -34,6 +34,11 @@ CASES = {
     "mamba2-g2-bias-nocb-tied-dtlimit": (transformers.Mamba2Config, dict(
         SMALL, vocab_size=64, num_heads=4, head_dim=16, n_groups=2, chunk_size=8, use_conv_bias=False,
         use_bias=True, tie_word_embeddings=True, time_step_limit=(0.01, 0.05))),
+    # Mamba-1 with weightless RMS norms on dt, B and C
+    "falcon_mamba": (transformers.FalconMambaConfig, dict(SMALL, vocab_size=64)),
+    "falcon_mamba-bias-untied-eps": (transformers.FalconMambaConfig, dict(
+        SMALL, vocab_size=60, use_conv_bias=False, use_bias=True, time_step_rank=3, tie_word_embeddings=False,
+        mixer_rms_eps=1e-3)),
     # layer 1 attention (GQA 4 / 2 heads, rotary on half of each head), SwiGLU MLP after every layer
     "bamba": (transformers.BambaConfig, dict(
         hidden_size=32, num_hidden_layers=3, vocab_size=64, intermediate_size=64, num_attention_heads=4,
@@ -55,11 +60,12 @@ CASES = {
         mamba_num_heads=8, mamba_head_dim=8, n_groups=1, chunk_size=8, mlp_bias=True, use_bias=True,
         use_conv_bias=False, tie_word_embeddings=True, time_step_min=0.01)),
 }
-GENERATE_CASES = ["mamba1", "mamba2-g1", "bamba", "nemotron_h"]
+GENERATE_CASES = ["mamba1", "falcon_mamba", "mamba2-g1", "bamba", "nemotron_h"]
 
 
 def _hf_class(config):
-    return {"mamba": transformers.MambaForCausalLM, "mamba2": transformers.Mamba2ForCausalLM,
+    return {"mamba": transformers.MambaForCausalLM, "falcon_mamba": transformers.FalconMambaForCausalLM,
+            "mamba2": transformers.Mamba2ForCausalLM,
             "bamba": transformers.BambaForCausalLM, "nemotron_h": transformers.NemotronHForCausalLM,
             }[config.model_type]
 

@@ -11,7 +11,7 @@ import torch
 from mamba_parallel import MambaLMHeadModel, get_preset
 
 # Parameter counts of the published checkpoints (every tensor of the safetensors files).
-PUBLISHED = {"mamba-codestral-7b": 7_285_403_648, "nemotron-h-8b": 8_100_852_736}
+PUBLISHED = {"falcon-mamba-7b": 7_272_665_088, "mamba-codestral-7b": 7_285_403_648, "nemotron-h-8b": 8_100_852_736}
 
 
 def _count(model: torch.nn.Module) -> int:
@@ -27,6 +27,10 @@ def test_meta_build_matches_the_published_count(name):
 
 def _hf_twin(name: str):
     transformers = pytest.importorskip("transformers")
+    if name == "falcon-mamba-7b":  # tiiuae/falcon-mamba-7b's config.json shapes
+        cfg = transformers.FalconMambaConfig(hidden_size=4096, num_hidden_layers=64, vocab_size=65024, state_size=16,
+                                             expand=2, time_step_rank=256, tie_word_embeddings=False)
+        return transformers.FalconMambaForCausalLM, cfg
     if name == "mamba-codestral-7b":  # the HF config.json shipped beside Mistral's params.json
         cfg = transformers.Mamba2Config(hidden_size=4096, num_hidden_layers=64, vocab_size=32768, n_groups=8,
                                         num_heads=128, head_dim=64, state_size=128, tie_word_embeddings=False)
