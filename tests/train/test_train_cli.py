@@ -32,7 +32,11 @@ def test_default_train_end_to_end_then_generate(tmp_path, capsys):
     assert last < first - 0.5, f"loss did not fall: {first} -> {last}"
     assert "---- sample ----\ndef " in printed
     assert (out / "config.toml").is_file() and (out / "checkpoints" / "step-24" / ".metadata").is_file()
-    assert (out / "loss.png").is_file() and f"loss curve: {out / 'loss.png'}" in printed  # beside metrics.jsonl
+    try:  # loss.png beside metrics.jsonl, or one line naming the missing plotting extra
+        import matplotlib  # noqa: F401
+        assert (out / "loss.png").is_file() and f"loss curve: {out / 'loss.png'}" in printed
+    except ImportError:
+        assert not (out / "loss.png").exists() and "no loss curve: matplotlib is not installed" in printed
     again = resolve_config(toml_path=str(out / "config.toml"))  # the resolved config reads back as it was
     assert again.steps == 24 and again.seq_len == 32 and again.preset == "small-byte-mamba2"
 
