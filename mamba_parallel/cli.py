@@ -52,6 +52,15 @@ def _convert_parser(sub) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="shard the weights past this size (default: 5GB)")
 
 
+def _verify_parser(sub) -> None:
+    p = sub.add_parser("verify", help="check a model / token / checkpoint / run folder against its manifest",
+                       description="Verify the sizes and SHA-256 of every file a folder's manifest lists: a model "
+                                   "folder, a token folder, a DCP checkpoint, or a whole run folder (--out). Exit 1 "
+                                   "when anything does not match.")
+    p.add_argument("path", metavar="PATH", help="the folder to check")
+    p.add_argument("--workers", type=int, default=None, help="hashing threads (default: one per CPU core)")
+
+
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark (side by side with mamba_ssm when it imports)",
                        description="Runs mamba_parallel.bench.bench_<NAME>.main(args): ssd, selective_scan, train, "
@@ -108,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action=_VersionAction, help="print the versions of mamba-parallel, torch, triton")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_train_parser, _generate_parser, _eval_parser, _prepare_parser, _convert_parser, _plot_parser,
-                _bench_parser):
+                _verify_parser, _bench_parser):
         add(sub)
     return p
 
@@ -183,6 +192,14 @@ def cmd_convert(args) -> int:
 BENCH_COMMANDS = ("profile_train", "report")
 
 
+def cmd_verify(args) -> int:
+    from mamba_parallel.train.verify import verify_path
+
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    return verify_path(args.path, workers=args.workers)
+
+
 def bench_names() -> list[str]:
     """The names `mamba-parallel bench NAME` accepts: bench_<NAME>.py, profile_train.py and report.py."""
     import pkgutil
@@ -223,7 +240,7 @@ def cmd_plot(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "generate": cmd_generate, "eval": cmd_eval, "prepare-data": cmd_prepare,
-            "convert": cmd_convert, "plot": cmd_plot, "bench": cmd_bench}
+            "convert": cmd_convert, "plot": cmd_plot, "verify": cmd_verify, "bench": cmd_bench}
 
 
 def _unknown_flags(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> None:
@@ -240,28 +257,47 @@ def _unknown_flags(parser: argparse.ArgumentParser, command: str, unknown: list[
     raise SystemExit(2)
 
 
+def _main_rank() -> bool:
+    """False on the ranks > 0 of a torchrun launch: they stay quiet, so an error is said once."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _say(command: str, kind: str, message) -> None:
+    if _main_rank():
+        print(f"mamba-parallel {command}: {kind}: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (2: bad flags / config / data, 1: the run failed)."""
+    import contextlib
+    import io
+    import warnings
+
     from mamba_parallel.distributed.parallel_dims import ParallelConfigError
+    from mamba_parallel.manifest import ManifestError
     from mamba_parallel.models.formats import CheckpointError
     from mamba_parallel.train.data import DataError
     from mamba_parallel.train.tokenizer import TokenizerError
     from mamba_parallel.train.trainer import TrainingError
 
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        _unknown_flags(parser, args.command, unknown)
+    with contextlib.nullcontext() if _main_rank() else contextlib.redirect_stderr(io.StringIO()):
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            _unknown_flags(parser, args.command, unknown)
+    # A warning is one line naming the command, as errors are (no source location).
+    warnings.formatwarning = lambda msg, *a, **k: f"mamba-parallel {args.command}: warning: {msg}\n"
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, DataError, TokenizerError, ParallelConfigError, CheckpointError) as e:
-        print(f"mamba-parallel {args.command}: error: {e}", file=sys.stderr)
+    except (ConfigError, DataError, TokenizerError, ParallelConfigError, CheckpointError, ManifestError) as e:
+        _say(args.command, "error", e)
         return 2
     except TrainingError as e:
-        print(f"mamba-parallel {args.command}: error: {e}", file=sys.stderr)
+        _say(args.command, "error", e)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: no traceback; a training run keeps its last complete checkpoint
-        print(f"mamba-parallel {args.command}: interrupted", file=sys.stderr)
+        if _main_rank():
+            print(f"mamba-parallel {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from mamba_parallel.config import MambaConfig
 from mamba_parallel.inference.generation_config import FILE as GENERATION_FILE
 from mamba_parallel.inference.generation_config import GenerationConfig
+from mamba_parallel.manifest import ManifestError, verify_before_load, write_manifest
 from mamba_parallel.models import mistral_format
 from mamba_parallel.models.hf_config import HFConfigError, config_from_hf, hf_arch_for, hf_arch_of, hf_config_from
 from mamba_parallel.models.hf_config import supported_hf_types
@@ -215,6 +216,11 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None, 
             raise CheckpointError("pass dtype or torch_dtype (the same option), not both")
         dtype = torch_dtype
     folder = resolve_folder(path, format, revision)
+    if folder.is_dir():  # its manifest (ours) is checked before anything is read; a folder from elsewhere has none
+        try:
+            verify_before_load(str(folder))
+        except ManifestError as e:
+            raise CheckpointError(str(e)) from None
     fmt, raw = _detect(folder, format)
     config = _config(folder, fmt, raw)
     try:
@@ -400,10 +406,13 @@ def save_pretrained(model: nn.Module, path: str | Path, format: str = "mamba_ssm
         with progress_bar(f"writing {folder.name}", enabled=progress, unit="files") as advance:
             files = write_sharded(file_state, folder, safe_serialization, max_bytes, on_file=advance)
     write_text(config_text, folder / config_name)
+    written = [f.name for f in files] + [config_name]
     gen = getattr(model, "generation_config", None) or GenerationConfig()
     if format == "hf" or gen != GenerationConfig():  # transformers always writes one; the others when it says something
         write_text(gen.to_json(), folder / GENERATION_FILE)
-    _copy_tokenizer(tokenizer, getattr(model, "tokenizer_folder", None), folder)
+        written.append(GENERATION_FILE)
+    written += _copy_tokenizer(tokenizer, getattr(model, "tokenizer_folder", None), folder)
+    write_manifest(str(folder), written, writer="save_pretrained")  # last: a folder with a manifest is whole
     return files[0]
 
 

@@ -27,6 +27,7 @@ from mamba_parallel.distributed.parallel_dims import ParallelConfigError, Parall
 from mamba_parallel.distributed.parallelize import parallelize
 from mamba_parallel.distributed.pipeline import stages_per_rank
 from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS, apply_recompute, parse_items
+from mamba_parallel.manifest import update_manifest
 from mamba_parallel.train import checkpoint as ckpt
 from mamba_parallel.train.config import TrainConfig
 from mamba_parallel.train.cuda_graph import GraphedTrainStep, check_graph_layout
@@ -411,8 +412,6 @@ def _train(cfg: TrainConfig) -> dict:
     if found and not cfg.resume:
         raise ConfigError(f"--out {cfg.out!r} already holds checkpoints (newest {found[1]}): pass --resume to "
                           f"continue that run, or choose another --out")
-    if cfg.resume and found is None:
-        log(f"--resume: no complete checkpoint in {cfg.out!r}; starting from scratch")
     ckpt.remove_stale_tmp(cfg.out)
 
     folder, header, tokenizer = resolve_data(cfg, env)
@@ -421,6 +420,11 @@ def _train(cfg: TrainConfig) -> dict:
         log(f"model vocab_size {config.vocab_size} < tokenizer vocab {header['vocab_size']}: using the latter")
         cfg.model = {**cfg.model, "vocab_size": header["vocab_size"]}
         config = cfg.model_config()
+    resume_from = ckpt.choose_checkpoint(cfg.out, log) if cfg.resume else None  # verified; falls back
+    if cfg.resume and resume_from is None:
+        log(f"--resume: no complete checkpoint in {cfg.out!r}; starting from scratch")
+    if resume_from is not None:
+        ckpt.check_same_model(resume_from[1], config)
 
     dims = choose_dims(cfg, config, env, log)
     if cfg.cpu_offload and not dist.is_initialized():  # FSDP2 over one rank (--parallel auto may pick offload)
@@ -451,7 +455,7 @@ def _train(cfg: TrainConfig) -> dict:
     flops_per_token = train_flops_per_token(meta_model, config, cfg.seq_len)
     n_params = sum(p.numel() for p in meta_model.parameters())
     del meta_model
-    model, _ = build_parallel_model(config, cfg, env, dims, resuming=found is not None and cfg.resume)
+    model, _ = build_parallel_model(config, cfg, env, dims, resuming=resume_from is not None)
     if dims.pp > 1:
         model.__dict__["dims"] = dims
         log(model.plan.describe(config))
@@ -461,11 +465,11 @@ def _train(cfg: TrainConfig) -> dict:
     scheduler = build_scheduler(optimizer, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
 
     step, consumed = 0, 0
-    if cfg.resume and found is not None:
-        state = ckpt.load_checkpoint(found[1], model, optimizer, scheduler)
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(resume_from[1], model, optimizer, scheduler)
         step, consumed = state["step"], state["consumed"]
         restart_schedule(optimizer, scheduler, cfg.lr)
-        log(f"resumed from {found[1]} (step {step}, saved by {state['world_size']} rank(s))")
+        log(f"resumed from {resume_from[1]} (step {step}, saved by {state['world_size']} rank(s))")
         if env.is_main:
             _drop_metrics_after(cfg.out, step)
     if env.is_main:
@@ -499,7 +503,7 @@ def _train(cfg: TrainConfig) -> dict:
     if env.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(env.device)
 
-    losses, evals, last_saved, stopped = {}, {}, step if found and cfg.resume else -1, False
+    losses, evals, last_saved, stopped = {}, {}, step if resume_from else -1, False
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     model.train()
     clock, t_start = Throughput(), time.perf_counter()
@@ -577,7 +581,8 @@ def _train(cfg: TrainConfig) -> dict:
             if stopped or (step == cfg.steps and cfg.save_final) or (cfg.save_every and step % cfg.save_every == 0):
                 if last_saved != step:
                     with graph_step.plain_param_groups(scheduler) if graph_step else contextlib.nullcontext():
-                        path = ckpt.save_checkpoint(cfg.out, step, model, optimizer, scheduler, consumed, cfg.keep)
+                        path = ckpt.save_checkpoint(cfg.out, step, model, optimizer, scheduler, consumed, cfg.keep,
+                                                    model_config=config)
                     last_saved = step
                     log(f"saved checkpoint {path}")
                 clock.read()
@@ -598,6 +603,8 @@ def _train(cfg: TrainConfig) -> dict:
         if plain is not None:
             plain.save_pretrained(final)
             tokenizer.save(final)
+            if os.path.isfile(os.path.join(final, "tokenizer.json")):  # generate reads it: in the manifest too
+                update_manifest(final, ["tokenizer.json"])
             log(f"saved the final model to {final} (load it with MambaLMHeadModel.from_pretrained or "
                 f"`mamba-parallel generate --checkpoint {final}`)")
             if cfg.sample_tokens:

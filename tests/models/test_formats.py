@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mamba_parallel.config import MambaConfig, get_preset
+from mamba_parallel.manifest import MANIFEST
 from mamba_parallel.models import MambaLMHeadModel
 from mamba_parallel.models.formats import CheckpointError, detect_format, load_config, load_pretrained, save_pretrained
 
@@ -31,6 +32,11 @@ def _model(cfg: dict, seed: int = 0) -> MambaLMHeadModel:
     return model
 
 
+def _edited_by_hand(folder) -> None:
+    """Drop the manifest of a saved folder: it is then like one from elsewhere, which the tests below edit."""
+    (folder / MANIFEST).unlink()
+
+
 def _ids(vocab: int = 50) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(1))
 
@@ -44,7 +50,7 @@ def test_round_trip_identical_logits(tmp_path, cfg, fmt, safe):
     model = _model(cfg)
     weights = save_pretrained(model, tmp_path, format=fmt, safe_serialization=safe)
     expected_file = "model.safetensors" if (safe if safe is not None else fmt == "hf") else "pytorch_model.bin"
-    written = ["config.json", expected_file] + (["generation_config.json"] if fmt == "hf" else [])
+    written = ["config.json", expected_file, MANIFEST] + (["generation_config.json"] if fmt == "hf" else [])
     assert weights.name == expected_file and sorted(p.name for p in tmp_path.iterdir()) == sorted(written)
     assert detect_format(tmp_path) == fmt
     loaded = load_pretrained(tmp_path).eval()
@@ -100,6 +106,7 @@ def test_old_mamba_ssm_config_and_safetensors_weights(tmp_path):
 
 def test_mamba_ssm_runtime_keys_are_ignored_and_unsupported_ones_named(tmp_path):
     save_pretrained(_model(M2), tmp_path)
+    _edited_by_hand(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     raw["ssm_cfg"].update(use_mem_eff_path=True, layer_idx=None, activation="swish", d_ssm=64)
     (tmp_path / "config.json").write_text(json.dumps(raw))
@@ -158,6 +165,7 @@ def test_neither_format(tmp_path):
 
 def test_missing_weights_file(tmp_path):
     save_pretrained(_model(M1), tmp_path)
+    _edited_by_hand(tmp_path)
     (tmp_path / "pytorch_model.bin").rename(tmp_path / "weights.bin")
     with pytest.raises(CheckpointError, match=r"no weights file; expected one of model.safetensors, .*"
                                               r"pytorch_model.bin.*holds: config.json, weights.bin"):
@@ -166,6 +174,7 @@ def test_missing_weights_file(tmp_path):
 
 def test_shape_mismatch_lists_every_tensor(tmp_path):
     save_pretrained(_model(M2), tmp_path, format="hf")
+    _edited_by_hand(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     raw["state_size"] = 4  # in_proj weight + bias and conv1d weight of every layer now differ
     (tmp_path / "config.json").write_text(json.dumps(raw))
@@ -204,6 +213,7 @@ def test_tied_head_must_equal_embedding(tmp_path):
 
 def test_unsafe_pickle_and_conflicting_files(tmp_path):
     save_pretrained(_model(M1), tmp_path)
+    _edited_by_hand(tmp_path)
     torch.save({"backbone.embedding.weight": argparse.Namespace()}, tmp_path / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="pytorch_model.bin: cannot be read as a weights-only"):
         load_pretrained(tmp_path)

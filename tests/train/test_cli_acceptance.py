@@ -97,9 +97,10 @@ def test_resume_continues_with_the_runs_own_settings(tmp_path, capsys):
     assert cli.main(["train", "--out", out, "--resume", "--steps", "3", "--no-progress"]) == 0
     assert "resumed from" in capsys.readouterr().out
     assert (tmp_path / "run" / "checkpoints" / "step-3").is_dir()
-    # A model that does not fit the checkpoint: one line naming --resume and the tensor, nothing overwritten.
+    # A model that does not fit the checkpoint: one line naming --resume and the fields, nothing overwritten.
     assert cli.main(["train", "--out", out, "--resume", "--steps", "4", "--preset", "tiny-mamba"]) == 2
-    _one_error_line(capsys, "--resume:", "step-3", "Size mismatch")
+    _one_error_line(capsys, "--resume:", "step-3", "holds a different model", "ssm_cfg.layer: 'Mamba2' in the "
+                    "checkpoint, 'Mamba1' now")
     assert not (tmp_path / "run" / "checkpoints" / "step-4").exists()
 
 
