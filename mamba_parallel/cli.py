@@ -39,6 +39,9 @@ def _prepare_parser(sub) -> None:
     p.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer.json (default: bytes)")
     p.add_argument("--val-fraction", type=float, default=0.005, help="share held out for validation (0.005)")
     p.add_argument("--text-field", default="text", help="field / column holding the text in .jsonl/.parquet")
+    p.add_argument("--allow-binary", action="store_true",
+                   help="tokenize files that are not valid UTF-8 text anyway (bad bytes become U+FFFD); by default "
+                        "such a file is refused, naming it")
 
 
 def _convert_parser(sub) -> None:
@@ -153,7 +156,12 @@ def _check_model_folder(path: str, what: str) -> None:
 
 def cmd_generate(args) -> int:
     from mamba_parallel.inference.cli_generate import cmd_generate as run
+    from mamba_parallel.input_checks import check_prompt, check_sampling
 
+    check_sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                   repetition_penalty=args.repetition_penalty)
+    if args.prompt not in (None, "-"):
+        check_prompt(args.prompt)
     _check_model_folder(args.checkpoint, "--checkpoint")
     return run(args)
 
@@ -164,9 +172,12 @@ def cmd_prepare(args) -> int:
     from mamba_parallel.train.tokenizer import load_tokenizer
 
     try:
+        if not 0 <= args.val_fraction < 1:
+            raise ConfigError(f"--val-fraction must lie in [0, 1), got {args.val_fraction}")
         with progress_bar("tokenizing", unit="documents") as advance:
             header = prepare_data(args.source, args.out, load_tokenizer(args.tokenizer), args.val_fraction,
-                                  args.text_field, on_document=lambda name: advance(1, os.path.basename(name)))
+                                  args.text_field, on_document=lambda name: advance(1, os.path.basename(name)),
+                                  allow_binary=args.allow_binary)
     except DataError as e:  # the data module names the train flag; here the source is a positional argument
         msg = str(e)
         raise DataError("SOURCE " + msg[len("--data: "):] if msg.startswith("--data: ") else msg) from None

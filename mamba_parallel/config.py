@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 # Defaults of each mixer's ssm_cfg, as in mamba_ssm (Mamba / Mamba2 constructors).
@@ -38,6 +38,54 @@ LAYER_KINDS = ("Mamba1", "Mamba2")
 
 class ConfigError(ValueError):
     """An inconsistent or unknown configuration; the message names the field."""
+
+
+def _type_problem(value: Any, example: Any) -> str | None:
+    """Why ``value`` cannot stand where the default is ``example`` (None when it can)."""
+    kind = type(example)
+    if kind is bool:
+        ok, want = isinstance(value, bool), "true or false"
+    elif kind is int:
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif kind is float:
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif kind is tuple:
+        ok = isinstance(value, (list, tuple)) and len(value) == len(example) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)
+        want = f"a list of {len(example)} numbers"
+    elif example is None:  # an optional integer (attention heads, rotary dims)
+        ok, want = value is None or isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif kind is list:  # layer indices
+        ok, want = value is None or isinstance(value, (list, tuple)), "a list"
+    elif kind is dict:
+        ok, want = value is None or isinstance(value, dict), "a table"
+    elif example == "auto":  # dt_rank
+        ok, want = value == "auto" or isinstance(value, int) and not isinstance(value, bool), '"auto" or an integer'
+    else:
+        ok, want = isinstance(value, kind), f"a {kind.__name__}"
+    return None if ok else f"must be {want}, got {value!r} ({type(value).__name__})"
+
+
+def check_types(config: "MambaConfig") -> None:
+    """ConfigError naming the first field (nested ones as ``ssm_cfg.headdim``) whose value has the wrong type
+    (a TOML string where a number belongs, true where an integer belongs ...)."""
+    for f in fields(config):
+        example = f.default_factory() if f.default_factory is not MISSING else f.default
+        problem = _type_problem(getattr(config, f.name), example)
+        if problem:
+            raise ConfigError(f"MambaConfig.{f.name}: {problem}")
+    for name in ("attn_layer_idx", "mlp_layer_idx"):
+        for i in getattr(config, name) or ():
+            if problem := _type_problem(i, 0):
+                raise ConfigError(f"MambaConfig.{name}: every entry {problem}")
+    layer = (config.ssm_cfg or {}).get("layer", "Mamba1")
+    defaults = MAMBA2_DEFAULTS if layer == "Mamba2" else MAMBA1_DEFAULTS
+    for table, known in (("ssm_cfg", defaults), ("attn_cfg", ATTN_DEFAULTS), ("mlp_cfg", MLP_DEFAULTS)):
+        for key, value in (getattr(config, table) or {}).items():
+            example = 1.0 if key == "expand" else known.get(key)  # expand may be fractional (d_inner is checked)
+            problem = _type_problem(value, example) if key in known else None
+            if problem:
+                raise ConfigError(f"MambaConfig.{table}.{key}: {problem}")
 
 
 @dataclass
@@ -70,6 +118,7 @@ class MambaConfig:
     mlp_cfg: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_types(self)
         self.ssm_cfg = dict(self.ssm_cfg or {})
         self.attn_cfg = dict(self.attn_cfg or {})
         self.attn_layer_idx = list(self.attn_layer_idx or [])
@@ -210,8 +259,10 @@ class MambaConfig:
             raise ConfigError(f"MambaConfig: unknown field(s) {unknown}; known: {sorted(known)}")
         d = copy.deepcopy(d)
         for k in ("dt_limit", "A_init_range"):
-            if k in d.get("ssm_cfg", {}):  # 1e30: how to_json writes inf (mamba_ssm's encoding), read back as inf
-                d["ssm_cfg"][k] = tuple(math.inf if float(x) >= 1e30 else float(x) for x in d["ssm_cfg"][k])
+            v = d.get("ssm_cfg", {}).get(k) if isinstance(d.get("ssm_cfg"), dict) else None
+            if isinstance(v, (list, tuple)) and not any(_type_problem(x, 0.0) for x in v):  # else: check_types
+                # 1e30: how to_json writes inf (mamba_ssm's encoding), read back as inf
+                d["ssm_cfg"][k] = tuple(math.inf if float(x) >= 1e30 else float(x) for x in v)
         return cls(**d)
 
     def to_json(self) -> str:

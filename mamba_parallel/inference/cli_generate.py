@@ -55,6 +55,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from mamba_parallel.inference.text_streamer import TextStreamer
+    from mamba_parallel.input_checks import check_vocab_fits, warn_unencodable
     from mamba_parallel.models import MambaLMHeadModel
     from mamba_parallel.train.tokenizer import tokenizer_for_checkpoint
 
@@ -68,6 +69,9 @@ def cmd_generate(args) -> int:
     model = MambaLMHeadModel.from_pretrained(args.checkpoint, device=device, dtype=dtype).eval()
     folder = str(model.tokenizer_folder or args.checkpoint)
     tokenizer = tokenizer_for_checkpoint(folder, args.tokenizer)
+    check_vocab_fits(tokenizer.vocab_size, model.config.padded_vocab_size,
+                     "--tokenizer" if args.tokenizer else f"the tokenizer of {args.checkpoint}")
+    warn_unencodable(tokenizer, prompt)
     if tokenizer.vocab_size < model.config.vocab_size and not args.tokenizer and tokenizer.spec == "byte":
         print(f"mamba-parallel generate: note: no tokenizer.json in {args.checkpoint!r}: using bytes for a model "
               f"of vocab {model.config.vocab_size}; pass --tokenizer if it was trained with another", file=sys.stderr)

@@ -17,6 +17,7 @@ differs, before anything is loaded).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -208,6 +209,15 @@ def config_record(config) -> dict:
     return json.loads(config.to_json())
 
 
+def tokenizer_record(tokenizer) -> dict:
+    """What identifies a tokenizer: "byte", or the SHA-256 of its tokenizer.json (its path may move)."""
+    if tokenizer.spec == "byte":
+        return {"kind": "byte"}
+    with open(tokenizer.spec, "rb") as fh:
+        return {"kind": "tokenizer.json", "sha256": hashlib.sha256(fh.read()).hexdigest(),
+                "vocab_size": tokenizer.vocab_size}
+
+
 def _diff(a, b, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
@@ -223,16 +233,19 @@ def _diff(a, b, prefix: str = "") -> list[str]:
     return [] if a == b else [f"{prefix.rstrip('.')}: {a!r} in the checkpoint, {b!r} now"]
 
 
-def check_same_model(path: str, config) -> None:
-    """ConfigError naming every model field that differs between the checkpoint ``path`` and ``config``."""
+def check_same_model(path: str, config, tokenizer=None) -> None:
+    """ConfigError naming every model field that differs between the checkpoint ``path`` and ``config``, or the
+    tokenizer when it is another one (its ids would mean other text)."""
     train = read_train_json(path) or {}
     saved = train.get("model_config")
-    if saved is None:  # an older checkpoint: the key / shape check of load_checkpoint still applies
-        return
-    diff = _diff(saved, config_record(config))
-    if diff:
-        raise ConfigError(f"--resume: {path} holds a different model ({'; '.join(diff)}); resume with the run's own "
-                          f"model settings (its config.toml), or start a new run in another --out")
+    if saved is not None:  # an older checkpoint: the key / shape check of load_checkpoint still applies
+        diff = _diff(saved, config_record(config))
+        if diff:
+            raise ConfigError(f"--resume: {path} holds a different model ({'; '.join(diff)}); resume with the run's "
+                              f"own model settings (its config.toml), or start a new run in another --out")
+    if tokenizer is not None and train.get("tokenizer") not in (None, tokenizer_record(tokenizer)):
+        raise ConfigError(f"--resume: {path} was trained with another tokenizer ({train['tokenizer']}; now "
+                          f"{tokenizer_record(tokenizer)}); resume with the run's own --tokenizer / --data")
 
 
 def _names(keys: list[str], limit: int = 8) -> str:
@@ -287,10 +300,11 @@ def _gather_rng() -> bytes:
 
 # ---- save / load -------------------------------------------------------------------------------------------------
 def save_checkpoint(out: str, step: int, model, optimizer, scheduler, consumed: int, keep: int,
-                    model_config=None) -> str:
+                    model_config=None, tokenizer=None) -> str:
     """Write ``<out>/checkpoints/step-<step>`` (collective: every rank calls it); prune to the newest ``keep``.
 
-    ``model_config`` (a MambaConfig) is recorded in train.json, so a resume can refuse a different model."""
+    ``model_config`` (a MambaConfig) and ``tokenizer`` are recorded in train.json, so a resume can refuse a
+    different model or tokenizer."""
     root = checkpoints_dir(out)
     final = os.path.join(root, f"step-{step}")
     tmp = final + ".tmp"
@@ -302,6 +316,8 @@ def save_checkpoint(out: str, step: int, model, optimizer, scheduler, consumed: 
              "manifest": mf.MANIFEST}
     if model_config is not None:
         train["model_config"] = config_record(model_config)
+    if tokenizer is not None:
+        train["tokenizer"] = tokenizer_record(tokenizer)
     model_sd, optim_sd, _ = _state_fns(model)
     state = {
         "model": model_sd(model),

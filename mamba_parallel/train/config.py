@@ -35,6 +35,11 @@ class TrainConfig:
                                 "library's own .py sources", flag_type=str)
     tokenizer: str | None = _f(None, "HF tokenizers tokenizer.json (file or folder); default: bytes", flag_type=str)
     val_fraction: float = _f(0.005, "share of the raw data held out for evaluation when preparing it")
+    allow_binary: bool = _f(False, "tokenize raw data files that are not valid UTF-8 text anyway (bad bytes "
+                                   "become U+FFFD); by default such a file is refused, naming it")
+    doc_boundaries: bool = _f(True, "keep documents apart: each sequence carries where its documents start "
+                                    "(seq_idx), so no state flows from one document into the next and no token "
+                                    "is scored against the next document's first token")
     # ---- batch and schedule --------------------------------------------------------------------------------------
     steps: int = _f(600, "optimizer steps in total (a resumed run continues up to this count)")
     batch_size: int | str = _f(8, "sequences per rank per micro-step, or auto: the largest that fits (a short "
@@ -93,6 +98,8 @@ class TrainConfig:
                             "SSD chunk states. Default: keep everything. Eager only: under --compile only states "
                             "applies", metavar="ITEMS")
     compile: bool = _f(False, "torch.compile each block")
+    dist_timeout: int = _f(1800, "seconds a collective may wait for the other ranks before the run fails "
+                                 "(the process group's timeout)")
     cuda_graph: bool = _f(False, "capture the whole training step (forward + backward of every micro-batch, "
                                  "clipping, fused AdamW) in one CUDA graph and replay it: no per-kernel host "
                                  "launch cost; one GPU or --tp only (not data / context parallel)")
@@ -121,8 +128,17 @@ class TrainConfig:
 
     # ---- derived -------------------------------------------------------------------------------------------------
     def model_config(self) -> MambaConfig:
-        """The preset with the [model] overrides applied."""
-        return get_preset(self.preset, **self.model)
+        """The preset with the [model] overrides applied; a table (``ssm_cfg.d_state = 32``) updates the preset's
+        table instead of replacing it (which would silently drop the preset's mixer settings)."""
+        preset = PRESETS.get(self.preset, {})
+        merged = {k: {**preset[k], **v} if isinstance(v, dict) and isinstance(preset.get(k), dict) else v
+                  for k, v in self.model.items()}
+        try:
+            return get_preset(self.preset, **merged)
+        except ConfigError as e:
+            msg = str(e)
+            raise ConfigError("[model] " + msg.removeprefix("MambaConfig.") if msg.startswith("MambaConfig.")
+                              else msg) from None
 
     def validate(self) -> None:
         def need(ok: bool, name: str, why: str) -> None:
@@ -144,6 +160,14 @@ class TrainConfig:
         need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must lie in [0, 1], got {self.min_lr_ratio}")
         need(0 <= self.val_fraction < 1, "val_fraction", f"must lie in [0, 1), got {self.val_fraction}")
         need(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
+        for name in ("beta1", "beta2"):
+            need(0 <= getattr(self, name) < 1, name, f"must lie in [0, 1), got {getattr(self, name)}")
+        need(self.weight_decay >= 0 and math.isfinite(self.weight_decay), "weight_decay",
+             f"must be >= 0, got {self.weight_decay}")
+        need(self.dist_timeout >= 1, "dist_timeout", f"must be >= 1 second, got {self.dist_timeout}")
+        from mamba_parallel.input_checks import check_prompt
+
+        check_prompt(self.sample_prompt, "--sample-prompt")
         for f in fields(self):
             ch = f.metadata.get("choices")
             v = getattr(self, f.name)
@@ -207,7 +231,8 @@ MACHINE_FIELDS = frozenset({"device", "dp_mode", "dp_replicate", "tp", "cp", "tp
                             "pp_stages_per_rank", "pp_split", "microbatches", "cpu_offload", "parallel",
                             "activation_checkpointing",
                             "recompute", "compile", "cuda_graph", "fsdp_param_dtype", "reshard_after_forward",
-                            "fsdp_blocks_per_unit", "ddp_bucket_mb", "ddp_bf16_grads", "progress", "resume"})
+                            "fsdp_blocks_per_unit", "ddp_bucket_mb", "ddp_bf16_grads", "progress", "resume",
+                            "dist_timeout"})
 
 
 # ---- flags and TOML --------------------------------------------------------------------------------------------

@@ -108,8 +108,10 @@ class OptimizerSnapshot:
 class GraphedTrainStep:
     """One training step of ``model`` + ``optimizer`` as a CUDA graph, captured at the first call.
 
-    ``step(inputs, labels) -> (loss, grad_norm)``: inputs / labels (grad_accum, b, L) int64 (or (b, L) when
-    grad_accum == 1; labels already shifted) on any device; loss = mean over micro-batches of
+    ``step(inputs, labels, seq_idx=None) -> (loss, grad_norm)``: inputs / labels (grad_accum, b, L) int64 (or
+    (b, L) when grad_accum == 1; labels already shifted) on any device; seq_idx the same shape, int32, the documents
+    of packed rows (given at the capture: then at every step); weights (grad_accum,) fp32, each micro-batch's
+    weight in the loss (default 1 / grad_accum; the trainer weighs by targets, see ``trainer.micro_weights``); loss = mean over micro-batches of
     ``model(inputs[i], targets=labels[i]).loss`` (0-d fp32), grad_norm = the global gradient norm before clipping (0-d fp32; None when ``grad_clip`` is None). Both
     are the graph's static outputs: read them before the next call.
 
@@ -151,7 +153,7 @@ class GraphedTrainStep:
         self._fused = all(g.get("fused") for g in optimizer.param_groups)
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device) if self._fused else None
         self.graph: torch.cuda.CUDAGraph | None = None
-        self._inputs = self._labels = None
+        self._inputs = self._labels = self._seq_idx = self._weights = None
         self._outputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     # ---- the captured body ---------------------------------------------------------------------------------------
@@ -165,11 +167,12 @@ class GraphedTrainStep:
         total = None
         for i in range(self.grad_accum):
             with self._autocast():
-                loss = self.model(self._inputs[i], targets=self._labels[i]).loss
-            (loss / self.grad_accum).backward()
-            part = loss.detach().float()
+                seq_idx = self._seq_idx[i] if self._seq_idx is not None else None
+                loss = self.model(self._inputs[i], targets=self._labels[i], seq_idx=seq_idx).loss
+            (loss * self._weights[i]).backward()
+            part = loss.detach().float() * self._weights[i]
             total = part if total is None else total + part
-        loss = total / self.grad_accum
+        loss = total
         norm = None
         if self.grad_clip is not None:
             norm = self.grad_norm_fn(self.model, self.grad_clip).float()
@@ -193,9 +196,12 @@ class GraphedTrainStep:
                              f"{' or (batch, seqlen)' if self.grad_accum == 1 else ''}, got shape {tuple(t.shape)}")
         return t
 
-    def _capture(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    def _capture(self, inputs: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor | None,
+                 weights: torch.Tensor) -> None:
+        self._weights = weights.to(self.device, dtype=torch.float32, copy=True)
         self._inputs = inputs.to(self.device, copy=True)
         self._labels = labels.to(self.device, copy=True)
+        self._seq_idx = seq_idx.to(self.device, dtype=torch.int32, copy=True) if seq_idx is not None else None
         snapshot = OptimizerSnapshot(self._params, self.optimizer)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -228,14 +234,24 @@ class GraphedTrainStep:
         self.graph = graph
 
     # ---- replay -------------------------------------------------------------------------------------------------
-    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor | None = None,
+                 weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         inputs, labels = self._as_micro(inputs, "inputs"), self._as_micro(labels, "labels")
-        if inputs.shape != labels.shape:
-            raise ValueError(f"GraphedTrainStep: labels {tuple(labels.shape)} must have the shape of inputs "
-                             f"{tuple(inputs.shape)}")
+        seq_idx = self._as_micro(seq_idx, "seq_idx") if seq_idx is not None else None
+        for name, t in (("labels", labels), ("seq_idx", seq_idx)):
+            if t is not None and t.shape != inputs.shape:
+                raise ValueError(f"GraphedTrainStep: {name} {tuple(t.shape)} must have the shape of inputs "
+                                 f"{tuple(inputs.shape)}")
+        if weights is None:
+            weights = torch.full((self.grad_accum,), 1.0 / self.grad_accum)
+        if tuple(weights.shape) != (self.grad_accum,):
+            raise ValueError(f"GraphedTrainStep: weights must be (grad_accum={self.grad_accum},), got "
+                             f"{tuple(weights.shape)}")
+        if self.graph is not None and (seq_idx is None) != (self._seq_idx is None):
+            raise ValueError("GraphedTrainStep: seq_idx must be given at every step or at none (as at the capture)")
         self.lrs = install_tensor_lrs(self.optimizer, self.device, self.lrs)
         if self.graph is None:
-            self._capture(inputs, labels)
+            self._capture(inputs, labels, seq_idx, weights)
         elif inputs.shape != self._inputs.shape:
             raise ValueError(f"{FLAG}: every step must have the captured batch shape {tuple(self._inputs.shape)} "
                              f"(grad_accum, batch, seqlen), got {tuple(inputs.shape)}; packed / variable-length "
@@ -243,6 +259,9 @@ class GraphedTrainStep:
         else:
             self._inputs.copy_(inputs, non_blocking=True)
             self._labels.copy_(labels, non_blocking=True)
+            if seq_idx is not None:
+                self._seq_idx.copy_(seq_idx, non_blocking=True)
+            self._weights.copy_(weights, non_blocking=True)
         self.graph.replay()
         return self._outputs
 

@@ -44,7 +44,10 @@ class HFTokenizer:
         if not os.path.isfile(file):
             raise TokenizerError(f"--tokenizer: no tokenizer.json at {path!r}")
         self.path = os.path.abspath(file)
-        self.tok = Tokenizer.from_file(self.path)
+        try:
+            self.tok = Tokenizer.from_file(self.path)
+        except Exception as e:  # tokenizers raises its own exception type, with serde's message
+            raise TokenizerError(f"{file}: not a readable tokenizer.json ({str(e).splitlines()[0][:200]})") from None
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = None
         for name in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]"):

@@ -29,10 +29,12 @@ from mamba_parallel.distributed.pipeline import stages_per_rank
 from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS, apply_recompute, parse_items
 from mamba_parallel.manifest import update_manifest
 from mamba_parallel.train import checkpoint as ckpt
+from mamba_parallel.train import flag_effects, guard, run_folder
 from mamba_parallel.train.config import TrainConfig
 from mamba_parallel.train.cuda_graph import GraphedTrainStep, check_graph_layout
-from mamba_parallel.train.data import DataError, RankBatches, TokenWindows, folder_tokenizer, is_prepared, open_split, \
-    prepare_data, read_header
+from mamba_parallel.train.data import DataError, RankBatches, TokenWindows, check_token_folder, folder_tokenizer, \
+    is_prepared, open_docs, open_split, prepare_data, read_header
+from mamba_parallel.train.disk import OutputError, check_space, human, output_errors
 from mamba_parallel.train.flops import peak_flops, train_flops_per_token
 from mamba_parallel.train.metrics import GpuMonitor, MetricsLogger, Progress, Throughput, peak_memory_gib
 from mamba_parallel.train.optim import build_optimizer, build_scheduler, restart_schedule
@@ -70,6 +72,7 @@ def resolve_data(cfg: TrainConfig, env: DistEnv) -> tuple[str, dict, object]:
     """(token folder, header, tokenizer): a prepared folder as is, anything else tokenized into <out>/data."""
     if cfg.data and is_prepared(cfg.data):
         folder = cfg.data
+        check_token_folder(folder)
         header = read_header(folder)
         spec = folder_tokenizer(folder, header)
         if cfg.tokenizer and not _same_tokenizer(load_tokenizer(cfg.tokenizer).spec, spec):
@@ -88,8 +91,8 @@ def resolve_data(cfg: TrainConfig, env: DistEnv) -> tuple[str, dict, object]:
         try:
             fresh = is_prepared(folder) and all(read_header(folder).get(k) == v for k, v in wanted.items())
             if not fresh:
-                prepare_data(source, folder, tokenizer, cfg.val_fraction)
-        except DataError as e:
+                prepare_data(source, folder, tokenizer, cfg.val_fraction, allow_binary=cfg.allow_binary)
+        except (DataError, OutputError) as e:
             error = str(e)
     if dist.is_initialized():  # every rank fails alike instead of waiting for rank 0 forever
         box = [error]
@@ -215,15 +218,28 @@ def choose_dims(cfg: TrainConfig, config, env: DistEnv, log) -> ParallelDims:
     return dims
 
 
+def _windows(folder: str, header: dict, split: str, cfg: TrainConfig, shuffle: bool) -> TokenWindows:
+    """The windows of one split, with what is known of its documents (their starts, or the end-of-text token)."""
+    tokens = open_split(folder, split)
+    return TokenWindows(tokens, cfg.seq_len, cfg.seed, shuffle=shuffle, what=split,
+                        doc_starts=open_docs(folder, split, len(tokens)), eos_token_id=header.get("eos_token_id"),
+                        source=os.path.join(folder, f"{split}.bin"))
+
+
+def _stacked_seq_idx(micro: list) -> torch.Tensor:
+    """(grad_accum, b, L) int32 documents of the micro-batches (zeros where one holds no boundary)."""
+    return torch.stack([s if s is not None else torch.zeros_like(x, dtype=torch.int32) for x, _, s in micro])
+
+
 def _drop_metrics_after(out: str, step: int) -> None:
-    """On resume: forget metrics.jsonl records of steps after the checkpoint (they will be logged again)."""
+    """Forget metrics.jsonl records of steps after ``step`` (on resume: they will be logged again; from scratch:
+    all, they were an earlier attempt's)."""
     path = os.path.join(out, "metrics.jsonl")
     if not os.path.isfile(path):
         return
     with open(path) as fh:
         keep = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
-    with open(path, "w") as fh:
-        fh.writelines(keep)
+    run_folder.write_text(path, "".join(keep))
 
 
 # ---- --recompute ------------------------------------------------------------------------------------------------
@@ -341,56 +357,83 @@ def _autocast(cfg: TrainConfig, device: torch.device):
     return contextlib.nullcontext()
 
 
+def micro_weights(batches: RankBatches, consumed: int, grad_accum: int) -> list[float]:
+    """The weight of each micro-batch's mean loss in the step's loss, so that the step's loss (and gradient) is
+    the mean over every target of the global batch, whatever the layout: dp x (targets of this rank's micro-batch)
+    / (targets of the global batch), as data parallelism averages over the dp ranks. 1 / grad_accum when every
+    position has a target; with document boundaries (targets -100) micro-batches weigh by their targets."""
+    firsts = [consumed + m * batches.global_batch for m in range(grad_accum)]
+    total = max(1, sum(batches.n_targets(f, every_rank=True) for f in firsts))
+    return [batches.dp_size * batches.n_targets(f) / total for f in firsts]
+
+
 def _eager_step(model, batches: RankBatches, consumed: int, cfg: TrainConfig, device, ddp: bool) -> torch.Tensor:
-    """Forward + backward of the step's micro-batches (gradients accumulate); -> their mean loss (0-d fp32)."""
+    """Forward + backward of the step's micro-batches (gradients accumulate); -> this rank's share of the step's
+    loss (0-d fp32; the mean over the ranks is the step's loss, see ``micro_weights``)."""
     loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-    for micro in range(cfg.grad_accum):
-        inputs, labels = batches.batch(consumed + micro * batches.global_batch, device)
+    weights = micro_weights(batches, consumed, cfg.grad_accum)
+    for micro, weight in enumerate(weights):
+        inputs, labels, seq_idx = batches.batch_docs(consumed + micro * batches.global_batch, device)
         sync = micro == cfg.grad_accum - 1
         with (model.no_sync() if ddp and not sync else contextlib.nullcontext()), _autocast(cfg, device):
-            loss = model(inputs, targets=labels).loss
-        (loss / cfg.grad_accum).backward()
-        loss_sum += loss.detach().float()
-    return loss_sum / cfg.grad_accum
+            loss = model(inputs, targets=labels, seq_idx=seq_idx).loss
+        (loss * weight).backward()
+        loss_sum += loss.detach().float() * weight
+    return loss_sum
 
 
 @torch.no_grad()
 def evaluate(model, batches: RankBatches, n_batches: int, cfg: TrainConfig, device) -> float:
-    """Mean loss over the first ``n_batches`` global micro-batches of the validation split (all ranks)."""
+    """Mean loss over every target of the first ``n_batches`` global micro-batches of the validation split (all
+    ranks)."""
     model.eval()
-    total = torch.zeros((), device=device, dtype=torch.float64)
+    total = torch.zeros(2, device=device, dtype=torch.float64)  # sum of the losses, number of targets
     for i in range(n_batches):
-        inputs, labels = batches.batch(i * batches.global_batch, device)
+        inputs, labels, seq_idx = batches.batch_docs(i * batches.global_batch, device)
+        n = batches.n_targets(i * batches.global_batch)
         with _autocast(cfg, device):
-            total += model(inputs, targets=labels).loss.double()
+            total[0] += model(inputs, targets=labels, seq_idx=seq_idx).loss.double() * n
+        total[1] += n
     model.train()
-    total /= n_batches
-    if dist.is_initialized():
+    if dist.is_initialized():  # tp / cp peers add the same share to both: the ratio stays
         dist.all_reduce(total)
-        total /= dist.get_world_size()
-    return total.item()
+    return (total[0] / total[1]).item()
 
 
 def train(cfg: TrainConfig) -> dict:
     """Run training as configured; return ``{"losses": {step: loss}, "eval": {step: loss}, "step", "stopped"}``.
 
     Raises TrainingError on a non-finite loss / grad norm (before that step's optimizer update).
+    The output folder is locked for the run (released however it ends).
     """
     resolve_recompute(cfg.recompute, cfg.compile)  # a bad --recompute fails before any work
     had_group = dist.is_initialized()
     try:
-        return _train(cfg)
+        with contextlib.ExitStack() as at_exit:
+            return _train(cfg, at_exit)
     finally:  # the one-rank group of --cpu-offload is this run's own: leave the process as it was
         if not had_group and dist.is_initialized() and dist.get_world_size() == 1:
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig) -> dict:
+def _open_folder(out: str, log) -> None:
+    """Rank 0: create --out (clear errors when it cannot be written) and take its lock."""
+    with output_errors(out, "the run"):
+        os.makedirs(out, exist_ok=True)
+        run_folder.acquire_lock(out, log)
+
+
+def _checkpoint_bytes(n_params: int) -> int:
+    """About the size of one checkpoint: fp32 weights and AdamW's two fp32 moments (+ a little metadata)."""
+    return 12 * n_params + (1 << 20)
+
+
+def _train(cfg: TrainConfig, at_exit: contextlib.ExitStack) -> dict:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is visible to torch (use --device cpu)")
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise ConfigError(f"--out {cfg.out!r} is a file, not a folder")
-    env = init_distributed(cfg.device, single_rank_group=cfg.cpu_offload)
+    env = init_distributed(cfg.device, timeout_s=cfg.dist_timeout, single_rank_group=cfg.cpu_offload)
     if cfg.cuda_graph:  # before any data preparation: a wrong device fails at once
         check_graph_layout(env.device, dp=1, cp=1)
     progress = None
@@ -404,14 +447,18 @@ def _train(cfg: TrainConfig) -> dict:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    if env.is_main:
-        os.makedirs(cfg.out, exist_ok=True)
-    _barrier()
+    run_folder.agree(_open_folder, cfg.out, log)  # one run per folder: a second one is refused naming the holder
+    at_exit.callback(run_folder.release_lock, cfg.out)
 
     found = ckpt.latest_checkpoint(cfg.out)
     if found and not cfg.resume:
         raise ConfigError(f"--out {cfg.out!r} already holds checkpoints (newest {found[1]}): pass --resume to "
                           f"continue that run, or choose another --out")
+    prepared = bool(cfg.data) and is_prepared(cfg.data)
+    # the names this run writes are recorded as its own; any of them already there and not ours: refused
+    names = ["config.toml", "metrics.jsonl", "checkpoints", "final", "tensorboard", "loss.png"] + \
+        ([] if prepared else ["data"])
+    run_folder.agree(run_folder.claim, cfg.out, names, cfg.resume, log)
     ckpt.remove_stale_tmp(cfg.out)
 
     folder, header, tokenizer = resolve_data(cfg, env)
@@ -424,11 +471,15 @@ def _train(cfg: TrainConfig) -> dict:
     if cfg.resume and resume_from is None:
         log(f"--resume: no complete checkpoint in {cfg.out!r}; starting from scratch")
     if resume_from is not None:
-        ckpt.check_same_model(resume_from[1], config)
+        ckpt.check_same_model(resume_from[1], config, tokenizer)
+    else:
+        run_folder.agree(run_folder.check_fresh_start, cfg.out)
+    for line in flag_effects.check(cfg, env.world_size, prepared):
+        log(f"warning: {line}")
 
     dims = choose_dims(cfg, config, env, log)
     if cfg.cpu_offload and not dist.is_initialized():  # FSDP2 over one rank (--parallel auto may pick offload)
-        env = init_distributed(cfg.device, single_rank_group=True)
+        env = init_distributed(cfg.device, timeout_s=cfg.dist_timeout, single_rank_group=True)
     if cfg.cuda_graph:
         check_graph_layout(env.device, dims.dp, dims.cp, cfg.dp_mode)
         if dims.pp > 1 or cfg.cpu_offload:
@@ -441,11 +492,18 @@ def _train(cfg: TrainConfig) -> dict:
 
         cfg.batch_size = resolve_auto_batch(cfg, config, env, dims, log)
     resolve_micro_steps(cfg, dims.dp, dims.pp)
-    train_w = TokenWindows(open_split(folder, "train"), cfg.seq_len, cfg.seed, shuffle=True, what="train")
-    batches = RankBatches(train_w, cfg.batch_size, dp_rank, dims.dp, cp_rank, dims.cp)
+    train_w = _windows(folder, header, "train", cfg, shuffle=True)
+    docs = cfg.doc_boundaries and dims.pp == 1
+    if cfg.doc_boundaries and dims.pp > 1:
+        log("warning: --doc-boundaries: pipeline stages do not take seq_idx yet: documents are packed as one stream "
+            "under --pp (as with --no-doc-boundaries)")
+    elif cfg.doc_boundaries and not train_w.knows_documents:
+        log(f"warning: --doc-boundaries: {folder} records no document starts and no end-of-text token: "
+            f"documents are not kept apart (prepare the data again to record them)")
+    batches = RankBatches(train_w, cfg.batch_size, dp_rank, dims.dp, cp_rank, dims.cp, docs)
     try:
-        val_w = TokenWindows(open_split(folder, "val"), cfg.seq_len, cfg.seed, shuffle=False, what="val")
-        val_batches = RankBatches(val_w, cfg.batch_size, dp_rank, dims.dp, cp_rank, dims.cp)
+        val_w = _windows(folder, header, "val", cfg, shuffle=False)
+        val_batches = RankBatches(val_w, cfg.batch_size, dp_rank, dims.dp, cp_rank, dims.cp, docs)
     except DataError:
         val_batches = None
         log(f"the validation split has fewer than {cfg.seq_len + 1} tokens: evaluation is off")
@@ -455,6 +513,8 @@ def _train(cfg: TrainConfig) -> dict:
     flops_per_token = train_flops_per_token(meta_model, config, cfg.seq_len)
     n_params = sum(p.numel() for p in meta_model.parameters())
     del meta_model
+    ckpt_bytes = _checkpoint_bytes(n_params)
+    run_folder.agree(check_space, cfg.out, ckpt_bytes + 4 * n_params, "one checkpoint and the final model")
     model, _ = build_parallel_model(config, cfg, env, dims, resuming=resume_from is not None)
     if dims.pp > 1:
         model.__dict__["dims"] = dims
@@ -470,11 +530,9 @@ def _train(cfg: TrainConfig) -> dict:
         step, consumed = state["step"], state["consumed"]
         restart_schedule(optimizer, scheduler, cfg.lr)
         log(f"resumed from {resume_from[1]} (step {step}, saved by {state['world_size']} rank(s))")
-        if env.is_main:
-            _drop_metrics_after(cfg.out, step)
     if env.is_main:
-        with open(os.path.join(cfg.out, "config.toml"), "w") as fh:
-            fh.write(cfg.to_toml())
+        _drop_metrics_after(cfg.out, step)  # from scratch: an earlier attempt's records go (they are ours)
+        run_folder.write_text(os.path.join(cfg.out, "config.toml"), cfg.to_toml())
     # --cuda-graph: built after a resume's load (the lr becomes a device tensor the schedule fills in place);
     # captured at the first step.
     graph_step = None
@@ -512,11 +570,13 @@ def _train(cfg: TrainConfig) -> dict:
             if graph_step is not None:
                 # the whole step (its optimizer update included) in one replay; a non-finite loss or gradient
                 # norm makes the captured fused AdamW skip its update, so the check below still comes first
-                micro = [batches.batch(consumed + m * batches.global_batch)  # CPU: one copy into the graph
+                micro = [batches.batch_docs(consumed + m * batches.global_batch)  # CPU: one copy into the graph
                          for m in range(cfg.grad_accum)]
                 t_capture = time.perf_counter()
-                mean_loss, grad_norm = graph_step(torch.stack([x for x, _ in micro]),
-                                                  torch.stack([y for _, y in micro]))
+                mean_loss, grad_norm = graph_step(torch.stack([x for x, _, _ in micro]),
+                                                  torch.stack([y for _, y, _ in micro]),
+                                                  _stacked_seq_idx(micro) if docs else None,
+                                                  torch.tensor(micro_weights(batches, consumed, cfg.grad_accum)))
                 if not losses:  # the first step of this process captured the graph
                     torch.cuda.synchronize(env.device)
                     log(f"--cuda-graph: warm-up + capture + first replay took "
@@ -540,9 +600,8 @@ def _train(cfg: TrainConfig) -> dict:
                                                          ).tolist()
             lr = lr_v[0] if lr_v else lr
             if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
-                raise TrainingError(f"non-finite {'loss' if not math.isfinite(loss_v) else 'gradient norm'} at "
-                                    f"step {step + 1} (loss {loss_v}, grad norm {gnorm_v}): stopped before the "
-                                    f"optimizer update; the last complete checkpoint is untouched")
+                raise TrainingError(guard.non_finite_message(step + 1, loss_v, gnorm_v, cfg.out,
+                                                             guard.last_checkpoint(cfg.out), cfg.lr))
             if graph_step is None:
                 optimizer.step()
             scheduler.step()  # under --cuda-graph: fills the lr tensor the next replay reads
@@ -580,9 +639,16 @@ def _train(cfg: TrainConfig) -> dict:
                 clock.read()
             if stopped or (step == cfg.steps and cfg.save_final) or (cfg.save_every and step % cfg.save_every == 0):
                 if last_saved != step:
-                    with graph_step.plain_param_groups(scheduler) if graph_step else contextlib.nullcontext():
+                    unsafe = guard.unsafe_to_save(model, loss_v, config.vocab_size)  # never a diverged checkpoint
+                    if unsafe:
+                        raise TrainingError(guard.not_saved_message(step, unsafe, cfg.out,
+                                                                    guard.last_checkpoint(cfg.out), cfg.lr))
+                    root = ckpt.checkpoints_dir(cfg.out)
+                    run_folder.agree(check_space, cfg.out, ckpt_bytes, f"checkpoint step-{step}")
+                    with graph_step.plain_param_groups(scheduler) if graph_step else contextlib.nullcontext(), \
+                            output_errors(root, f"checkpoint step-{step}", ckpt_bytes):
                         path = ckpt.save_checkpoint(cfg.out, step, model, optimizer, scheduler, consumed, cfg.keep,
-                                                    model_config=config)
+                                                    model_config=config, tokenizer=tokenizer)
                     last_saved = step
                     log(f"saved checkpoint {path}")
                 clock.read()
@@ -601,10 +667,11 @@ def _train(cfg: TrainConfig) -> dict:
         final = os.path.join(cfg.out, "final")
         plain = gather_for_save(model, config)
         if plain is not None:
-            plain.save_pretrained(final)
-            tokenizer.save(final)
-            if os.path.isfile(os.path.join(final, "tokenizer.json")):  # generate reads it: in the manifest too
-                update_manifest(final, ["tokenizer.json"])
+            with output_errors(final, "the final model", 4 * n_params):
+                plain.save_pretrained(final)
+                tokenizer.save(final)
+                if os.path.isfile(os.path.join(final, "tokenizer.json")):  # generate reads it: in the manifest too
+                    update_manifest(final, ["tokenizer.json"])
             log(f"saved the final model to {final} (load it with MambaLMHeadModel.from_pretrained or "
                 f"`mamba-parallel generate --checkpoint {final}`)")
             if cfg.sample_tokens:

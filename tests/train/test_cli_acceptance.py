@@ -35,16 +35,25 @@ def test_prepare_data_errors_leave_nothing_and_never_replace_user_files(tmp_path
     (tmp_path / "empty").mkdir()
     assert cli.main(["prepare-data", str(tmp_path / "empty"), "--out", str(tmp_path / "tok")]) == 2
     _one_error_line(capsys, "SOURCE folder", "holds no text")
-    assert sorted(os.listdir(tmp_path)) == ["empty"]  # no half-written tok.tmp left behind
+    assert sorted(os.listdir(tmp_path)) == ["empty"]  # no half-written folder left behind
 
     src = tmp_path / "a.txt"
     src.write_text("hello world\n" * 20)
-    mine = tmp_path / "mine"
+    mine = tmp_path / "mine"  # a folder of the user's: the token files go beside their files, which stay
     mine.mkdir()
     (mine / "notes.txt").write_text("precious")
-    assert cli.main(["prepare-data", str(src), "--out", str(mine)]) == 2
-    _one_error_line(capsys, f"--out {str(mine)!r}", "non-empty folder")
-    assert (mine / "notes.txt").read_text() == "precious" and not os.path.exists(str(mine) + ".tmp")
+    assert cli.main(["prepare-data", str(src), "--out", str(mine)]) == 0
+    assert cli.main(["prepare-data", str(src), "--out", str(mine), "--val-fraction", "0.1"]) == 0  # ours: rebuilt
+    assert (mine / "notes.txt").read_text() == "precious" and (mine / "header.json").is_file()
+
+    theirs = tmp_path / "theirs"  # a user's header.json (or train.bin ...) is never replaced
+    theirs.mkdir()
+    (theirs / "header.json").write_text('{"title": "my dataset"}')
+    (theirs / "README.md").write_text("mine")
+    assert cli.main(["prepare-data", str(src), "--out", str(theirs)]) == 2
+    _one_error_line(capsys, f"--out {str(theirs)!r} holds header.json", "nothing was changed")
+    assert sorted(os.listdir(theirs)) == ["README.md", "header.json"]
+    assert (theirs / "header.json").read_text() == '{"title": "my dataset"}'
 
     tok = tmp_path / "tok"  # a token folder may be rebuilt in place
     assert cli.main(["prepare-data", str(src), "--out", str(tok)]) == 0
@@ -143,7 +152,7 @@ def test_train_never_replaces_a_raw_data_folder_named_out_data(tmp_path, capsys)
     rc = cli.main(["train", "--preset", "tiny-mamba2", "--device", "cpu", "--data", str(corpus), "--out",
                    str(tmp_path), "--seq-len", "16"])
     assert rc == 2
-    _one_error_line(capsys, "non-empty folder")
+    _one_error_line(capsys, "holds data, which this run would write but did not write")
     assert os.listdir(corpus) == ["a.txt"]
 
 

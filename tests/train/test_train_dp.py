@@ -1,11 +1,13 @@
 """Data parallel training on 2 gloo ranks vs 1 rank at the same global batch, and resume across world sizes.
 
 One spawn for the whole module: the 2-rank side runs FSDP, DDP and a resume of a 1-rank checkpoint; the 1-rank
-side runs in this process (no process group).
+side runs in this process (no process group). The corpus is many short documents, so most sequences hold
+document boundaries (seq_idx): every layout, tensor and context parallel included, keeps them apart alike.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -52,7 +54,6 @@ def _two_rank_runs(rank: int, world: int, root: str, data: str) -> dict:
 
 
 def _text() -> str:
-    import json
     import textwrap
     return textwrap.dedent(json.__doc__) * 6 + open(json.__file__).read()
 
@@ -60,9 +61,14 @@ def _text() -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dp"))
-    src = os.path.join(root, "corpus.txt")
+    src = os.path.join(root, "corpus.jsonl")
+    text, docs, at = _text(), [], 0
+    while at < len(text):  # documents of 20 .. 160 bytes
+        n = 20 + (len(docs) * 37) % 140
+        docs.append(text[at:at + n])
+        at += n
     with open(src, "w") as fh:
-        fh.write(_text())
+        fh.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     data = os.path.join(root, "tokens")
     prepare_data(src, data, ByteTokenizer(), val_fraction=0.05)
 
