@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_harness import spawn
 from helpers import RTOL
+from mamba_parallel.train import run_folder
 from mamba_parallel.train.checkpoint import complete_checkpoints
 from mamba_parallel.train.config import resolve_config
 from mamba_parallel.train.data import prepare_data
@@ -41,7 +44,23 @@ def _truncate_to(out: str, step: int) -> None:
     shutil.rmtree(os.path.join(out, "final"), ignore_errors=True)
 
 
+def _lock_refusal(root: str) -> str | None:
+    """Both ranks ask for a folder another live run holds: rank 0 checks, every rank gets the same refusal."""
+    folder = os.path.join(root, "locked")
+    if dist.get_rank() == 0:
+        os.makedirs(folder)
+        with open(os.path.join(folder, run_folder.LOCK), "w") as fh:
+            json.dump({"pid": os.getppid(), "host": socket.gethostname(), "started": "now"}, fh)  # the test process
+    dist.barrier()
+    try:
+        run_folder.agree(run_folder.acquire_lock, folder)
+    except run_folder.FolderError as e:
+        return str(e)
+    return None
+
+
 def _two_rank_runs(rank: int, world: int, root: str, data: str) -> dict:
+    refused = _lock_refusal(root)
     fsdp = train(_cfg(os.path.join(root, "fsdp2"), data, dp_mode="fsdp"))
     ddp = train(_cfg(os.path.join(root, "ddp2"), data, dp_mode="ddp"))
     hsdp = train(_cfg(os.path.join(root, "hsdp2"), data, dp_replicate=2, save_every=0))
@@ -50,7 +69,7 @@ def _two_rank_runs(rank: int, world: int, root: str, data: str) -> dict:
     cp = train(_cfg(os.path.join(root, "cp2"), data, cp=2, batch_size=4, save_every=0))
     resumed = train(_cfg(os.path.join(root, "from1"), data, resume=True))
     return {"fsdp": fsdp["losses"], "ddp": ddp["losses"], "hsdp": hsdp["losses"], "tp": tp["losses"],
-            "cp": cp["losses"], "resumed": resumed["losses"]}
+            "cp": cp["losses"], "resumed": resumed["losses"], "refused": refused}
 
 
 def _text() -> str:
@@ -98,6 +117,11 @@ def test_losses_fall_and_ranks_agree(runs):
     assert one[STEPS] < one[1], f"loss did not fall over {STEPS} steps: {one}"
     for r in (0, 1):  # the logged loss is the all-reduced mean: the same on every rank
         assert runs["two"][r]["fsdp"] == runs["two"][0]["fsdp"]
+
+
+def test_a_held_folder_is_refused_alike_on_every_rank(runs):
+    refused = [runs["two"][r]["refused"] for r in (0, 1)]
+    assert refused[0] and refused[0] == refused[1] and "is in use by another run" in refused[0], refused
 
 
 def test_fsdp_two_ranks_match_one_rank(runs):
