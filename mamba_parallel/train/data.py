@@ -412,6 +412,16 @@ class TokenWindows:
         start = self.window(sample) * self.seq_len
         return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
 
+    def boundaries(self, sample: int) -> int:
+        """How many targets of the sample start another document (O(log n) with the index)."""
+        start = self.window(sample) * self.seq_len
+        if self.doc_starts is not None:  # document starts at positions start+1 .. start+seq_len
+            lo, hi = np.searchsorted(self.doc_starts, [start, start + self.seq_len], side="right")
+            return int(hi - lo)
+        if self.eos_token_id is not None:
+            return int(np.count_nonzero(np.asarray(self.tokens[start:start + self.seq_len]) == self.eos_token_id))
+        return 0
+
     def documents(self, sample: int, tokens: np.ndarray) -> np.ndarray:
         """(seq_len + 1,) int32: the document of each token of the sample (0 for the first one), counted within
         the window; all zeros when documents are not known."""
@@ -452,11 +462,7 @@ class RankBatches:
         rows = self.global_batch if every_rank else self.batch_size
         if not self.doc_boundaries:
             return rows * self.w.seq_len
-        total = 0
-        for i in range(start, start + rows):
-            docs = self.w.documents(i, self.w.sample(i))
-            total += self.w.seq_len - int(np.count_nonzero(docs[1:] != docs[:-1]))
-        return total
+        return rows * self.w.seq_len - sum(self.w.boundaries(i) for i in range(start, start + rows))
 
     def batch(self, first: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, labels: (batch_size, seq_len / cp) int64 each; labels[t] is the token after input[t]."""

@@ -46,8 +46,12 @@ def test_index_and_end_of_text_tokens_agree_and_labels_stop_at_boundaries(folder
     assert by_index.knows_documents and by_eos.knows_documents and not unknown.knows_documents
     for i in range(by_index.num_windows):
         row = by_index.sample(i)
-        assert np.array_equal(by_index.documents(i, row), by_eos.documents(i, row))
-    inputs, labels, seq_idx = RankBatches(by_index, 4, doc_boundaries=True).batch_docs(0)
+        docs = by_index.documents(i, row)
+        assert np.array_equal(docs, by_eos.documents(i, row))
+        assert by_index.boundaries(i) == by_eos.boundaries(i) == np.count_nonzero(docs[1:] != docs[:-1])
+    batches = RankBatches(by_index, 4, doc_boundaries=True)
+    inputs, labels, seq_idx = batches.batch_docs(0)
+    assert batches.n_targets(0) == int((labels != -100).sum())
     plain_inputs, plain_labels = RankBatches(by_index, 4).batch(0)
     assert torch.equal(inputs, plain_inputs) and seq_idx.dtype == torch.int32
     crossing = torch.nn.functional.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (0, 1), value=False)
