@@ -38,17 +38,17 @@ def check(cfg, world_size: int, data_is_prepared: bool) -> list[str]:
     the one-line warnings of settings without effect here."""
     set_ = given(cfg)
     if cfg.parallel == "auto":
-        manual = [_flag(k, set_[k]) for k in ("tp", "cp") if k in set_]
+        manual = [_flag(k, set_[k]) for k in ("tp", "cp", "pp") if k in set_]
         if manual:
-            raise ConfigError(f"{' '.join(manual)} with --parallel auto: auto chooses tp and cp itself; drop "
+            raise ConfigError(f"{' '.join(manual)} with --parallel auto: auto chooses tp, cp and pp itself; drop "
                               f"{' and '.join(m.split()[0] for m in manual)} or use --parallel manual")
     if cfg.dp_mode == "ddp" and "dp_replicate" in set_:
         raise ConfigError(f"--dp-replicate {cfg.dp_replicate} with --dp-mode ddp: DDP replicates over every "
                           f"data-parallel rank already; --dp-replicate sets HSDP's replica count (--dp-mode fsdp)")
     warnings = []
-    manual_dp = world_size // max(1, cfg.tp * cfg.cp) if cfg.parallel == "manual" else world_size
-    if world_size == 1 or manual_dp == 1:
-        unused = [_flag(k, set_[k]) for k in FSDP_ONLY + DDP_ONLY if k in set_]
+    manual_dp = world_size // max(1, cfg.tp * cfg.cp * cfg.pp) if cfg.parallel == "manual" else world_size
+    if world_size == 1 or manual_dp == 1:  # FSDP options still act on the one-rank group of --cpu-offload
+        unused = [_flag(k, set_[k]) for k in DDP_ONLY + (() if cfg.cpu_offload else FSDP_ONLY) if k in set_]
         if unused:
             warnings.append(f"{', '.join(unused)}: no effect without data parallelism")
     elif cfg.dp_mode == "ddp":

@@ -16,7 +16,7 @@ def _check(world_size=1, prepared=False, **kw):
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(parallel="auto", tp=2), "--tp 2 with --parallel auto: auto chooses tp and cp itself"),
+    (dict(parallel="auto", tp=2), "--tp 2 with --parallel auto: auto chooses tp, cp and pp itself"),
     (dict(parallel="auto", cp=2, seq_len=64), "--cp 2 with --parallel auto"),
     (dict(dp_mode="ddp", dp_replicate=2), "--dp-replicate 2 with --dp-mode ddp"),
 ])
