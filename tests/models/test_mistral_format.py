@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mamba_parallel.config import MambaConfig
+from mamba_parallel.manifest import MANIFEST
 from mamba_parallel.models import MambaLMHeadModel
 from mamba_parallel.models.formats import CheckpointError, detect_format, load_pretrained, save_pretrained
 
@@ -36,7 +37,7 @@ def _ids():
 def test_mistral_files_are_mistral_inference_names(tmp_path):
     model = _model()
     save_pretrained(model, tmp_path, format="mistral")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["consolidated.safetensors", "params.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["consolidated.safetensors", MANIFEST, "params.json"]
     params = json.loads((tmp_path / "params.json").read_text())
     assert params == dict(dim=64, n_layers=2, vocab_size=96, n_groups=2, rms_norm=True, residual_in_fp32=True,
                           fused_add_norm=True, pad_vocab_size_multiple=1, tie_embeddings=False, model_type="mamba")
@@ -75,6 +76,7 @@ def test_unprefixed_names_tied_head_and_what_the_layout_cannot_hold(tmp_path):
     state = load_file(tmp_path / "consolidated.safetensors")
     assert torch.equal(state["model.lm_head.weight"], state["model.backbone.embedding.weight"])
     save_file({k.removeprefix("model."): v for k, v in state.items()}, str(tmp_path / "consolidated.safetensors"))
+    (tmp_path / MANIFEST).unlink()  # edited by hand: now like a folder from elsewhere
     loaded = load_pretrained(tmp_path)
     assert loaded.lm_head.weight is loaded.backbone.embedding.weight
     with pytest.raises(CheckpointError, match=r"format 'mistral'.*\['headdim'\] differ from mamba_ssm's defaults"):
