@@ -76,23 +76,26 @@ def _alone(model, inputs, labels, seq_idx):
     return total / count
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("preset", ["tiny-mamba2", "tiny-mamba", "tiny-hybrid"])
-def test_packed_loss_and_gradients_equal_each_document_alone(folder, preset):
+def test_packed_loss_and_gradients_equal_each_document_alone(folder, preset, device):
+    """On the GPU the Triton kernels' seq_idx paths (conv, scan, SSD) against the documents run one by one."""
     tokens = open_split(folder, "train")
     w = TokenWindows(tokens, 40, seed=2, doc_starts=open_docs(folder, "train", len(tokens)))
-    inputs, labels, seq_idx = RankBatches(w, 2, doc_boundaries=True).batch_docs(0)
+    inputs, labels, seq_idx = RankBatches(w, 2, doc_boundaries=True).batch_docs(0, device)
     assert (seq_idx.amax(1) >= 2).all()  # several documents in every row
     torch.manual_seed(0)
-    model = MambaLMHeadModel(get_preset(preset))
+    model = MambaLMHeadModel(get_preset(preset)).to(device)
     packed = model(inputs, targets=labels, seq_idx=seq_idx).loss
     packed.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     alone = _alone(model, inputs, labels, seq_idx)
     alone.backward()
-    assert_close(packed.detach(), alone.detach(), name=f"{preset} loss")
+    loose = 100.0 if device == "cuda" else 1.0  # the kernels' fp32 dots may run in TF32 on the GPU
+    assert_close(packed.detach(), alone.detach(), name=f"{preset} loss", factor=loose)
     for n, p in model.named_parameters():
-        assert_close(grads[n], p.grad, grad=True, name=f"{preset} grad {n}")
+        assert_close(grads[n], p.grad, grad=True, name=f"{preset} grad {n}", factor=loose)
     leaky = model(inputs, targets=labels).loss  # without seq_idx, state flows across: another loss
     assert (leaky - packed).abs() > 1e-4
 
