@@ -2,7 +2,8 @@
 
 With the peer (``--peer``; the default when mamba_ssm imports and the run is the default one-GPU step): mamba_ssm's
 model beside ours on the same initial weights and batch, in this process (train_side_by_side.py; no gradient
-clipping on either side). Otherwise ours alone, as below.
+clipping on either side). Under torchrun with ``--peer``: the peer wrapped in DDP beside ours in FSDP2 and DDP on
+every rank (bench_train_dp.py). Otherwise ours alone, as below.
 
 Synthetic tokens; fp32 master weights + bf16 autocast; fused AdamW on CUDA; the same model building and
 parallelize() path as `mamba-parallel train`. Works under torchrun (dp / tp / cp from the flags):
@@ -101,24 +102,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _side_by_side_peer(a: argparse.Namespace):
-    """The peer adapter when this run compares with it (flags permitting), else None."""
+    """The peer adapter when this run compares with it (flags permitting), else None. Under torchrun only an
+    explicit ``--peer`` compares (the data-parallel side by side, bench_train_dp.py); otherwise ours runs alone, as
+    the scaling table's runs do."""
     other = [flag for flag, on in (("--tp", a.tp > 1), ("--cp", a.cp > 1), ("--cuda-graph", a.cuda_graph),
                                    ("--profile", a.profile), ("--compile", a.compile), ("--recompute", a.recompute),
                                    ("--activation-checkpointing", a.activation_checkpointing),
-                                   ("--dtype fp32", a.dtype != "bf16"), ("torchrun", dist.is_torchelastic_launched()))
-             if on]
+                                   ("--dtype fp32", a.dtype != "bf16")) if on]
     if other:
         if a.peer:
-            raise SystemExit(f"bench train: --peer compares the default one-GPU bf16 step; drop {', '.join(other)} "
+            raise SystemExit(f"bench train: --peer compares the default bf16 step; drop {', '.join(other)} "
                              "(or pass --no-peer)")
+        return None
+    if dist.is_torchelastic_launched() and not a.peer:
         return None
     return resolve_peer(a.peer, a.peer_impl)
 
 
 def _run_side_by_side(a: argparse.Namespace, peer) -> int:
-    from mamba_parallel.bench import train_side_by_side
+    from mamba_parallel.bench import bench_train_dp, train_side_by_side
     from mamba_parallel.bench.results import publish
 
+    if dist.is_torchelastic_launched():  # torchrun: the peer in DDP beside ours (FSDP2 and DDP) on every rank
+        return bench_train_dp.run_launched([a.preset], a.peer, a.peer_impl, a.device, a.seq_len, a.batch_size,
+                                           a.warmup_steps, a.steps, bench_train_dp.DP_MODES, a.json)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     result = train_side_by_side.run([a.preset], peer, device, a.seq_len, a.batch_size, a.warmup_steps, a.steps)
     publish(result, device, peer, path=a.json)

@@ -39,6 +39,13 @@ def _version(module: str) -> str | None:
         return None
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DDP wrapper (or the model itself)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 def logits_of(out) -> torch.Tensor:
     """Logits from a model output: a tensor, or an object / tuple with ``.logits``."""
     return out if isinstance(out, torch.Tensor) else out.logits
@@ -83,8 +90,23 @@ class Peer:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     def save_pretrained(self, model, folder: str) -> None:
-        """config.json + weights in mamba_ssm's format (what ``MambaLMHeadModel.from_pretrained`` of ours reads)."""
-        model.save_pretrained(folder)
+        """config.json + weights in mamba_ssm's format (what ``MambaLMHeadModel.from_pretrained`` of ours reads);
+        ``model`` may be wrapped in DDP."""
+        unwrap(model).save_pretrained(folder)
+
+    def data_parallel(self, model: torch.nn.Module, device) -> torch.nn.Module:
+        """The peer model in torch DDP over the default process group, as its users wrap it (torch's defaults).
+
+        mamba_ssm's blocks use every parameter in each forward (the fused paths take the conv, dt, A, D, norm and
+        out_proj weights as inputs of one autograd function), its forward returns a namedtuple, and it has no
+        buffers: plain DDP fits, without ``find_unused_parameters`` or a static graph."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        device = torch.device(device)
+        if device.type != "cuda":
+            return DistributedDataParallel(model)
+        return DistributedDataParallel(model, device_ids=[torch.cuda.current_device() if device.index is None
+                                                          else device.index])
 
     def generate(self, model, input_ids: torch.Tensor, new_tokens: int, cuda_graph: bool) -> torch.Tensor:
         """Greedy generation through the peer's public ``generate``: (b, L) -> (b, L + new_tokens)."""
@@ -92,6 +114,7 @@ class Peer:
 
     def release(self, model) -> None:
         """Drop what generation cached on the model (CUDA graphs, their memory pool)."""
+        model = unwrap(model)
         if getattr(model, "_decoding_cache", None) is not None:
             model._decoding_cache = None
 

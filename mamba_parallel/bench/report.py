@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mamba_parallel.bench.results import format_table, ratio_rule, sides_present
 
-ORDER = ("ssd", "selective_scan", "train", "generate", "long_context")
+ORDER = ("ssd", "selective_scan", "train", "train_dp", "generate", "long_context")
 DEFAULT_RESULTS = "benchmarks/results"
 DEFAULT_OUT = "docs/performance.md"
 
@@ -64,7 +64,8 @@ def _checks(obj: dict) -> list[str]:
         if c.get("peer_step1_loss") is None or c.get("ours_step1_loss") is None:
             continue
         verdict = "agree" if c.get("agree") else "DIFFER"
-        lines.append(f"- {c['preset']}: step-1 loss ours {c['ours_step1_loss']:.4f}, peer {c['peer_step1_loss']:.4f} "
+        what = c["preset"] + (f" (ours {c['dp_mode']})" if c.get("dp_mode") else "")
+        lines.append(f"- {what}: step-1 loss ours {c['ours_step1_loss']:.4f}, peer {c['peer_step1_loss']:.4f} "
                      f"({verdict}, relative difference {c.get('rel_diff', 0):.1e}, tolerance {c.get('rtol')})")
     return (["Same initial weights, same batch; the step-1 losses (before any update):", ""] + lines + [""]) \
         if lines else []

@@ -214,7 +214,8 @@ def ratio_rule(rows: list[dict]) -> str:
     if len(sides_present(rows)) == 1:
         return "Ours alone (no peer in this run: no ratios)."
     return ("'ours vs X' = X's time / ours (or ours / X's throughput, X's memory / ours): > 1 means ours is "
-            "faster or smaller. Both sides ran in the same process on the same inputs.")
+            "faster or smaller. Both sides ran in the same process (in a data-parallel run: the same processes) on the "
+            "same inputs.")
 
 
 def publish(result: dict, device, peer, fla_fn=None, path=None, command: str | None = None,

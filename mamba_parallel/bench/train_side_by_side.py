@@ -62,9 +62,10 @@ def time_steps(loss_fn, optimizer, device, warmup: int, steps: int) -> dict:
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
 
 
-def _side(name, build, loss_of, device, warmup, steps, log) -> tuple[dict | None, str | None]:
-    """Build one side's model + optimizer, time its steps, free it; -> (figures, error)."""
-    model = opt = None
+def _side(name, build, loss_of, device, warmup, steps, log, combine=None) -> tuple[dict | None, str | None]:
+    """Build one side's model + optimizer, time its steps, free it; -> (figures, error). ``combine(figures,
+    error)``: what every rank of a data-parallel run agrees on (the slowest rank's time, the mean loss)."""
+    model = opt = figures = error = None
     try:
         _free(device)
         model = build()
@@ -72,15 +73,19 @@ def _side(name, build, loss_of, device, warmup, steps, log) -> tuple[dict | None
         opt = torch.optim.AdamW(_optimizer_groups(model), lr=LR, betas=BETAS,
                                 fused=torch.device(device).type == "cuda" or None)
         figures = time_steps(lambda: loss_of(model), opt, device, warmup, steps)
-        peak = "" if figures["peak_gib"] is None else f", peak {figures['peak_gib']:.1f} GiB"
-        log(f"train {name}: step-1 loss {figures['step1_loss']:.4f}, {figures['step_ms']:.1f} ms/step{peak}")
-        return figures, None
     except Exception as e:  # an OOM or a failing side is recorded; the other side and the next preset go on
-        log(f"train {name}: {error_text(e)}")
-        return None, error_text(e)
+        error = error_text(e)
     finally:
         model = opt = None  # noqa: F841 (frees the side before the next one is measured)
         _free(device)
+    if combine is not None:
+        figures, error = combine(figures, error)
+    if error is not None:
+        log(f"train {name}: {error}")
+        return None, error
+    peak = "" if figures["peak_gib"] is None else f", peak {figures['peak_gib']:.1f} GiB"
+    log(f"train {name}: step-1 loss {figures['step1_loss']:.4f}, {figures['step_ms']:.1f} ms/step{peak}")
+    return figures, None
 
 
 def _optimizer_groups(model) -> list[dict]:
@@ -131,8 +136,17 @@ def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, w
     if "folder" in handed:  # ours failed before reading it
         import shutil
         shutil.rmtree(handed.pop("folder"), ignore_errors=True)
-    tokens_per_step = batch * seq_len
+    rows = _rows(f"{preset} b{batch} L{seq_len}", figures, errors, batch * seq_len, peer is not None,
+                 preset=preset)
+    check = _loss_check(preset, figures.get("ours"), figures.get("peer") if peer is not None else None, loss_rtol,
+                        log)
+    if errors.get("ours_weights"):
+        check["note"] = errors["ours_weights"]
+    return rows, check
 
+
+def _rows(case: str, figures: dict, errors: dict, tokens_per_step: int, with_peer: bool, **extra) -> list[dict]:
+    """tokens/s, step ms and peak memory rows of one case; ``figures`` maps "ours" / "peer" to a side's figures."""
     def value(side, key):
         f = figures.get(side)
         return None if f is None else f[key]
@@ -141,23 +155,24 @@ def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, w
         ms = value(side, "step_ms")
         return None if ms is None else tokens_per_step / ms * 1e3
 
-    sides = ["ours"] + (["peer"] if peer is not None else [])
+    sides = ["ours"] + (["peer"] if with_peer else [])
     errs = {s: errors.get(s) for s in sides}
-    case = f"{preset} b{batch} L{seq_len}"
-    rows = [make_row(case, "tokens/s", "tokens/s", "higher", {s: tps(s) for s in sides}, errs, preset=preset),
-            make_row(case, "step", "ms", "lower", {s: value(s, "step_ms") for s in sides}, errs, preset=preset),
-            make_row(case, "peak memory", "GiB", "lower", {s: value(s, "peak_gib") for s in sides}, errs,
-                     preset=preset)]
-    check = {"preset": preset, "ours_step1_loss": value("ours", "step1_loss"),
-             "peer_step1_loss": value("peer", "step1_loss") if peer is not None else None, "rtol": loss_rtol}
+    return [make_row(case, "tokens/s", "tokens/s", "higher", {s: tps(s) for s in sides}, errs, **extra),
+            make_row(case, "step", "ms", "lower", {s: value(s, "step_ms") for s in sides}, errs, **extra),
+            make_row(case, "peak memory", "GiB", "lower", {s: value(s, "peak_gib") for s in sides}, errs, **extra)]
+
+
+def _loss_check(preset: str, ours: dict | None, peer: dict | None, loss_rtol: float, log, **extra) -> dict:
+    """Both step-1 losses (same weights, same batch, before any update) and whether they agree."""
+    check = {"preset": preset, **extra, "ours_step1_loss": None if ours is None else ours["step1_loss"],
+             "peer_step1_loss": None if peer is None else peer["step1_loss"], "rtol": loss_rtol}
     if check["ours_step1_loss"] is not None and check["peer_step1_loss"] is not None:
         rel = abs(check["ours_step1_loss"] - check["peer_step1_loss"]) / abs(check["peer_step1_loss"])
         check.update(rel_diff=rel, agree=rel <= loss_rtol)
-        log(f"train {preset}: step-1 loss ours {check['ours_step1_loss']:.5f}, peer {check['peer_step1_loss']:.5f}"
+        what = " ".join([preset, *map(str, extra.values())])
+        log(f"train {what}: step-1 loss ours {check['ours_step1_loss']:.5f}, peer {check['peer_step1_loss']:.5f}"
             f" ({'agree' if check['agree'] else 'DIFFER'}, rel {rel:.1e})")
-    if errors.get("ours_weights"):
-        check["note"] = errors["ours_weights"]
-    return rows, check
+    return check
 
 
 def run(presets, peer, device, seq_len=2048, batch=8, warmup=2, steps=5, seed=0, deadline=None, log=say) -> dict:

@@ -147,6 +147,23 @@ def test_bench_train_cli_side_by_side(tmp_path):
         bench_train.main(["--peer", "--peer-impl", "reference", "--preset", "tiny-mamba", "--tp", "2"])
 
 
+def test_bench_train_under_torchrun_compares_only_with_peer(monkeypatch):
+    """torchrun + --peer: the data-parallel side by side (bench_train_dp); torchrun alone: ours alone (scaling)."""
+    from mamba_parallel.bench import bench_train_dp
+
+    monkeypatch.setattr(bench_train.dist, "is_torchelastic_launched", lambda: True)
+    seen = []
+    monkeypatch.setattr(bench_train_dp, "run_launched", lambda *a: seen.append(a) or 0)
+    base = ["--preset", "tiny-mamba", "--device", "cpu", "--seq-len", "16", "--batch-size", "2"]
+    assert bench_train._side_by_side_peer(bench_train.build_parser().parse_args(base)) is None
+    assert bench_train.main(base + ["--peer", "--peer-impl", "reference", "--json", "out"]) == 0
+    (args,) = seen
+    assert args[:5] == (["tiny-mamba"], True, "reference", "cpu", 16) and args[-2:] == (("fsdp", "ddp"), "out")
+    with pytest.raises(SystemExit, match="bench train_dp: --dp-modes 'fsdp,zero'"):
+        bench_train_dp.parse_modes("fsdp,zero")
+    assert bench_train_dp.parse_modes("ddp, ddp,fsdp") == ["ddp", "fsdp"]
+
+
 # ---- generation and long sequences --------------------------------------------------------------------------------
 def test_generate_same_weights_same_tokens(ref):
     res = bench_generate.run(["tiny-mamba2"], ref, "cpu", batch_sizes=(2,), prompt_len=5, new_tokens=3, repeats=1,
