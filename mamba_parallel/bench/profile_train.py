@@ -22,6 +22,10 @@ import time
 
 import torch
 
+from mamba_parallel.bench.overlap import collective_overlap, trace_events
+from mamba_parallel.ops.backend import requested_backend
+from mamba_parallel.bench.overlap import markdown as collectives_markdown
+
 CATEGORIES = ("matmul", "ssd", "selective_scan", "conv", "norm", "cross_entropy", "optimizer",
               "copy/cast/elementwise", "nccl", "other")
 
@@ -154,11 +158,13 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 
 def _gpu_kernels(trace_path: str) -> tuple[dict[str, list[float]], float]:
     """From a Chrome trace: {kernel name: [durations µs]} over kernels / memcpys / memsets, and their busy µs."""
-    with open(trace_path) as fh:
-        trace = json.load(fh)
+    return _gpu_kernels_of(trace_events(trace_path))
+
+
+def _gpu_kernels_of(events: list[dict]) -> tuple[dict[str, list[float]], float]:
     per_name: dict[str, list[float]] = {}
     intervals = []
-    for ev in trace.get("traceEvents", []):
+    for ev in events:
         if ev.get("ph") != "X" or ev.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         dur = float(ev.get("dur", 0.0))
@@ -230,6 +236,12 @@ def markdown(result: dict) -> str:
         name = name.replace("|", "\\|")
         lines.append(f"| {i} | `{name}` | {k['category']} | {k['ms_per_step']:.3f} | {k['calls_per_step']:g} | "
                      f"{k['avg_us']:.1f} | {k['share']:.1%} |")
+    if r.get("collectives"):
+        where = "GPU kernels by stream" if r["collectives"][0]["lanes"] == "gpu" else "CPU ops by thread (gloo)"
+        lines += ["", "## Collectives: time per step and the part that overlaps compute", "",
+                  f"From each rank's trace ({where}): a collective's overlapped time is the part during which a "
+                  "compute kernel runs on another stream of its GPU. A collective's time includes waiting for the "
+                  "other ranks.", "", collectives_markdown(r["collectives"])]
     if r.get("top_host_ops"):
         lines += ["", f"## Top {len(r['top_host_ops'])} host ops by self CPU time", "",
                   "| # | op | ms / step | calls / step | avg µs |", "|---|---|---|---|---|"]
@@ -299,17 +311,30 @@ def _profile(a: argparse.Namespace) -> int:
 
     if s.env.is_main:
         os.makedirs(a.out, exist_ok=True)
-    if on_cuda:
-        keep = a.trace and s.env.is_main
-        path = os.path.join(a.out, "trace.json") if keep else tempfile.mkstemp(suffix=".json")[1]
+    keep = a.trace and s.env.is_main
+    events = None
+    if on_cuda or s.env.world_size > 1:  # the trace's events: GPU kernels, and the collectives of a parallel step
+        if keep:
+            path = os.path.join(a.out, "trace.json")
+        else:
+            fd, path = tempfile.mkstemp(suffix=".json")
+            os.close(fd)
         prof.export_chrome_trace(path)
-        per_name, busy_us = _gpu_kernels(path)
+        events = trace_events(path)
         if not keep:
             os.remove(path)
+    elif keep:
+        prof.export_chrome_trace(os.path.join(a.out, "trace.json"))
+    if on_cuda:
+        per_name, busy_us = _gpu_kernels_of(events)
     else:
         per_name, busy_us = _cpu_ops(prof)
-        if a.trace and s.env.is_main:
-            prof.export_chrome_trace(os.path.join(a.out, "trace.json"))
+    collectives = None
+    if s.env.world_size > 1:  # every rank's own trace; rank 0 reports all of them
+        mine = collective_overlap(events, a.steps, lanes="gpu" if on_cuda else "cpu")
+        collectives = [None] * s.env.world_size
+        torch.distributed.all_gather_object(collectives, mine)
+    events = None
 
     summary = summarize(per_name, busy_us, a.steps, a.top)
     if on_cuda:  # the host side of a GPU step: aten ops by self CPU time (dispatch + launch cost per op)
@@ -329,11 +354,13 @@ def _profile(a: argparse.Namespace) -> int:
         "device": torch.cuda.get_device_name(s.env.device) if on_cuda else "cpu",
         "world_size": s.env.world_size, "dp": s.dims.dp, "tp": s.dims.tp, "cp": s.dims.cp, "dtype": a.dtype,
         "seq_len": a.seq_len, "batch_size": a.batch_size, "profiled_steps": a.steps,
-        "backend": os.environ.get("MAMBA_PARALLEL_BACKEND", "auto"),
+        "backend": requested_backend(),
         "step_ms": round(step_ms, 3), "host_ms": round(host_ms, 3),
         "profiled_step_ms": round(prof_wall_us / a.steps / 1e3, 3), "busy_fraction": round(busy_fraction, 4),
         "verdict": verdict, "final_loss": round(float(loss.detach().float().item()), 4), **summary,
     }
+    if collectives is not None:
+        result["collectives"] = collectives
     if a.host_python:
         _python_profile(s, a.steps, os.path.join(a.out, "host_python.txt") if s.env.is_main else None)
     if s.env.is_main:
@@ -343,6 +370,8 @@ def _profile(a: argparse.Namespace) -> int:
         with open(os.path.join(a.out, "profile.md"), "w") as fh:
             fh.write(md)
         print(md)
+        if collectives is not None:
+            print(json.dumps({"collectives": collectives}))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0
