@@ -6,9 +6,11 @@
 Synthetic tokens, the trainer's own build (meta device, stages, FSDP2 / replicas per stage) and step
 (``train/pipelined.py``), fp32 master weights; AdamW steps included. Bubble fraction per rank = 1 - (time its
 stages spend in forward / backward chunks, CUDA events) / step time: the share of the step it waits on its
-neighbours; printed as the mean and the max over ranks, beside the schedule's textbook value (p - 1) / (m + p - 1)
-for GPipe / 1F1B with p stages and m micro-batches. ``--pp 1`` times the same global batch as plain gradient
-accumulation on the same GPUs (the baseline of the speedup). Prints one JSON line (rank 0).
+neighbours; printed as the mean and the max over ranks, beside the schedule's textbook value: (p - 1) / (m + p - 1)
+for GPipe / 1F1B with p ranks and m micro-batches, (p - 1) / (v m + p - 1) for interleaved 1F1B with v stages per
+rank, 0 for the zero-bubble schedules (their ideal, with forward / backward / weight-gradient chunks of equal cost).
+``--pp 1`` times the same global batch as plain gradient accumulation on the same GPUs. Prints one JSON line (rank
+0) and writes it to ``--json``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,19 @@ import torch
 import torch.distributed as dist
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def textbook_bubble(schedule: str, p: int, m: int, stages_per_rank: int = 1) -> float:
+    """The share of a step a rank idles under ``schedule`` in theory (p ranks, m micro-batches)."""
+    if p < 2:
+        return 0.0
+    if schedule in ("interleaved-zb", "zbv"):
+        return 0.0
+    v = stages_per_rank if schedule == "interleaved-1f1b" else 1
+    return (p - 1) / (v * m + p - 1)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m mamba_parallel.bench.bench_pipeline",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="mamba2-370m")
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--schedule", default="1f1b")
@@ -39,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
     ap.add_argument("--json", default=None, help="also write the result here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     from mamba_parallel.train import pipelined
     from mamba_parallel.train.batching import resolve_micro_steps
@@ -47,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from mamba_parallel.train.optim import build_optimizer
     from mamba_parallel.train.trainer import _autocast, _grad_norm, build_parallel_model, choose_dims, dp_options
     from mamba_parallel.distributed.data_parallel import init_distributed
+    from mamba_parallel.distributed.pipeline import stages_per_rank
 
     cfg = resolve_config(preset=args.preset, pp=args.pp, pp_schedule=args.schedule, microbatches=args.microbatches,
                          batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype, tp=args.tp,
@@ -107,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.all_gather(gathered, stats)
     bubbles = [float(x[0]) for x in gathered]
     p, m = dims.pp, n
+    cfg_stages = stages_per_rank(cfg.pp_schedule, cfg.pp_stages_per_rank) if p > 1 else 1
     result = {"preset": args.preset, "world": world, "pp": p, "tp": dims.tp, "dp": dims.dp,
               "schedule": args.schedule if p > 1 else "accumulation", "microbatches": m, "batch_size": b,
               "seq_len": cfg.seq_len, "dtype": cfg.dtype, "activation_checkpointing": cfg.activation_checkpointing,
@@ -114,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
               "peak_mem_gib": round(max(float(x[1]) for x in gathered), 2),
               "bubble_fraction_mean": round(sum(bubbles) / len(bubbles), 4) if p > 1 else None,
               "bubble_fraction_max": round(max(bubbles), 4) if p > 1 else None,
-              "bubble_fraction_theory": round((p - 1) / (m + p - 1), 4) if p > 1 else None,
+              "bubble_fraction_theory": round(textbook_bubble(args.schedule, p, m, cfg_stages), 4) if p > 1
+              else None,
               "loss": round(float(gathered[-1][2]), 4), "device": str(env.device),
               "gpu": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu",
               "torch": torch.__version__}

@@ -1,14 +1,18 @@
 """Multi-GPU scaling table: tokens/s, tokens/s per GPU, peak memory per GPU and efficiency vs 1 GPU, per layout.
 
     python -m mamba_parallel.bench.bench_scaling [--models mamba2-1.3b mamba2-2.7b mamba-2.8b]
-        [--layouts 1gpu dp2 dp4 dp8 tp2 tp4 dp2xtp2 dp4xtp2] [--seq-len 2048] [--steps 10] [--out DIR] [--dry-run]
+        [--layouts 1gpu dp2 dp4 dp8 tp2 tp4 dp2xtp2 dp4xtp2 pp2 pp2-zbv] [--seq-len 2048] [--steps 10] [--out DIR]
+        [--dry-run]
     python -m mamba_parallel.bench.bench_scaling --from-json A/scaling.json B/scaling.json --out DIR
 
 Each model x layout is one run of bench_train (one training step timed: synthetic tokens, fp32 master weights +
 bf16 autocast, fused AdamW) under the official launcher, ``python -m torch.distributed.run`` (torchrun), with
 N = dp * tp processes. Layouts needing more GPUs than this machine has are skipped and listed as such. Batch:
 ``--batch-per-dp-rank`` sequences (default 8: weak scaling) or a fixed ``--global-batch``
-split over the data-parallel ranks. speedup = tokens/s / tokens/s of the same model on 1 GPU; efficiency =
+split over the data-parallel ranks. A pipeline layout ``ppN`` (``ppN-<schedule>``, e.g. ``pp2-zbv``; default schedule
+``--pp-schedule``) is one run of bench_pipeline on N GPUs instead: the rank's batch in ``--microbatches``
+micro-batches, with the MEASURED bubble (the share of the step each rank waits on its neighbours) beside the
+schedule's textbook value. speedup = tokens/s / tokens/s of the same model on 1 GPU; efficiency =
 speedup / GPUs. Writes DIR/scaling.json (after every run, so a killed sweep keeps its rows), DIR/scaling.md and
 DIR/scaling.png (needs matplotlib; without it the PNG is skipped with a message — re-render it anywhere with
 ``--from-json``, which also merges the results of several machines).
@@ -35,11 +39,27 @@ def parse_layout(name: str) -> tuple[int, int]:
         return 1, 1
     m = re.fullmatch(r"(?:dp(\d+))?(?:x?tp(\d+))?", name)
     if not name or m is None or not any(m.groups()):
-        raise ValueError(f"--layouts: cannot read layout {name!r}; use 1gpu, dpN, tpM or dpNxtpM (e.g. dp2xtp2)")
+        raise ValueError(f"--layouts: cannot read layout {name!r}; use 1gpu, dpN, tpM, dpNxtpM (e.g. dp2xtp2) or "
+                         f"ppN[-schedule]")
     dp, tp = int(m.group(1) or 1), int(m.group(2) or 1)
     if dp < 1 or tp < 1:
         raise ValueError(f"--layouts: degrees must be >= 1 in {name!r}")
     return dp, tp
+
+
+def parse_pipeline_layout(name: str, default_schedule: str = "1f1b") -> tuple[int, str] | None:
+    """'pp2' -> (2, default_schedule), 'pp2-zbv' -> (2, 'zbv'); None for a layout without pipeline stages."""
+    from mamba_parallel.distributed.pipeline import PP_SCHEDULES
+
+    m = re.fullmatch(r"pp(\d+)(?:-(.+))?", name)
+    if m is None:
+        return None
+    pp, schedule = int(m.group(1)), m.group(2) or default_schedule
+    if pp < 2:
+        raise ValueError(f"--layouts: {name!r} needs at least 2 pipeline stages")
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"--layouts: {name!r}: the schedule must be one of {', '.join(PP_SCHEDULES)}")
+    return pp, schedule
 
 
 def batch_per_rank(dp: int, global_batch: int, per_rank: int) -> int:
@@ -60,14 +80,43 @@ def train_command(model: str, dp: int, tp: int, seq_len: int, batch: int, steps:
             "--dp-mode", dp_mode, "--json", json_path, *(extra or [])]
 
 
-def plan(models: list[str], layouts: list[str], gpus_available: int) -> list[dict]:
-    """One entry per model x layout: model, layout, dp, tp, gpus, runnable (fits on this machine)."""
+def pipeline_command(model: str, pp: int, schedule: str, seq_len: int, microbatches: int, micro_batch: int,
+                     steps: int, warmup: int, json_path: str) -> list[str]:
+    """The torchrun command line of one bench_pipeline run on ``pp`` GPUs."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}",
+            "-m", "mamba_parallel.bench.bench_pipeline", "--preset", model, "--pp", str(pp), "--schedule", schedule,
+            "--microbatches", str(microbatches), "--batch-size", str(micro_batch), "--seq-len", str(seq_len),
+            "--steps", str(steps), "--warmup", str(warmup), "--json", json_path]
+
+
+def micro_batch(layout: str, batch: int, microbatches: int) -> int:
+    """Sequences per micro-batch of a pipeline layout whose step takes ``batch`` sequences."""
+    if microbatches < 1 or batch % microbatches:
+        raise ValueError(f"--microbatches {microbatches} does not divide the {batch} sequences of a {layout} step")
+    return batch // microbatches
+
+
+def plan(models: list[str], layouts: list[str], gpus_available: int, pp_schedule: str = "1f1b",
+         dp_modes: tuple[str, ...] = ("fsdp",)) -> list[dict]:
+    """One entry per model x layout: model, layout, dp, tp, pp (and schedule), dp_mode, gpus, runnable (fits here).
+
+    With several ``dp_modes`` a pure data-parallel layout runs once per mode, named ``<layout>-<mode>`` (e.g.
+    dp2-ddp); the other layouts run once, in the first mode (DDP replicates whole models: no tp / pp with it)."""
     out = []
     for model in models:
         for layout in layouts:
-            dp, tp = parse_layout(layout)
-            out.append(dict(model=model, layout=layout, dp=dp, tp=tp, gpus=dp * tp,
-                            runnable=dp * tp <= gpus_available))
+            pipe = parse_pipeline_layout(layout, pp_schedule)
+            if pipe is not None:
+                (pp, schedule), dp, tp = pipe, 1, 1
+            else:
+                (dp, tp), pp, schedule = parse_layout(layout), 1, None
+            several = len(dp_modes) > 1 and dp > 1 and tp == 1 and pp == 1
+            for mode in (dp_modes if several else dp_modes[:1]):
+                entry = dict(model=model, layout=f"{layout}-{mode}" if several else layout, dp=dp, tp=tp, pp=pp,
+                             dp_mode=mode, gpus=dp * tp * pp, runnable=dp * tp * pp <= gpus_available)
+                if schedule is not None:
+                    entry["schedule"] = schedule
+                out.append(entry)
     return out
 
 
@@ -99,9 +148,21 @@ def markdown_table(result: dict) -> str:
                      f"{_f(r.get('speedup'), '.2f')}x | {_f(r.get('efficiency'), '.1%')} |")
     s = result.get("settings", {})
     recompute = f"recompute {s['recompute']}, " if s.get("recompute") else ""
+    micro = f"{s['microbatches']} micro-batches per pipeline step (mean step time), " if s.get("microbatches") else ""
     lines += ["", f"seq {s.get('seq_len')}, {s.get('batch_desc', '')}, {s.get('steps')} timed steps (median), "
-              f"dp mode {s.get('dp_mode')}, {recompute}device {result.get('device', '?')}, "
+              f"{micro}dp mode {s.get('dp_mode')}, {recompute}device {result.get('device', '?')}, "
               f"{result.get('gpus_available', '?')} GPUs available."]
+    piped = [r for r in result["rows"] if r.get("status") == "ok" and r.get("pp", 1) > 1]
+    if piped:
+        lines += ["", "Pipeline bubble: the share of the step a rank waits on its neighbours, measured (stage busy "
+                  "time per rank against the step time; mean / max over ranks) beside the schedule's textbook value.",
+                  "",
+                  "| model | layout | schedule | micro-batches | bubble mean | bubble max | textbook |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in piped:
+            lines.append(f"| {r['model']} | {r['layout']} | {r.get('schedule')} | {r.get('microbatches')} | "
+                         f"{_f(r.get('bubble_mean'), '.1%')} | {_f(r.get('bubble_max'), '.1%')} | "
+                         f"{_f(r.get('bubble_theory'), '.1%')} |")
     skipped = [f"{r['model']} {r['layout']}" for r in result["rows"] if str(r.get("status", "")).startswith("skip")]
     if skipped:
         lines.append(f"Not run (need more GPUs than available): {', '.join(skipped)}.")
@@ -132,11 +193,11 @@ def write_plot(result: dict, path: str) -> bool:
     ax1.plot([1, max_gpus], [1, max_gpus], "k--", lw=1, label="ideal")
     for model in models:
         mine = sorted((r for r in rows if r["model"] == model and r.get("speedup")), key=lambda r: r["gpus"])
-        dp_rows = [r for r in mine if r["tp"] == 1]
+        dp_rows = [r for r in mine if r["tp"] == 1 and r.get("pp", 1) == 1]
         line = ax1.plot([r["gpus"] for r in dp_rows], [r["speedup"] for r in dp_rows], "o-", label=f"{model} DP")
-        other = [r for r in mine if r["tp"] > 1]
+        other = [r for r in mine if r["tp"] > 1 or r.get("pp", 1) > 1]
         ax1.scatter([r["gpus"] for r in other], [r["speedup"] for r in other], marker="s",
-                    color=line[0].get_color(), label=f"{model} TP / DPxTP" if other else None)
+                    color=line[0].get_color(), label=f"{model} TP / PP / DPxTP" if other else None)
         for r in other:
             ax1.annotate(r["layout"], (r["gpus"], r["speedup"]), fontsize=7, xytext=(3, -8),
                          textcoords="offset points")
@@ -185,6 +246,15 @@ def merge_results(results: list[dict]) -> dict:
     return out
 
 
+def read_run_json(text: str) -> dict:
+    """A run's result: bench_train's one JSON line (the last line of the file) or bench_pipeline's JSON object."""
+    text = text.strip()
+    try:
+        return json.loads(text)
+    except ValueError:
+        return json.loads(text.splitlines()[-1])
+
+
 def run_one(entry: dict, cmd: list[str], json_path: str, log_path: str, timeout: float) -> dict:
     """Runs one torchrun command; -> the row (status ok with bench_train's figures, or failed with the reason)."""
     row = dict(entry, command=shlex.join(cmd))
@@ -201,17 +271,30 @@ def run_one(entry: dict, cmd: list[str], json_path: str, log_path: str, timeout:
     row["wall_s"] = round(time.time() - t0, 1)
     if rc == 0 and os.path.exists(json_path):
         with open(json_path) as fh:
-            res = json.loads(fh.read().strip().splitlines()[-1])
-        row.update(status="ok", tokens_per_s=res["tokens_per_s"], tokens_per_s_per_gpu=res["tokens_per_s_per_gpu"],
-                   peak_gib_per_gpu=res.get("peak_mem_gib"), step_ms=res.get("step_ms_median"),
-                   mfu=res.get("mfu"), train=res)
+            res = read_run_json(fh.read())
+        tps = res["tokens_per_s"]
+        step_ms = res.get("step_ms_median", res["step_s"] * 1e3 if "step_s" in res else None)
+        row.update(status="ok", tokens_per_s=tps, tokens_per_s_per_gpu=res.get("tokens_per_s_per_gpu",
+                                                                                tps / entry["gpus"]),
+                   peak_gib_per_gpu=res.get("peak_mem_gib"), step_ms=step_ms, mfu=res.get("mfu"), train=res)
+        if "bubble_fraction_mean" in res:
+            row.update(bubble_mean=res["bubble_fraction_mean"], bubble_max=res["bubble_fraction_max"],
+                       bubble_theory=res["bubble_fraction_theory"], microbatches=res.get("microbatches"))
         return row
     with open(log_path, errors="replace") as fh:
-        tail = fh.read()[-2000:]
-    oom = "OutOfMemoryError" in tail or "CUDA out of memory" in tail
-    row.update(status="failed", error=("out of memory: " if oom else f"exit {rc}: ") + tail[-600:].strip(),
+        text = fh.read()
+    oom = "OutOfMemoryError" in text or "CUDA out of memory" in text
+    row.update(status="failed", error=("out of memory: " if oom else f"exit {rc}: ") + failure_reason(text),
                log=log_path)
     return row
+
+
+def failure_reason(log: str) -> str:
+    """The line of a failed run's log that names the error (the last ``SomeError: ...`` a rank raised, not
+    torchrun's own summary), else the log's last lines."""
+    found = [ln.strip() for ln in log.splitlines()
+             if re.match(r"\s*(\[rank\d+\]:\s*)?[\w.]*(Error|Exception): ", ln) and "ChildFailedError" not in ln]
+    return found[-1][:600] if found else log[-600:].strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,7 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-per-dp-rank", type=int, default=8, help="sequences per data-parallel rank (default 8)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per run (default: 10)")
     ap.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (default: 3)")
-    ap.add_argument("--dp-mode", choices=["fsdp", "ddp"], default="fsdp", help="data parallel mode (default fsdp)")
+    ap.add_argument("--dp-mode", choices=["fsdp", "ddp"], nargs="+", default=["fsdp"],
+                    help="data parallel mode (default fsdp); two modes (fsdp ddp): every dpN layout once in each, "
+                         "named dpN-fsdp / dpN-ddp, beside one 1-GPU baseline")
+    ap.add_argument("--pp-schedule", default="1f1b",
+                    help="schedule of a ppN layout without its own (ppN-<schedule>): gpipe, 1f1b, interleaved-1f1b, "
+                         "interleaved-zb, zbv (default: 1f1b)")
+    ap.add_argument("--microbatches", type=int, default=8,
+                    help="micro-batches per step of a ppN layout: its batch split into this many (default: 8)")
     ap.add_argument("--recompute", default="", metavar="ITEMS",
                     help="bench_train --recompute for every run: comma list of conv, dt, gate, states (activations "
                          "rebuilt in the backward instead of kept; docs/memory.md). Default: keep everything")
@@ -262,13 +352,18 @@ def main(argv: list[str] | None = None) -> int:
                                                    else "cpu")
     else:
         gpus, device = a.gpus, f"{a.gpus} GPUs (assumed)"
-    entries = plan(a.models, a.layouts, gpus)
+    dp_modes = tuple(dict.fromkeys(a.dp_mode))
+    entries = plan(a.models, a.layouts, gpus, a.pp_schedule, dp_modes)
     for e in entries:  # check every layout's batch before running anything
         e["batch_per_dp_rank"] = batch_per_rank(e["dp"], a.global_batch, a.batch_per_dp_rank)
+        if e["pp"] > 1:
+            e["micro_batch"] = micro_batch(e["layout"], e["batch_per_dp_rank"], a.microbatches)
     extra = shlex.split(a.train_args) + (["--recompute", a.recompute] if a.recompute else [])
     run_dir = os.path.join(a.out, "runs")
     result = dict(bench="scaling", device=device, gpus_available=gpus, rows=[],
-                  settings=dict(seq_len=a.seq_len, steps=a.steps, warmup_steps=a.warmup_steps, dp_mode=a.dp_mode,
+                  settings=dict(seq_len=a.seq_len, steps=a.steps, warmup_steps=a.warmup_steps,
+                                dp_mode=" / ".join(dp_modes),
+                                microbatches=a.microbatches if any(e["pp"] > 1 for e in entries) else None,
                                 global_batch=a.global_batch, batch_per_dp_rank=a.batch_per_dp_rank,
                                 train_args=a.train_args, recompute=a.recompute,
                                 batch_desc=f"global batch {a.global_batch}" if a.global_batch > 0 else
@@ -277,8 +372,13 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(run_dir, exist_ok=True)
     for e in entries:
         stem = f"{e['model']}_{e['layout']}"
-        cmd = train_command(e["model"], e["dp"], e["tp"], a.seq_len, e["batch_per_dp_rank"], a.steps,
-                            a.warmup_steps, a.dp_mode, os.path.join(run_dir, stem + ".json"), extra)
+        json_path = os.path.join(run_dir, stem + ".json")
+        if e["pp"] > 1:  # bench_pipeline's own flags (--train-args / --recompute are bench_train's)
+            cmd = pipeline_command(e["model"], e["pp"], e["schedule"], a.seq_len, a.microbatches, e["micro_batch"],
+                                   a.steps, a.warmup_steps, json_path)
+        else:
+            cmd = train_command(e["model"], e["dp"], e["tp"], a.seq_len, e["batch_per_dp_rank"], a.steps,
+                                a.warmup_steps, e["dp_mode"], json_path, extra)
         if not e["runnable"]:
             print(f"# skip {stem}: needs {e['gpus']} GPUs, {gpus} available")
             row = {k: v for k, v in e.items() if k != "runnable"}

@@ -1,8 +1,10 @@
-"""bench_scaling: layouts, commands, table / plot writer, merging; and CUDA-graph decode (GPU only). The
-side-by-side benchmarks and the report: test_side_by_side.py. No test asserts a timing."""
+"""bench_scaling: layouts (pipeline ones, several dp modes), commands, table / plot writer, merging; the textbook
+bubble, loss_match; and CUDA-graph decode (GPU only). The side-by-side benchmarks and the report:
+test_side_by_side.py; tools/two_gpu.sh: test_two_gpu_script.py. No test asserts a timing."""
 
 import json
 import shlex
+import sys
 
 import pytest
 import torch
@@ -147,3 +149,92 @@ def test_graph_decode_matches_eager(preset, dtype):
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         assert ((step_g - step_e).norm() / step_e.norm()).item() < tol
     release_graphs(model)
+
+
+# ---- pipeline layouts and several dp modes in the scaling table --------------------------------------------------
+def test_pipeline_layouts_and_dp_modes_plan():
+    assert bench_scaling.parse_pipeline_layout("pp2") == (2, "1f1b")
+    assert bench_scaling.parse_pipeline_layout("pp4-interleaved-1f1b") == (4, "interleaved-1f1b")
+    assert bench_scaling.parse_pipeline_layout("pp2", "zbv") == (2, "zbv")
+    assert bench_scaling.parse_pipeline_layout("dp2") is None
+    for bad, why in (("pp1", "at least 2"), ("pp2-2f2b", "schedule must be one of")):
+        with pytest.raises(ValueError, match=why):
+            bench_scaling.parse_pipeline_layout(bad)
+    plan = bench_scaling.plan(["m"], ["1gpu", "dp2", "tp2", "pp2-gpipe"], 2, dp_modes=("fsdp", "ddp"))
+    assert [(e["layout"], e["dp_mode"], e["gpus"]) for e in plan] == [
+        ("1gpu", "fsdp", 1), ("dp2-fsdp", "fsdp", 2), ("dp2-ddp", "ddp", 2), ("tp2", "fsdp", 2),
+        ("pp2-gpipe", "fsdp", 2)]
+    assert plan[-1]["pp"] == 2 and plan[-1]["schedule"] == "gpipe" and "schedule" not in plan[0]
+    with pytest.raises(ValueError, match="--microbatches 3 does not divide the 8 sequences of a pp2 step"):
+        bench_scaling.micro_batch("pp2", 8, 3)
+
+
+def test_scaling_dry_run_pipeline_and_dp_modes(capsys):
+    from mamba_parallel.bench import bench_pipeline, bench_train
+
+    bench_scaling.main(["--dry-run", "--gpus", "2", "--models", "mamba2-2.7b", "--layouts", "1gpu", "dp2", "pp2-zbv",
+                        "--dp-mode", "fsdp", "ddp", "--global-batch", "8", "--microbatches", "4", "--out", "unused"])
+    cmds = [shlex.split(x) for x in capsys.readouterr().out.splitlines() if x and not x.startswith("#")]
+    assert len(cmds) == 4
+    modules = [c[c.index("-m", 2) + 1] for c in cmds]
+    assert modules == ["mamba_parallel.bench.bench_train"] * 3 + ["mamba_parallel.bench.bench_pipeline"]
+    trains = [bench_train.build_parser().parse_args(c[c.index("-m", 2) + 2:]) for c in cmds[:3]]
+    assert [(t.dp_mode, t.batch_size) for t in trains] == [("fsdp", 8), ("fsdp", 4), ("ddp", 4)]
+    pipe = bench_pipeline.build_parser().parse_args(cmds[3][cmds[3].index("-m", 2) + 2:])
+    assert (pipe.pp, pipe.schedule, pipe.microbatches, pipe.batch_size) == (2, "zbv", 4, 2)
+    assert cmds[3][4] == "--nproc_per_node=2"
+
+
+def test_scaling_reads_pipeline_runs_and_names_the_error(tmp_path):
+    entry = dict(model="m", layout="pp2", dp=1, tp=1, pp=2, gpus=2, schedule="1f1b")
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-c", "import json, sys; json.dump({'tokens_per_s': 1000.0, 'step_s': 0.5, "
+           "'peak_mem_gib': 3.0, 'bubble_fraction_mean': 0.2, 'bubble_fraction_max': 0.25, "
+           "'bubble_fraction_theory': 0.1111, 'microbatches': 8}, open(sys.argv[1], 'w'), indent=2)", str(out)]
+    row = bench_scaling.run_one(entry, cmd, str(out), str(tmp_path / "r.log"), 60)
+    assert row["status"] == "ok" and row["tokens_per_s_per_gpu"] == 500.0 and row["step_ms"] == 500.0
+    assert (row["bubble_mean"], row["bubble_max"], row["microbatches"]) == (0.2, 0.25, 8)
+    base = dict(entry, layout="1gpu", pp=1, gpus=1, status="ok", tokens_per_s=600.0, tokens_per_s_per_gpu=600.0)
+    res = dict(bench="scaling", rows=bench_scaling.add_efficiency([base, row]),
+               settings=dict(seq_len=2048, microbatches=8))
+    md = bench_scaling.markdown_table(res)
+    assert "| m | pp2 | 1f1b | 8 | 20.0% | 25.0% | 11.1% |" in md and "8 micro-batches per pipeline step" in md
+    assert row["speedup"] == pytest.approx(1000 / 600)
+    log = ("Traceback (most recent call last):\n[rank0]: mamba_parallel.config.ConfigError: --pp 2: pp=2 needs at "
+           "least 4 layers\n  raise ChildFailedError(\ntorch.distributed.elastic.multiprocessing.errors."
+           "ChildFailedError: \nmore torchrun noise\n")
+    assert bench_scaling.failure_reason(log) == "[rank0]: mamba_parallel.config.ConfigError: --pp 2: pp=2 needs " \
+                                                "at least 4 layers"
+
+
+def test_textbook_bubble():
+    from mamba_parallel.bench.bench_pipeline import textbook_bubble
+
+    assert textbook_bubble("1f1b", 2, 8) == pytest.approx(1 / 9) and textbook_bubble("gpipe", 4, 4) == 3 / 7
+    assert textbook_bubble("interleaved-1f1b", 2, 8, 2) == pytest.approx(1 / 17)
+    assert textbook_bubble("zbv", 2, 8, 2) == 0.0 and textbook_bubble("1f1b", 1, 8) == 0.0
+
+
+# ---- loss_match: the losses of two runs step by step -------------------------------------------------------------
+def _metrics(path, losses, tps=1000.0, mem=40.0):
+    recs = [{"step": i + 1, "loss": v, "tokens_per_s": tps, "mem_gib": mem} for i, v in enumerate(losses)]
+    path.write_text("\n".join(json.dumps(r) for r in recs + [{"step": len(losses), "eval_loss": 9.0}]) + "\n")
+    return str(path)
+
+
+def test_loss_match(tmp_path, capsys):
+    from mamba_parallel.bench import loss_match
+
+    ref = _metrics(tmp_path / "ref.jsonl", [10.0, 9.0, 8.0])
+    near = _metrics(tmp_path / "fsdp2.jsonl", [10.0, 9.01, 8.004], tps=2000.0)
+    far = _metrics(tmp_path / "tp2.jsonl", [10.0, 9.5])
+    assert loss_match.main([ref, near]) == 0
+    text = capsys.readouterr().out
+    assert "fsdp2: 3 steps, largest relative loss difference 1.11e-03 at step 2 (equal" in text
+    assert "2,000 tokens/s, peak 40.0 GiB" in text and "| 2 | 9.0000 | 9.0100 (1.1e-03) |" in text
+    assert loss_match.main([ref, near, far]) == 1
+    assert "tp2: 2 steps, largest relative loss difference 5.56e-02 at step 2 (DIFFERENT" in capsys.readouterr().out
+    assert loss_match.main([ref, near, "--rtol", "1e-4"]) == 1
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(SystemExit, match="line 1 is not JSON"):
+        loss_match.main([ref, str(tmp_path / "bad.jsonl")])
