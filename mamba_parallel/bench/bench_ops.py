@@ -13,7 +13,8 @@ that includes the host's time to issue the call whenever the host is slower than
 autograd, Triton launches), which for the norms at these shapes is most of it. "naive" is the reference op
 (naive.py), "compiled" the same under torch.compile (conv and norms), "plain" for the loss is F.linear +
 F.cross_entropy on full logits (what an unfused model does). Achieved bandwidth (from kernel time) counts the
-fewest bytes a pass must move, against the H200's measured 4.3 TB/s copy rate.
+fewest bytes a pass must move, against this GPU's copy rate measured at the start of the run (a device-to-device
+copy of 2 GiB, bytes read + written; in the JSON as copy_TBps).
 
 The conv backward alone (op causal_conv1d_bwd) is timed per variant (MAMBA_PARALLEL_CONV_BWD: fused_scan, twopass)
 and tile (MAMBA_PARALLEL_CONV_BWD_TILES) at mamba2-1.3b's profiled shape
@@ -31,7 +32,6 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-COPY_TBPS = 4.3
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -93,12 +93,23 @@ def _fwd_and_fb(fn, inputs, grads_out) -> dict:
     return res
 
 
+def copy_tbps(nbytes: int = 2 * 2**30) -> float:
+    """This GPU's device-to-device copy rate in TB/s (bytes read + written per second), the bandwidth reference."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), rep_ms=100.0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / ms / 1e9
+
+
 class Recorder:
     """Collects result rows, prints each, rewrites the JSON file after each row (a killed run keeps its rows)."""
 
-    def __init__(self, path: str | None):
-        self.path, self.rows = path, []
-        self.meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    def __init__(self, path: str | None, copy_rate: float):
+        self.path, self.rows, self.copy_rate = path, [], copy_rate
+        self.meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "copy_TBps": round(copy_rate, 3)}
 
     def add(self, **row):
         self.rows.append(row)
@@ -119,7 +130,8 @@ def _record(rec, op, shape, impl, fn, inputs, grads_out, nbytes_fwd, nbytes_fb):
         fwd, fb = t["fwd_ms"], t["fwd_bwd_ms"]
         rec.add(op=op, shape=shape, impl=impl, **t,
                 fwd_TBps=nbytes_fwd / fwd / 1e9, fwd_bwd_TBps=nbytes_fb / fb / 1e9,
-                fwd_bw_frac=nbytes_fwd / fwd / 1e9 / COPY_TBPS, fwd_bwd_bw_frac=nbytes_fb / fb / 1e9 / COPY_TBPS)
+                fwd_bw_frac=nbytes_fwd / fwd / 1e9 / rec.copy_rate,
+                fwd_bwd_bw_frac=nbytes_fb / fb / 1e9 / rec.copy_rate)
     except Exception as e:  # one failing variant (e.g. out of memory) must not lose the others
         rec.add(op=op, shape=shape, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
     torch.cuda.empty_cache()
@@ -223,7 +235,7 @@ def bench_conv_bwd(rec, dtype, sweep: list[tuple[str, str | None]], b=8, L=2048,
                 ms, launches = _kernel_ms(call)
                 wall = _median_ms(call, rep_ms=50.0)
                 rec.add(op="causal_conv1d_bwd", shape=shape, impl=impl, bwd_ms=ms, bwd_launches=launches,
-                        bwd_wall_ms=wall, bwd_TBps=nbytes / ms / 1e9, bwd_bw_frac=nbytes / ms / 1e9 / COPY_TBPS,
+                        bwd_wall_ms=wall, bwd_TBps=nbytes / ms / 1e9, bwd_bw_frac=nbytes / ms / 1e9 / rec.copy_rate,
                         max_rel_err=err)
             except Exception as e:  # one failing variant (a compile error, out of resources) must not lose the others
                 rec.add(op="causal_conv1d_bwd", shape=shape, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -319,7 +331,7 @@ def main(argv=None) -> None:
     if bad:
         raise SystemExit(f"bench_ops: --impls got unknown implementations {sorted(bad)}")
     bwd_sweep = _parse_bwd_sweep(args.conv_bwd_sweep)
-    rec = Recorder(args.json)
+    rec = Recorder(args.json, copy_tbps())
     if "conv" in only:
         bench_conv(rec, dtype, impls, args.conv_sweep, bwd_sweep)
     if "norm" in only:
