@@ -493,10 +493,13 @@ def _train(cfg: TrainConfig, at_exit: contextlib.ExitStack) -> dict:
         cfg.batch_size = resolve_auto_batch(cfg, config, env, dims, log)
     resolve_micro_steps(cfg, dims.dp, dims.pp)
     train_w = _windows(folder, header, "train", cfg, shuffle=True)
-    docs = cfg.doc_boundaries and dims.pp == 1
+    docs = cfg.doc_boundaries and dims.pp == 1 and not cfg.cuda_graph
     if cfg.doc_boundaries and dims.pp > 1:
         log("warning: --doc-boundaries: pipeline stages do not take seq_idx yet: documents are packed as one stream "
             "under --pp (as with --no-doc-boundaries)")
+    elif cfg.doc_boundaries and cfg.cuda_graph:  # the kernels' document packing reads its sizes on the host
+        log("warning: --doc-boundaries: the kernels' document packing synchronises with the host, which a CUDA graph "
+            "cannot capture: documents are packed as one stream under --cuda-graph (as with --no-doc-boundaries)")
     elif cfg.doc_boundaries and not train_w.knows_documents:
         log(f"warning: --doc-boundaries: {folder} records no document starts and no end-of-text token: "
             f"documents are not kept apart (prepare the data again to record them)")
