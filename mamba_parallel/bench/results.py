@@ -199,14 +199,21 @@ def format_table(rows: list[dict], names: dict | None = None) -> str:
         errors = r.get("errors", {})
 
         def cell(side):
-            return f"error: {errors[side]}" if side in errors and r.get(side) is None else _fmt(r.get(side))
+            return f"error: {_short(errors[side])}" if side in errors and r.get(side) is None else _fmt(r.get(side))
 
-        cells = [r["case"], f"{r['metric']} ({r['unit']})" if r.get("unit") else r["metric"], cell("ours")]
+        unit = r.get("unit")
+        cells = [r["case"], f"{r['metric']} ({unit})" if unit and unit != r["metric"] else r["metric"], cell("ours")]
         for s in sides[1:]:
             x = r.get(f"x_{s}")
             cells += [cell(s), "–" if x is None else f"{x:.2f}x"]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
+
+
+def _short(error: str, limit: int = 110) -> str:
+    """A table cell's error: its first sentence, capped (the JSON keeps the whole line)."""
+    first = error.split(". ", 1)[0].rstrip(".")
+    return first if len(first) <= limit else first[:limit - 1] + "…"
 
 
 def ratio_rule(rows: list[dict]) -> str:
