@@ -1,6 +1,6 @@
 """Parallelism applied from outside to the single-device model: TP/SP, CP, FSDP2 / DDP, on DeviceMeshes.
 
-The tensor-parallel API keeps the seed's names (mamba_ssm / flash-attn style): ``ColumnParallelLinear``,
+The tensor-parallel API keeps the names and arguments mamba_ssm / flash-attn users know: ``ColumnParallelLinear``,
 ``RowParallelLinear``, ``parallel_linear_func``, ``VocabParallelEmbedding``, ``ParallelEmbeddings``,
 ``get_dim_for_local_rank``, ``all_gather_raw`` / ``reduce_scatter_raw`` / ``all_reduce_raw``.
 ``apply_tensor_parallel`` shards a whole ``MambaLMHeadModel``; ``choose_parallel`` is ``--parallel auto``.

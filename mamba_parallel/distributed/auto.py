@@ -6,8 +6,8 @@ The rule (data parallel is preferred: Mamba layers are small, and TP adds two co
    ``states = 16 bytes x params / world`` (fp32 weights, fp32 gradients, two AdamW moments, all sharded over every
    rank) plus ``activations = tokens x (24 x d_model x n_layer + 8 x vocab) bytes / (tp x cp)``, where tokens =
    micro_batch x seq_len per data-parallel rank (bf16 autocast, no activation checkpointing). The per-token
-   constant is fitted to the 1-GPU peer figures in shared/ANCHORS.md (mamba2-2.7b: 97 GiB measured, 106 GiB
-   estimated at batch 8 x 2048), so it errs on the safe side.
+   constant is fitted to mamba_ssm's measured one-GPU peak (mamba2-2.7b at batch 8 x 2048: 97 GiB measured,
+   106 GiB estimated), so it errs on the safe side.
 2. Candidates: tp in 1, 2, 4, 8 dividing the world size (TP stays inside one NVLink node) that the model
    accepts (``ParallelDims.validate_for_model``: heads, groups, vocab divisible); cp = 1 first.
 3. Take the smallest tp whose estimate fits in ``headroom`` (85%) of the GPU's memory. If none fits, double cp

@@ -1,11 +1,11 @@
-"""Tensor-parallel building blocks with the seed's names and arguments (mamba_ssm / flash-attn style), the same
+"""Tensor-parallel building blocks with the names and arguments of mamba_ssm / flash-attn, the same
 layers the model's plan (tp_plan.py) builds.
 
-- ``sequence_parallel=True``: activations between parallel regions are sharded along ``seq_dim`` (0 as in the
-  seed: flatten (batch, seqlen) first; 1 for the model's (batch, seqlen, d)): a column-parallel layer all-gathers
+- ``sequence_parallel=True``: activations between parallel regions are sharded along ``seq_dim`` (0 as in
+  mamba_ssm: flatten (batch, seqlen) first; 1 for the model's (batch, seqlen, d)): a column-parallel layer all-gathers
   its input along it, a row-parallel layer reduce-scatters its output. ``False``: activations are replicated; the
   column layer all-reduces its input gradient, the row layer its output.
-- Parameters are this rank's shard (as the seed builds them with a ``process_group``) or, for layers made by
+- Parameters are this rank's shard (as mamba_ssm's layers build them with a ``process_group``) or, for layers made by
   ``from_linear`` / ``from_embedding``, DTensor segments behind a ShardView (global shapes for FSDP2 and DCP); the
   computation runs on the local shard.
 - ``parallel_linear_func``'s backward re-gathers the sequence-sharded input while it computes the input gradient,
@@ -171,9 +171,9 @@ def parallel_linear_func(x: Tensor, weight: Tensor, bias: Tensor | None = None, 
                          sequence_parallel: bool = True, dim: int = 0, overlap_comm: bool = False) -> Tensor:
     """Column-parallel linear: x (n_local, ..., in) if sequence_parallel else (n, ..., in); weight
     (out_local, in); bias (out_local,) -> (n, ..., out_local) where n = world * n_local. ``dim``: the sharded
-    activation dim (0 as in the seed; 1 for (batch, seqlen, d) activations sharded along the sequence).
+    activation dim (0 for flattened (batch * seqlen, d); 1 for (batch, seqlen, d) activations sharded along the sequence).
 
-    The seed calls ``parallel_linear_func(x, weight, process_group)``: a process group passed in the bias slot is
+    The three-argument call ``parallel_linear_func(x, weight, process_group)`` works: a process group passed in the bias slot is
     taken as the process group. ``overlap_comm``: with sequence_parallel, ring-gather x behind the per-shard matmuls
     instead of gathering first (see the module docstring).
     """
@@ -196,7 +196,7 @@ def parallel_linear_func(x: Tensor, weight: Tensor, bias: Tensor | None = None, 
 class _ParallelLinear(nn.Module):
     """Shared constructor of the column / row layers: weight (out_features, in_features) with dim ``split_dim``
     split over ``process_group`` in units of ``multiple_of``; bias (weight rows,). ``seq_dim``: the activation
-    dim sequence parallelism shards (0 as in the seed's flattened (batch * seqlen, d); 1 for (b, L, d))."""
+    dim sequence parallelism shards (0 for flattened (batch * seqlen, d); 1 for (b, L, d))."""
 
     split_dim: int
 
@@ -286,7 +286,7 @@ class RowParallelLinear(_ParallelLinear):
 class VocabParallelEmbedding(nn.Embedding):
     """Embedding whose rows (the vocabulary) are split evenly over ``process_group``.
 
-    forward: ids (...) int64 with GLOBAL token ids -> (..., embedding_dim): with ``reduce=None`` (the seed's
+    forward: ids (...) int64 with GLOBAL token ids -> (..., embedding_dim): with ``reduce=None`` (mamba_ssm's
     layer) PARTIAL sums, rows of ids owned by other ranks zero (sum over ranks to get the embedding, as
     ``ParallelEmbeddings`` does); with ``reduce="all_reduce"`` the summed embedding, replicated; with
     ``reduce="reduce_scatter"`` (sequence parallel) this rank's slice of it along ``seq_dim``.

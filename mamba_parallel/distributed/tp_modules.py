@@ -1,4 +1,4 @@
-"""What a tensor-parallel ``MambaLMHeadModel`` is made of beyond the seed layers of tensor_parallel.py (built by
+"""What a tensor-parallel ``MambaLMHeadModel`` is made of beyond the building blocks of tensor_parallel.py (built by
 ``tp_plan.apply_tensor_parallel``).
 
 ``ShardView`` keeps a parameter as DTensor segment(s) on the tp mesh and shows the model code its local tensor.
@@ -68,7 +68,7 @@ def _meta_dtensor(shape, dtype, mesh: DeviceMesh, placement: Placement) -> DTens
                               stride=torch.empty(shape, device="meta").stride())
 
 
-# ---- what the seed layers (tensor_parallel.py) do not cover ---------------------------------------------------
+# ---- what the building blocks (tensor_parallel.py) do not cover ---------------------------------------------------
 class TPMamba1Ops(Mamba1Ops):
     """Mamba's sequence ops when its d_inner channels are split over tp (the parallel seam, layers/seq_ops.py):
     conv and scan stay local; x_proj's partial products are summed over tp in forward AND backward (each rank then

@@ -1,4 +1,4 @@
-"""The seed's tensor-parallel snippets, run as written (on gloo / CPU instead of NCCL / .to(rank)), against the
+"""A Mamba multi-GPU how-to's tensor-parallel snippets, run as written (on gloo / CPU instead of NCCL / .to(rank)), against the
 unsharded computation; and the vocab-parallel cross-entropy against F.cross_entropy."""
 
 import pytest
@@ -30,17 +30,17 @@ def _errs(pairs):
     return {k: ((a - b).norm() / b.norm()).item() for k, (a, b) in pairs.items()}
 
 
-def setup_parallel_training(rank, world_size):  # the seed's function, process group already made by the harness
+def setup_parallel_training(rank, world_size):  # the how-to's function, process group already made by the harness
     col_parallel_layer = ColumnParallelLinear(in_features=512, out_features=1024, process_group=dist.group.WORLD)
     return col_parallel_layer
 
 
-def sequence_parallel_forward(x, weight, process_group):  # the seed's function, verbatim
+def sequence_parallel_forward(x, weight, process_group):  # the how-to's function, verbatim
     return parallel_linear_func(x, weight, process_group)
 
 
 class MambaParallelModel(torch.nn.Module):
-    """The seed's 4-GPU hybrid example (embeddings, then Column -> GELU -> Row per layer)."""
+    """The how-to's 4-GPU hybrid example (embeddings, then Column -> GELU -> Row per layer)."""
 
     def __init__(self, rank):
         super().__init__()
@@ -72,7 +72,7 @@ def _worker(rank, world):
     y = layer(x)
     x_full, w_full, b_full = _gather(x), _gather(layer.weight), _gather(layer.bias)
     out["col"] = (y, F.linear(x_full, w_full, b_full)[:, rank * 512:(rank + 1) * 512])
-    # 2. parallel_linear_func(x, weight, process_group) as the seed calls it.
+    # 2. parallel_linear_func(x, weight, process_group) as the how-to calls it.
     y2 = sequence_parallel_forward(x, layer.weight, dist.group.WORLD)
     out["func"] = (y2, F.linear(x_full, w_full)[:, rank * 512:(rank + 1) * 512])
     # 3. Embeddings -> (Column -> GELU -> Row) x 2, forward and gradients.
@@ -99,7 +99,7 @@ def _worker(rank, world):
         pairs[f"row{i}_w"] = (r.weight.grad, rows[i][0].grad.chunk(world, 1)[rank])
         pairs[f"row{i}_b"] = (r.bias.grad, rows[i][1].grad)
     out["stack"] = _errs(pairs)
-    # 4. get_dim_for_local_rank as the seed calls it (a 4-way split of 1024 in multiples of 16).
+    # 4. get_dim_for_local_rank as the how-to calls it (a 4-way split of 1024 in multiples of 16).
     out["local_dim"] = get_dim_for_local_rank(dim=1024, world_size=4, local_rank=rank, multiple_of=16)
     # 5. Asynchronous gather of gradients, computing while it runs.
     gradients = torch.full((2, 3), float(rank))
@@ -147,7 +147,7 @@ def test_column_parallel_linear_512_1024(results):
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_parallel_linear_func_seed_call(results):
+def test_parallel_linear_func_three_argument_call(results):
     for r in range(2):
         y, ref = results[r]["func"]
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
@@ -159,7 +159,7 @@ def test_column_gelu_row_stack_with_parallel_embeddings(results):
         assert not bad, f"rank {r}: relative errors above 1e-5: {bad}"
 
 
-def test_get_dim_for_local_rank_seed_call(results):
+def test_get_dim_for_local_rank_as_documented(results):
     assert [results[r]["local_dim"] for r in range(2)] == [256, 256]
 
 
