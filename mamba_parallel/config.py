@@ -25,6 +25,12 @@ MAMBA2_DEFAULTS: dict[str, Any] = dict(
     dt_min=0.001, dt_max=0.1, dt_init_floor=1e-4, dt_limit=(0.0, float("inf")), conv_bias=True, bias=False,
     rmsnorm=True, norm_before_gate=False, D_has_hdim=False,
 )
+# Mamba3 constructor (mamba_ssm.modules.mamba3): no conv; A per token, floored at A_floor; rotary on a fraction of
+# the state; is_mimo with mimo_rank R (chunk_size 64 / R recommended there).
+MAMBA3_DEFAULTS: dict[str, Any] = dict(
+    d_state=128, expand=2, headdim=64, ngroups=1, rope_fraction=0.5, dt_min=0.001, dt_max=0.1, dt_init_floor=1e-4,
+    A_floor=1e-4, is_outproj_norm=False, is_mimo=False, mimo_rank=4, chunk_size=64,
+)
 ATTN_DEFAULTS: dict[str, Any] = dict(
     num_heads=None, num_heads_kv=None, head_dim=None, rotary_emb_dim=None, rotary_emb_base=10000.0,
     qkv_proj_bias=True, out_proj_bias=True, causal=True,
@@ -33,7 +39,8 @@ ATTN_DEFAULTS: dict[str, Any] = dict(
 # (Nemotron-H's fc2(relu(fc1(x))^2)); the width is rounded up to a multiple of multiple_of, as mamba_ssm does.
 MLP_DEFAULTS: dict[str, Any] = dict(activation="swiglu", bias=False, multiple_of=128)
 MLP_ACTIVATIONS = ("swiglu", "relu2")
-LAYER_KINDS = ("Mamba1", "Mamba2")
+LAYER_KINDS = ("Mamba1", "Mamba2", "Mamba3")
+_MIXER_DEFAULTS = {"Mamba1": MAMBA1_DEFAULTS, "Mamba2": MAMBA2_DEFAULTS, "Mamba3": MAMBA3_DEFAULTS}
 
 
 class ConfigError(ValueError):
@@ -90,9 +97,9 @@ def check_types(config: "MambaConfig") -> None:
 
 @dataclass
 class MambaConfig:
-    """A Mamba-1 / Mamba-2 / hybrid language model.
+    """A Mamba-1 / Mamba-2 / Mamba-3 / hybrid language model.
 
-    ``ssm_cfg["layer"]`` picks the mixer ("Mamba1" or "Mamba2"); other ``ssm_cfg`` keys override the mixer
+    ``ssm_cfg["layer"]`` picks the mixer ("Mamba1", "Mamba2" or "Mamba3"); other ``ssm_cfg`` keys override the mixer
     defaults above. ``attn_layer_idx`` lists the layers that are attention instead (hybrid stacks), configured by
     ``attn_cfg``. ``d_intermediate > 0`` adds an MLP (``mlp_cfg``) after every mixer, as mamba_ssm does; or, when
     ``mlp_layer_idx`` lists layers, those layers ARE MLP blocks (norm -> MLP -> residual, Nemotron-H's "-") and
@@ -134,8 +141,7 @@ class MambaConfig:
     @property
     def mixer_cfg(self) -> dict:
         """ssm_cfg merged over the defaults of the chosen mixer (without the "layer" key)."""
-        base = MAMBA2_DEFAULTS if self.layer == "Mamba2" else MAMBA1_DEFAULTS
-        out = dict(base)
+        out = dict(_MIXER_DEFAULTS.get(self.layer, MAMBA1_DEFAULTS))
         out.update({k: v for k, v in self.ssm_cfg.items() if k != "layer"})
         return out
 
@@ -145,7 +151,7 @@ class MambaConfig:
 
     @property
     def nheads(self) -> int:
-        return self.d_inner // self.mixer_cfg["headdim"] if self.layer == "Mamba2" else 0
+        return self.d_inner // self.mixer_cfg["headdim"] if self.layer in ("Mamba2", "Mamba3") else 0
 
     @property
     def dt_rank(self) -> int:
@@ -200,13 +206,13 @@ class MambaConfig:
         need(isinstance(self.d_intermediate, int) and self.d_intermediate >= 0, "d_intermediate",
              f"must be an integer >= 0, got {self.d_intermediate!r}")
         need(self.layer in LAYER_KINDS, "ssm_cfg.layer", f"must be one of {LAYER_KINDS}, got {self.layer!r}")
-        allowed = set(MAMBA2_DEFAULTS if self.layer == "Mamba2" else MAMBA1_DEFAULTS) | {"layer"}
+        allowed = set(_MIXER_DEFAULTS.get(self.layer, MAMBA1_DEFAULTS)) | {"layer"}
         unknown = sorted(set(self.ssm_cfg) - allowed)
         need(not unknown, "ssm_cfg", f"unknown key(s) {unknown} for layer {self.layer}; known: {sorted(allowed)}")
         unknown = sorted(set(self.attn_cfg) - set(ATTN_DEFAULTS))
         need(not unknown, "attn_cfg", f"unknown key(s) {unknown}; known: {sorted(ATTN_DEFAULTS)}")
         c = self.mixer_cfg
-        for k in ("d_state", "d_conv", "expand"):
+        for k in ("d_state", "expand") + (("d_conv",) if "d_conv" in c else ()):
             need(c[k] > 0, f"ssm_cfg.{k}", f"must be > 0, got {c[k]!r}")
         need(float(self.d_inner) == c["expand"] * self.d_model, "ssm_cfg.expand",
              f"expand * d_model = {c['expand'] * self.d_model} must be an integer")
@@ -221,6 +227,8 @@ class MambaConfig:
             need(c["chunk_size"] > 0, "ssm_cfg.chunk_size", f"must be > 0, got {c['chunk_size']}")
             lo, hi = c["dt_limit"]
             need(0 <= lo < hi, "ssm_cfg.dt_limit", f"must satisfy 0 <= low < high, got {c['dt_limit']}")
+        if self.layer == "Mamba3":
+            self._validate_mamba3(need)
         need(0 < c["dt_min"] <= c["dt_max"], "ssm_cfg.dt_min", f"need 0 < dt_min <= dt_max, got "
              f"{c['dt_min']}, {c['dt_max']}")
         bad = [i for i in self.attn_layer_idx if not (isinstance(i, int) and 0 <= i < self.n_layer)]
@@ -246,6 +254,22 @@ class MambaConfig:
             need(rot is None or (rot % 2 == 0 and 0 <= rot <= a["head_dim"]), "attn_cfg.rotary_emb_dim",
                  f"must be even and <= head_dim = {a['head_dim']}, got {rot}")
         need(self.pad_vocab_size_multiple >= 1, "pad_vocab_size_multiple", "must be >= 1")
+
+    def _validate_mamba3(self, need) -> None:
+        c = self.mixer_cfg
+        need(self.d_inner % c["headdim"] == 0, "ssm_cfg.headdim",
+             f"d_inner = {self.d_inner} (expand {c['expand']} x d_model {self.d_model}) is not divisible by "
+             f"headdim = {c['headdim']}")
+        need(self.nheads % c["ngroups"] == 0, "ssm_cfg.ngroups",
+             f"nheads = {self.nheads} is not divisible by ngroups = {c['ngroups']}")
+        need(c["rope_fraction"] in (0.5, 1.0), "ssm_cfg.rope_fraction", f"must be 0.5 or 1.0, got "
+             f"{c['rope_fraction']!r}")
+        need(c["d_state"] % 2 == 0 and int(c["d_state"] * c["rope_fraction"]) >= 2, "ssm_cfg.d_state",
+             f"must be even and rotate at least one pair (d_state * rope_fraction >= 2), got {c['d_state']}")
+        need(c["chunk_size"] > 0, "ssm_cfg.chunk_size", f"must be > 0, got {c['chunk_size']}")
+        need(isinstance(c["mimo_rank"], int) and c["mimo_rank"] >= 1, "ssm_cfg.mimo_rank",
+             f"must be an integer >= 1, got {c['mimo_rank']!r}")
+        need(c["A_floor"] >= 0, "ssm_cfg.A_floor", f"must be >= 0, got {c['A_floor']}")
 
     # ---- (de)serialisation ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -300,6 +324,13 @@ def _nemotron_h(d_model: int, pattern: str, d_intermediate: int, vocab_size: int
 # Nemotron-H 8B's layer pattern: 24 Mamba-2, 24 MLP, 4 attention layers.
 NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 
+
+def _m3(d_model: int, n_layer: int) -> dict:
+    # The Mamba-3 paper's sizes (180M / 440M / 880M / 1.5B): Mamba-2's shapes with the Llama-3 vocabulary.
+    return dict(d_model=d_model, n_layer=n_layer, vocab_size=128256, ssm_cfg={"layer": "Mamba3"},
+                pad_vocab_size_multiple=16)
+
+
 PRESETS: dict[str, dict] = {
     "mamba-130m": _m1(768, 24),
     "mamba-370m": _m1(1024, 48),
@@ -324,6 +355,10 @@ PRESETS: dict[str, dict] = {
                                  ssm={"d_state": 128, "headdim": 64, "ngroups": 8, "chunk_size": 128,
                                       "dt_limit": (0.001, float("inf"))},
                                  attn={"num_heads": 32, "num_heads_kv": 8, "head_dim": 128}),
+    "mamba3-180m": _m3(768, 24),
+    "mamba3-440m": _m3(1024, 48),
+    "mamba3-880m": _m3(1536, 48),
+    "mamba3-1.5b": _m3(2048, 48),
     # Tiny sizes for tests and the CPU demo.
     "tiny-mamba": dict(d_model=64, n_layer=2, vocab_size=256, ssm_cfg={"layer": "Mamba1", "d_state": 8},
                        pad_vocab_size_multiple=8),
@@ -340,6 +375,13 @@ PRESETS: dict[str, dict] = {
                                    ssm={"d_state": 16, "headdim": 16, "ngroups": 2, "chunk_size": 16,
                                         "dt_limit": (0.001, float("inf"))},
                                    attn={"num_heads": 4, "num_heads_kv": 2, "head_dim": 16}),
+    "tiny-mamba3": dict(d_model=64, n_layer=2, vocab_size=256,
+                        ssm_cfg={"layer": "Mamba3", "d_state": 16, "headdim": 16, "chunk_size": 16},
+                        pad_vocab_size_multiple=8),
+    "tiny-mamba3-mimo": dict(d_model=64, n_layer=2, vocab_size=256,
+                             ssm_cfg={"layer": "Mamba3", "d_state": 16, "headdim": 16, "chunk_size": 8,
+                                      "is_mimo": True, "mimo_rank": 2},
+                             pad_vocab_size_multiple=8),
     # The embedded default of `mamba-parallel train`: a small byte-level Mamba-2 that learns on 2 CPU cores.
     "small-byte-mamba2": dict(d_model=128, n_layer=4, vocab_size=256,
                               ssm_cfg={"layer": "Mamba2", "d_state": 32, "headdim": 32, "chunk_size": 64},

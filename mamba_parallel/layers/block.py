@@ -16,6 +16,7 @@ from mamba_parallel.config import MambaConfig
 from mamba_parallel.layers.attention import MHA
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
+from mamba_parallel.layers.mamba3 import Mamba3
 from mamba_parallel.layers.mlp import MLP, GatedMLP, create_mlp
 from mamba_parallel.layers.norm import add_norm, make_norm
 
@@ -60,7 +61,7 @@ class Block(nn.Module):
 
 def create_mixer(config: MambaConfig, layer_idx: int, device=None, dtype=None) -> nn.Module:
     """Layer ``layer_idx``'s mixer: MHA when listed in ``config.attn_layer_idx``, the MLP when listed in
-    ``config.mlp_layer_idx``, else Mamba / Mamba2."""
+    ``config.mlp_layer_idx``, else Mamba / Mamba2 / Mamba3."""
     fk = dict(device=device, dtype=dtype)
     kind = config.layer_kind(layer_idx)
     if kind == "mlp":
@@ -71,7 +72,7 @@ def create_mixer(config: MambaConfig, layer_idx: int, device=None, dtype=None) -
                    qkv_proj_bias=a["qkv_proj_bias"], out_proj_bias=a["out_proj_bias"], causal=a["causal"],
                    rotary_emb_dim=a["rotary_emb_dim"], rotary_emb_base=a["rotary_emb_base"], layer_idx=layer_idx,
                    **fk)
-    cls = Mamba2 if config.layer == "Mamba2" else Mamba
+    cls = {"Mamba2": Mamba2, "Mamba3": Mamba3}.get(config.layer, Mamba)
     return cls(config.d_model, layer_idx=layer_idx, **config.mixer_cfg, **fk)
 
 

@@ -148,6 +148,8 @@ def hf_arch_for(config: MambaConfig) -> HFArch:
 
 def hf_incompatibilities(config: MambaConfig) -> list[str]:
     """Why no transformers class holds this model ([] when one does)."""
+    if config.layer == "Mamba3":
+        return ["transformers has no Mamba-3 model (mamba_ssm's layout holds it)"]
     arch = hf_arch_for(config)
     return [f"{arch.architecture}: {w}" for w in common_incompatibilities(config) + arch.cannot_express(config)]
 

@@ -21,6 +21,7 @@ from mamba_parallel.layers.attention import MHA
 from mamba_parallel.layers.block import create_block
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
+from mamba_parallel.layers.mamba3 import Mamba3
 from mamba_parallel.layers.mlp import MLP, GatedMLP
 from mamba_parallel.layers.norm import RMSNorm, add_norm, make_norm
 from mamba_parallel.layers.packing import seq_idx_from_cu_seqlens
@@ -40,7 +41,7 @@ def shift_labels(labels: torch.Tensor, seq_idx: torch.Tensor | None = None) -> t
 
 # The modules whose reset_parameters() init_weights calls, in self.modules() order (distributed/materialize.py
 # replays the same order block by block to initialise a sharded model without building it whole).
-INIT_MODULE_TYPES = (Mamba, Mamba2, MHA, GatedMLP, MLP, RMSNorm, nn.LayerNorm)
+INIT_MODULE_TYPES = (Mamba, Mamba2, Mamba3, MHA, GatedMLP, MLP, RMSNorm, nn.LayerNorm)
 
 
 @torch.no_grad()

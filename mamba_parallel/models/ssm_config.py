@@ -23,6 +23,7 @@ EXTRA_FIELDS = ("norm_epsilon", "mlp_layer_idx", "mlp_cfg")
 # Mixer arguments that only steer how mamba_ssm runs or initialises (no effect on a loaded model's function).
 _RUNTIME_SSM_KEYS = {"use_fast_path", "use_mem_eff_path", "layer_idx", "process_group", "sequence_parallel",
                      "device", "dtype", "conv_init"}
+_MAMBA3_IGNORED_KEYS = ("dropout", "n_layer")
 # Arguments we accept only at the value that matches what we compute.
 _FIXED_SSM_KEYS = {"activation": ("silu", "swish"), "learnable_init_states": (False,)}
 _FIXED_ATTN_KEYS = {"mlp_dim": (0,), "softmax_scale": (None,), "rotary_emb_interleaved": (False,)}
@@ -38,6 +39,9 @@ def config_from_mamba_ssm(raw: dict, source: str = "config.json") -> MambaConfig
     ssm = dict(d.get("ssm_cfg") or {})
     for key in _RUNTIME_SSM_KEYS:
         ssm.pop(key, None)
+    if ssm.get("layer") == "Mamba3":  # arguments mamba_ssm's Mamba3 accepts and ignores
+        for key in _MAMBA3_IGNORED_KEYS:
+            ssm.pop(key, None)
     for key, ok in _FIXED_SSM_KEYS.items():
         if key in ssm:
             value = ssm.pop(key)
