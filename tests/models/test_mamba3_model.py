@@ -40,7 +40,7 @@ def test_mamba_ssm_round_trip_is_bit_identical(tmp_path, name, ssm, safe):
     a, b = model.state_dict(), loaded.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with torch.no_grad():
-        assert torch.equal(loaded(_ids()), model(_ids()))
+        assert torch.equal(loaded(_ids()).logits, model(_ids()).logits)
     # and written again from the loaded model: the same files
     again = tmp_path / "again"
     save_pretrained(loaded, again, format="mamba_ssm", safe_serialization=safe)
@@ -69,7 +69,7 @@ def test_greedy_generation_equals_argmax_of_the_full_forward(name):
     out = model.generate(prompt, max_new_tokens=5, temperature=0)
     assert out.shape == (2, 11) and torch.equal(out[:, :6], prompt)
     with torch.no_grad():
-        logits = model(out)[:, 5:-1, :model.config.vocab_size]
+        logits = model(out).logits[:, 5:-1, :model.config.vocab_size]
     assert torch.equal(logits.argmax(-1), out[:, 6:])
 
 
@@ -82,7 +82,7 @@ def test_hybrid_stack_with_attention_and_mlp_trains():
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(4):
-        loss = model(ids, labels=ids)
+        loss = model(ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad()

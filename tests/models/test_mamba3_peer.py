@@ -68,11 +68,11 @@ def test_same_weights_give_the_peers_logits(case, tmp_path):
 
     reference = load_pretrained(tmp_path, device="cpu", dtype=torch.float64).eval()
     with torch.no_grad():
-        ref = reference(ids.cpu()).float()
+        ref = reference(ids.cpu()).logits.float()
         peer_logits = peer(ids).logits.float().cpu()
-        ours_fp32 = ours(ids).float().cpu()
+        ours_fp32 = ours(ids).logits.float().cpu()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            ours_bf16 = ours(ids).float().cpu()
+            ours_bf16 = ours(ids).logits.float().cpu()
     e_peer, e_bf16, e_fp32 = rel_err(peer_logits, ref), rel_err(ours_bf16, ref), rel_err(ours_fp32, ref)
     print(f"{case}: error vs float64 logits: peer {e_peer:.4f}, ours bf16 {e_bf16:.4f}, ours fp32 {e_fp32:.2e}")
     assert e_peer <= BF16_LOGITS, "the peer computes a different function from the same weights"
