@@ -1,0 +1,92 @@
+"""What the Mamba-3 kernels share: the per-chunk token scalars (decay, trapezoid weights), the rotary phase and
+rotation of B / C, and the launch configurations.
+
+A state of n coordinates is handled as two halves of n / 2 columns, the two coordinates of every rotated pair
+(interleaved: columns 2j and 2j + 1; halved: j and j + n / 2); a rotation is then elementwise on the halves and
+every product over n is the sum of two half-size dots. Pairs j >= a have zero angle speed: they never turn.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mamba_parallel.ops.backend import interpret_mode
+
+TWO_PI = 6.283185307179586
+
+
+@triton.jit
+def pair_columns(offs_j, n, HALVED: tl.constexpr):
+    """Columns (in units of the n axis) of the two coordinates of pairs offs_j."""
+    if HALVED:
+        return offs_j, offs_j + n // 2
+    return 2 * offs_j, 2 * offs_j + 1
+
+
+@triton.jit
+def token_scalars(dt_ptr, a_ptr, trap_ptr, s_t, t, valid, next_ok):
+    """dt, log decay dt*A, the diagonal weight gamma = trap dt and the weight w = gamma + beta_next of each token
+    toward later ones (beta_next = (1 - trap) dt of the next token, zero where ``next_ok`` is false)."""
+    dt = tl.load(dt_ptr + t * s_t, mask=valid, other=0.0).to(tl.float32)
+    la = tl.load(a_ptr + t * s_t, mask=valid, other=0.0).to(tl.float32) * dt
+    lam = tl.load(trap_ptr + t * s_t, mask=valid, other=0.0).to(tl.float32)
+    dt_next = tl.load(dt_ptr + (t + 1) * s_t, mask=next_ok, other=0.0).to(tl.float32)
+    lam_next = tl.load(trap_ptr + (t + 1) * s_t, mask=next_ok, other=0.0).to(tl.float32)
+    gamma = lam * dt
+    return dt, la, gamma, gamma + (1.0 - lam_next) * dt_next
+
+
+@triton.jit
+def load_pairs(ptr, s_t, s_n, t, valid, col1, col2, jmask):
+    """Both halves (T, BH) of a (.., n) tensor at tokens t, fp32."""
+    m = valid[:, None] & jmask[None, :]
+    v1 = tl.load(ptr + t[:, None] * s_t + col1[None, :] * s_n, mask=m, other=0.0).to(tl.float32)
+    v2 = tl.load(ptr + t[:, None] * s_t + col2[None, :] * s_n, mask=m, other=0.0).to(tl.float32)
+    return v1, v2
+
+
+@triton.jit
+def rotate_pairs(v1, v2, cos, sin):
+    return v1 * cos - v2 * sin, v1 * sin + v2 * cos
+
+
+def _c(num_warps=4, num_stages=2, **blocks):
+    return triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)
+
+
+# name -> (GPU candidates, interpreter config, autotune key). BLOCK_P: headdim columns per program (the sweeps
+# and the forward outputs are independent per headdim column).
+_CONFIGS = {
+    "states": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
+               _c(1, 1, BLOCK_P=16), ["P", "BH", "T"]),
+    "chunk_fwd": ([_c(4, 2, BLOCK_P=64), _c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(4, 3, BLOCK_P=64)],
+                  _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "HAS_Z"]),
+    "dstates": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
+                _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "HAS_Z"]),
+    "chunk_bwd": ([_c(4, 1), _c(8, 1), _c(8, 2), _c(4, 2)], _c(1, 1), ["P", "BH", "T", "HAS_Z"]),
+}
+_CACHE: dict = {}
+
+
+def tuned(kernel, name: str):
+    """The kernel wrapped in its autotuner (GPU) or bound to the interpreter config (CPU)."""
+    key = (id(kernel), name, interpret_mode())
+    fn = _CACHE.get(key)
+    if fn is None:
+        gpu, interp, keys = _CONFIGS[name]
+        configs = [interp] if interpret_mode() else gpu
+        fn = triton.autotune(configs=configs, key=keys)(kernel)
+        _CACHE[key] = fn
+    return fn
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get full-precision dots (Triton would use tf32 otherwise); half types use the tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def block(n: int) -> int:
+    """A power-of-two block covering n, at least 16 (the smallest tl.dot)."""
+    return max(16, triton.next_power_of_2(n))

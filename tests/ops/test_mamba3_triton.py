@@ -1,0 +1,189 @@
+"""Triton Mamba-3 scan (SISO) and decode step vs the float64 reference: outputs, final states and every gradient.
+
+CPU: the kernels run in the Triton interpreter (fp32 / fp16, tiny shapes). GPU tests (bf16 / fp16 / fp32,
+realistic shapes, NaN-poisoned allocations) carry the ``gpu`` mark.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_close
+from mamba3_cases import grads, leaves, make_inputs, random_loss
+from mamba_parallel.ops.mamba3 import Mamba3State, mamba3_chunk_scan, mamba3_state_update, naive, triton_impl
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run(fn, args, kw):
+    lv = leaves(args)
+    y, final = fn(**lv, **kw, return_final_states=True)
+    random_loss(y, final).backward()
+    return y.detach(), Mamba3State(*(s.detach() for s in final)), grads(lv)
+
+
+def as_double(args):
+    out = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+           for k, v in args.items() if k != "initial_states"}
+    if args.get("initial_states") is not None:
+        out["initial_states"] = Mamba3State(*(s.double() for s in args["initial_states"]))
+    return out
+
+
+def check_against_reference(args, kw, dtype, factor=1.0):
+    y, final, g = run(triton_impl.mamba3_chunk_scan, args, kw)
+    y_ref, final_ref, g_ref = run(naive.mamba3_chunk_scan, as_double(args), kw)
+    assert y.dtype == dtype and final.ssm.dtype == final.angle.dtype == torch.float32
+    assert_close(y, y_ref, dtype, name="y", factor=factor)
+    for name, a, b in zip(Mamba3State._fields, final, final_ref):
+        assert_close(a, b.to(a.dtype), dtype, name=f"final {name}", factor=factor)
+    assert set(g) == set(g_ref)
+    leaf_dtype = {k: v.dtype for k, v in args.items() if isinstance(v, torch.Tensor)}
+    if args.get("initial_states") is not None:
+        leaf_dtype.update({f"init.{n}": s.dtype for n, s in zip(Mamba3State._fields, args["initial_states"])})
+    for k in g_ref:
+        assert g[k].dtype == leaf_dtype[k], k
+        assert_close(g[k], g_ref[k], dtype, grad=True, name=f"d{k}", factor=factor)
+
+
+CASES = {
+    # name: (make_inputs kwargs, scan kwargs); odd lengths, a partial last chunk
+    "plain": (dict(b=2, L=37, h=2, p=16, n=32), dict(chunk_size=16)),
+    "groups_halved_bare": (dict(b=1, L=21, h=4, p=8, n=16, g=2, a=8, init=False, z=False, D=False, bias=False),
+                           dict(chunk_size=16, rope="halved")),
+}
+
+
+@pytest.mark.parametrize("case,dtype", [(c, d) for c in CASES for d in (torch.float32, torch.float16)])
+def test_matches_reference(case, dtype):
+    mk, kw = CASES[case]
+    check_against_reference(make_inputs(**mk, dtype=dtype, device=DEV), kw, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_seq_idx(dtype):
+    args = make_inputs(2, 30, 2, 8, 16, dtype=dtype, device=DEV, expand_angles=True)
+    seq_idx = torch.tensor([[0] * 5 + [1] * 16 + [2] * 9, [0] * 16 + [3] * 14], dtype=torch.int32, device=DEV)
+    check_against_reference(args, dict(chunk_size=16, seq_idx=seq_idx), dtype)
+
+
+def test_cu_seqlens_with_an_empty_sequence():
+    args = make_inputs(1, 40, 2, 8, 16, dtype=torch.float32, device=DEV, nstates=4)
+    cu = torch.tensor([0, 7, 7, 23, 40], dtype=torch.int32, device=DEV)
+    check_against_reference(args, dict(chunk_size=16, cu_seqlens=cu), torch.float32)
+
+
+def test_strided_inputs_as_the_layer_passes_them():
+    """x, z, B, C as views into one projection output, angles an expanded head-shared view."""
+    b, L, h, p, n = 1, 19, 2, 8, 16
+    base = make_inputs(b, L, h, p, n, dtype=torch.float32, device=DEV)
+    proj = torch.cat([base["z"].flatten(2), base["x"].flatten(2), base["B"].flatten(2), base["C"].flatten(2)], -1)
+    d = h * p
+    args = dict(base, z=proj[..., :d].unflatten(-1, (h, p)), x=proj[..., d:2 * d].unflatten(-1, (h, p)),
+                B=proj[..., 2 * d:2 * d + n].unflatten(-1, (1, n)), C=proj[..., 2 * d + n:].unflatten(-1, (1, n)),
+                angles=base["angles"][:, :, :1].expand(b, L, h, base["angles"].shape[-1]))
+    assert not args["x"].is_contiguous() and args["angles"].stride(2) == 0
+    check_against_reference(args, dict(chunk_size=16), torch.float32)
+
+
+def test_steep_decay_no_nan():
+    """The decay across a chunk underflows fp32; the padded tail must not turn exp(+big) * 0 into NaN. (The
+    decay's log is a difference of large cumulative sums there: fp32 keeps ~1e-5 of it, hence the factor.)"""
+    args = make_inputs(1, 29, 2, 8, 16, dtype=torch.float32, device=DEV, A_scale=200.0)
+    check_against_reference(args, dict(chunk_size=16), torch.float32, factor=10.0)
+
+
+def test_public_function_dispatches_here(monkeypatch):
+    calls = []
+    real = triton_impl._Mamba3Scan.apply
+    monkeypatch.setattr(triton_impl._Mamba3Scan, "apply", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
+    args = make_inputs(1, 16, 2, 8, 16, dtype=torch.float32, device=DEV)
+    y = mamba3_chunk_scan(**args, chunk_size=16)
+    assert calls and y.shape == args["x"].shape
+    mimo = make_inputs(1, 8, 2, 8, 16, R=2, dtype=torch.float32, device=DEV)
+    assert not triton_impl.supports(*(mimo[k] for k in ("x", "dt", "A", "B")))
+
+
+def test_rejects_bad_chunk_size():
+    args = make_inputs(1, 16, 2, 8, 16, dtype=torch.float32, device=DEV)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        triton_impl.mamba3_chunk_scan(**args, chunk_size=24)
+
+
+@pytest.mark.parametrize("dtype,rope", [(torch.float32, "interleaved"), (torch.float16, "halved")])
+def test_decode_step_matches_reference(dtype, rope):
+    args = make_inputs(3, 1, 4, 8, 16, g=2, dtype=dtype, device=DEV)
+    step = {k: (v[:, 0] if k in ("x", "dt", "A", "B", "C", "trap", "angles", "z") else v)
+            for k, v in args.items() if k != "initial_states"}
+    state = Mamba3State(*(s.float().clone() for s in args["initial_states"]))
+    state = state._replace(v=state.v.to(dtype))
+    ref_state = Mamba3State(*(s.double().clone() for s in state))
+    y = triton_impl.mamba3_state_update(state, **step, rope=rope)
+    y_ref = naive.mamba3_state_update(ref_state, **{k: (v.double() if isinstance(v, torch.Tensor) else v)
+                                                    for k, v in step.items()}, rope=rope)
+    assert_close(y, y_ref, dtype, name="y")
+    for name, a, b in zip(Mamba3State._fields, state, ref_state):
+        assert_close(a, b.to(a.dtype), dtype, name=f"state {name}")
+
+
+def test_decode_continues_a_prefill():
+    """Prefill with the kernel scan, decode two tokens with the kernel step: the full scan's outputs."""
+    args = make_inputs(2, 20, 2, 8, 16, dtype=torch.float32, device=DEV)
+    y_all, fin_all = triton_impl.mamba3_chunk_scan(**args, chunk_size=16, return_final_states=True)
+    seqwise = ("x", "dt", "A", "B", "C", "trap", "angles", "z")
+    pre = {k: (v[:, :18] if k in seqwise else v) for k, v in args.items()}
+    _, state = triton_impl.mamba3_chunk_scan(**pre, chunk_size=16, return_final_states=True)
+    state = Mamba3State(*(s.clone() for s in state))
+    for t in (18, 19):
+        step = {k: (v[:, t] if k in seqwise else v) for k, v in args.items() if k != "initial_states"}
+        assert_close(mamba3_state_update(state, **step), y_all[:, t], torch.float32, name=f"y[{t}]")
+    for name, a, b in zip(Mamba3State._fields, state, fin_all):
+        assert_close(a, b, torch.float32, name=f"state {name}")
+
+
+# ---------------------------------------------------------------- GPU
+
+GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_realistic(dtype, nan_poison):
+    args = make_inputs(2, 1000, 8, 64, 128, dtype=dtype, device="cuda", expand_angles=True)
+    check_against_reference(args, dict(chunk_size=64), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_groups_halved_varlen(dtype, nan_poison):
+    args = make_inputs(1, 700, 8, 64, 64, g=2, a=32, dtype=dtype, device="cuda", nstates=4)
+    cu = torch.tensor([0, 100, 100, 380, 700], dtype=torch.int32, device="cuda")
+    check_against_reference(args, dict(chunk_size=32, rope="halved", cu_seqlens=cu), dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_seq_idx_chunk128_no_gate(nan_poison):
+    args = make_inputs(2, 500, 4, 64, 128, dtype=torch.bfloat16, device="cuda", z=False, init=False)
+    seq_idx = torch.zeros(2, 500, dtype=torch.int32, device="cuda")
+    seq_idx[0, 130:] = 1
+    seq_idx[0, 333:] = 2
+    seq_idx[1, 64:] = 5
+    check_against_reference(args, dict(chunk_size=128, seq_idx=seq_idx), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_decode_step(dtype, nan_poison):
+    args = make_inputs(16, 1, 32, 64, 128, dtype=dtype, device="cuda")
+    step = {k: (v[:, 0] if k in ("x", "dt", "A", "B", "C", "trap", "angles", "z") else v)
+            for k, v in args.items() if k != "initial_states"}
+    state = Mamba3State(*(s.float().clone() for s in args["initial_states"]))
+    ref_state = Mamba3State(*(s.double().clone() for s in state))
+    y = triton_impl.mamba3_state_update(state, **step)
+    y_ref = naive.mamba3_state_update(ref_state, **{k: (v.double() if isinstance(v, torch.Tensor) else v)
+                                                    for k, v in step.items()})
+    assert_close(y, y_ref, dtype, name="y")
+    for name, a, b in zip(Mamba3State._fields, state, ref_state):
+        assert_close(a, b.float(), dtype, name=f"state {name}")
