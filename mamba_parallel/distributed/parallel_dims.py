@@ -118,7 +118,7 @@ class ParallelDims:
                 raise ParallelConfigError(f"tp={tp} does not divide {what}={n}")
 
         need(config.padded_vocab_size, "padded vocab_size")
-        if config.layer == "Mamba2":
+        if config.layer in ("Mamba2", "Mamba3"):
             need(config.nheads, "nheads")
             g = config.mixer_cfg["ngroups"]
             if g % tp and g != 1:  # ngroups=1 is replicated on every tp rank

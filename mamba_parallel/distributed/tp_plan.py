@@ -37,6 +37,7 @@ from mamba_parallel.distributed.tp_modules import (SEQ_DIM, ShardView, TPGatedRM
 from mamba_parallel.layers.attention import MHA
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
+from mamba_parallel.layers.mamba3 import Mamba3
 from mamba_parallel.layers.mlp import MLP, GatedMLP
 
 
@@ -110,6 +111,30 @@ def mamba2_plan(m: Mamba2, tp: int) -> LayerPlan:
     return LayerPlan(styles, local={"d_inner": d // tp, "nheads": h // tp, "ngroups": g // tp if g > 1 else 1})
 
 
+def mamba3_plan(m: Mamba3, tp: int) -> LayerPlan:
+    """Heads split. in_proj = [z | x | B | C | dt | A | trap | angles]: B / C (rank-major (R, g, n)) shared with
+    ngroups = 1 (every head reads the one group) or split per group; the rotary angles are shared by all heads.
+    B_norm / C_norm weights: replicated, gradient summed (every rank's heads use them). The per-head gated norm
+    (is_outproj_norm) stays rank-local. No conv: the scan is head-local, its sequence ops stay as they are."""
+    d, h, g, n, R = m.d_inner, m.nheads, m.ngroups, m.d_state, m.mimo_rank
+    _divides(tp, h, "nheads")
+    if g == 1:
+        bc = [shared(R * n)]
+    else:
+        _divides(tp, g, "ngroups (must be 1 or a multiple of tp)")
+        bc = [split(g * n)] * R
+    styles = {
+        "in_proj": Entry([split(d), split(d), *bc, *bc, split(h), split(h), split(h), shared(m.num_rope_angles)]),
+        "B_norm.weight": Sharded([shared(n)]), "C_norm.weight": Sharded([shared(n)]),
+        "out_proj": Rowwise(),
+    }
+    per_head = ("dt_bias", "B_bias", "C_bias", "D", "mimo_x", "mimo_z", "mimo_o")
+    styles.update({name: Sharded([split(h)]) for name in per_head if getattr(m, name, None) is not None})
+    if m.is_outproj_norm:
+        styles["norm.weight"] = Sharded([split(d)])
+    return LayerPlan(styles, local={"d_inner": d // tp, "nheads": h // tp, "ngroups": g // tp if g > 1 else 1})
+
+
 def mha_plan(m: MHA, tp: int) -> LayerPlan:
     _divides(tp, m.num_heads, "attn num_heads")
     _divides(tp, m.num_heads_kv, "attn num_heads_kv")
@@ -129,7 +154,7 @@ def mlp_plan(m: GatedMLP | MLP, tp: int) -> LayerPlan:
 
 # layer class -> (instance, tp) -> its LayerPlan. A new mixer / MLP adds its entry here.
 TP_PLANS: dict[type, Callable[[nn.Module, int], LayerPlan]] = {
-    Mamba: mamba1_plan, Mamba2: mamba2_plan, MHA: mha_plan, GatedMLP: mlp_plan, MLP: mlp_plan,
+    Mamba: mamba1_plan, Mamba2: mamba2_plan, Mamba3: mamba3_plan, MHA: mha_plan, GatedMLP: mlp_plan, MLP: mlp_plan,
 }
 
 

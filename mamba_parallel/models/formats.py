@@ -157,7 +157,7 @@ def _layout(fmt: str, config: MambaConfig, raw: dict | None = None) -> TensorLay
 # ---- loading --------------------------------------------------------------------------------------------------
 def _describe(config: MambaConfig) -> str:
     m = config.mixer_cfg
-    extra = f", headdim={m['headdim']}, ngroups={m['ngroups']}" if config.layer == "Mamba2" else ""
+    extra = f", headdim={m['headdim']}, ngroups={m['ngroups']}" if config.layer in ("Mamba2", "Mamba3") else ""
     kinds = ""
     if config.attn_layer_idx or config.mlp_layer_idx:
         kinds = f", attention layers {config.attn_layer_idx}, MLP layers {config.mlp_layer_idx}"

@@ -57,6 +57,11 @@ def sequence_flops_per_token(config: MambaConfig, seq_len: int) -> float:
         q = min(c["chunk_size"], seq_len)
         h, p, n, g = config.nheads, c["headdim"], c["d_state"], c["ngroups"]
         mixer = 2 * q * g * n + 2 * q * h * p + 4 * h * p * n
+    elif config.layer == "Mamba3":  # B.C per head (each head turns B / C by its own phase), R ranks per token
+        q = min(c["chunk_size"], seq_len)
+        h, p, n = config.nheads, c["headdim"], c["d_state"]
+        R = c["mimo_rank"] if c["is_mimo"] else 1
+        mixer = 2 * q * R * R * h * (n + p) + 4 * R * h * p * n
     else:
         mixer = 9 * config.d_inner * c["d_state"]
     total = 0.0

@@ -195,13 +195,13 @@ class _Mamba3Scan(torch.autograd.Function):
 
 
 def _state_tokens(b, L, cu_seqlens, device):
-    """(first, last) flat token index of every state's sequence (N,), and which sequences have tokens."""
+    """(first, last) flat token index of every state's sequence (N,), and which sequences have tokens (None:
+    all of them, known without looking at the device)."""
     if cu_seqlens is None:
         rows = torch.arange(b, device=device)
-        return rows * L, rows * L + L - 1, torch.full((b,), L > 0, device=device)
+        return rows * L, rows * L + L - 1, None
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    nonempty = cu[1:] > cu[:-1]
-    return cu[:-1].clamp(max=max(L - 1, 0)), (cu[1:] - 1).clamp(min=0), nonempty
+    return cu[:-1].clamp(max=L - 1), (cu[1:] - 1).clamp(min=0), cu[1:] > cu[:-1]
 
 
 def _per_head(t, h):
@@ -227,7 +227,9 @@ def mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D=None, z=None, 
     init_angle = init_ssm = None
     if initial_states is not None:
         # the trapezoid's half step of the token before each sequence joins its initial state
-        beta0 = ((1 - flat(trap)[first].float()) * flat(dt)[first].float()) * nonempty[:, None]
+        beta0 = (1 - flat(trap)[first].float()) * flat(dt)[first].float()
+        if nonempty is not None:
+            beta0 = beta0 * nonempty[:, None]
         outer = initial_states.v.float()[..., :, None] * initial_states.k.float()[..., None, :]
         init_ssm = (initial_states.ssm.float() + beta0[..., None, None] * outer).contiguous()
         init_angle = initial_states.angle.float().contiguous()
@@ -244,13 +246,11 @@ def mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D=None, z=None, 
     first_col, second_col = naive.rope_pairs(n, angles.shape[-1], rope, x.device)
     k_last = naive.rotate(k0, fin_angle, first_col, second_col)
     v_last = flat(x)[last]
-    if initial_states is not None and not bool(nonempty.all()):
+    if nonempty is not None:  # a sequence without tokens hands its initial k / v through (or zeros)
         keep = nonempty[:, None, None]
-        k_last = torch.where(keep, k_last, initial_states.k.float())
-        v_last = torch.where(keep, v_last, initial_states.v.to(v_last.dtype))
-    elif not bool(nonempty.all()):
-        keep = nonempty[:, None, None]
-        k_last, v_last = k_last * keep, v_last * keep
+        k_prev = initial_states.k.float() if initial_states is not None else torch.zeros_like(k_last)
+        v_prev = initial_states.v.to(v_last.dtype) if initial_states is not None else torch.zeros_like(v_last)
+        k_last, v_last = torch.where(keep, k_last, k_prev), torch.where(keep, v_last, v_prev)
     return y, Mamba3State(torch.remainder(fin_angle, 2 * math.pi), fin_ssm, k_last, v_last)
 
 
