@@ -23,6 +23,9 @@ from mamba_parallel.bench._timing import DTYPES, graph_us, median_ms, require_cu
 # (b, L, h, p, n): Mamba-3's defaults (headdim 64, d_state 128, chunk 64); h = 24 / 32 / 64 are the heads of the
 # 180m / 440m / 1.5b presets' layers (d_inner / 64).
 SCAN_SHAPES = [(8, 2048, 24, 64, 128), (8, 4096, 32, 64, 128), (4, 8192, 64, 64, 128), (2, 16384, 32, 64, 128)]
+# MIMO at Mamba-3's suggested rank 4 and chunk 16 (64 rows per chunk); mamba_ssm runs it only with TileLang
+MIMO_SHAPES = [(8, 2048, 24, 64, 128, 4), (8, 4096, 32, 64, 128, 4)]
+MIMO_CHUNK = 16
 STEP_SHAPES = [(1, 32, 64, 128), (64, 32, 64, 128), (1, 64, 64, 128), (64, 64, 64, 128)]  # (b, h, p, n)
 LAYER_SHAPES = [(768, 8, 2048), (2048, 8, 2048)]  # (d_model, b, L)
 
@@ -36,19 +39,29 @@ def peer_ops():
     except Exception as e:  # not installed, or its compiled parts do not load here
         raise SystemExit(f"--peer: mamba_ssm's Mamba-3 is not importable ({type(e).__name__}: {e}); see "
                          "../shared/peer/README.md") from e
-    return dict(scan=mamba3_siso_combined, step=mamba3_siso_step, layer=Mamba3)
+    try:  # MIMO needs TileLang there; without it the MIMO rows time ours alone
+        from mamba_ssm.ops.tilelang.mamba3.mamba3_mimo import mamba3_mimo
+    except Exception:
+        mamba3_mimo = None
+    return dict(scan=mamba3_siso_combined, step=mamba3_siso_step, layer=Mamba3, mimo=mamba3_mimo)
 
 
-def scan_inputs(b, L, h, p, n, dtype, device="cuda", seed=0):
-    """Raw inputs as a Mamba-3 layer holds them before its scan (one group of B / C, a = n / 4 rotated pairs)."""
+def scan_inputs(b, L, h, p, n, dtype, device="cuda", seed=0, R=None):
+    """Raw inputs as a Mamba-3 layer holds them before its scan (one group of B / C, a = n / 4 rotated pairs;
+    R: MIMO rank, with its scales)."""
     g = torch.Generator(device=device).manual_seed(seed)
     r = lambda *s, dt=dtype: torch.randn(*s, device=device, dtype=dt, generator=g)  # noqa: E731
     a = n // 4
-    return dict(x=r(b, L, h, p), z=r(b, L, h, p), B=F.normalize(r(b, L, 1, n), dim=-1) * n ** 0.5,
-                C=F.normalize(r(b, L, 1, n), dim=-1) * n ** 0.5,
-                dt=F.softplus(r(b, L, h, dt=torch.float32) - 3), A=-F.softplus(r(b, L, h, dt=torch.float32)),
-                trap=r(b, L, h), angles=r(b, L, a), D=torch.ones(h, device=device),
-                B_bias=torch.ones(h, n, device=device), C_bias=torch.ones(h, n, device=device))
+    rank = (R,) if R else ()
+    out = dict(x=r(b, L, h, p), z=r(b, L, h, p), B=F.normalize(r(b, L, *rank, 1, n), dim=-1) * n ** 0.5,
+               C=F.normalize(r(b, L, *rank, 1, n), dim=-1) * n ** 0.5,
+               dt=F.softplus(r(b, L, h, dt=torch.float32) - 3), A=-F.softplus(r(b, L, h, dt=torch.float32)),
+               trap=r(b, L, h), angles=r(b, L, a), D=torch.ones(h, device=device),
+               B_bias=torch.ones(h, *rank, n, device=device), C_bias=torch.ones(h, *rank, n, device=device))
+    if R:
+        out.update(mimo_x=torch.full((h, R, p), 1.0 / R, device=device), mimo_z=torch.ones(h, R, p, device=device),
+                   mimo_o=torch.full((h, R, p), 1.0 / R, device=device))
+    return out
 
 
 def ours_scan(inp, chunk):
@@ -57,8 +70,10 @@ def ours_scan(inp, chunk):
     x = inp["x"]
     b, L, h, _ = x.shape
     angles = (math.pi * torch.tanh(inp["angles"].float()))[:, :, None].expand(b, L, h, inp["angles"].shape[-1])
+    mimo = {k: inp[k] for k in ("mimo_x", "mimo_z", "mimo_o") if k in inp}
     return mamba3_chunk_scan(x, inp["dt"], inp["A"], inp["B"], inp["C"], torch.sigmoid(inp["trap"].float()),
-                             angles, chunk, D=inp["D"], z=inp["z"], B_bias=inp["B_bias"], C_bias=inp["C_bias"])
+                             angles, chunk, D=inp["D"], z=inp["z"], B_bias=inp["B_bias"], C_bias=inp["C_bias"],
+                             rope="halved" if mimo else "interleaved", **mimo)
 
 
 def peer_scan(fn, inp, chunk):
@@ -68,6 +83,16 @@ def peer_scan(fn, inp, chunk):
               DT=inp["dt"].transpose(1, 2), Trap=inp["trap"].transpose(1, 2), Q_bias=inp["C_bias"],
               K_bias=inp["B_bias"], Angles=inp["angles"].float()[:, :, None].expand(b, L, h, -1), D=inp["D"],
               Z=inp["z"], chunk_size=chunk)
+
+
+def peer_mimo_scan(fn, inp, chunk):
+    x = inp["x"]
+    b, L, h, _ = x.shape
+    return fn(Q=inp["C"], K=inp["B"], V=x, ADT=(inp["A"] * inp["dt"]).transpose(1, 2), DT=inp["dt"].transpose(1, 2),
+              Trap=inp["trap"].transpose(1, 2), Q_bias=inp["C_bias"], K_bias=inp["B_bias"], MIMO_V=inp["mimo_x"],
+              MIMO_Z=inp["mimo_z"], MIMO_Out=inp["mimo_o"],
+              Angles=inp["angles"].float()[:, :, None].expand(b, L, h, -1), D=inp["D"], Z=inp["z"], chunk_size=chunk,
+              rotary_dim_divisor=4, dtype=x.dtype)
 
 
 def time_fwd_bwd(fn, inp, rep_ms):
@@ -92,6 +117,16 @@ def bench_scan(peer, dtype, chunk, rep_ms):
         if peer:
             row["peer_fwd_ms"], row["peer_fwdbwd_ms"] = time_fwd_bwd(lambda a: peer_scan(peer["scan"], a, chunk),
                                                                      inp, rep_ms)
+        rows.append(row)
+        del inp
+        torch.cuda.empty_cache()
+    for shape in MIMO_SHAPES:
+        inp = scan_inputs(*shape[:5], dtype, R=shape[5])
+        row = dict(section="scan", shape="MIMO R{5} b{0} L{1} h{2} p{3} n{4}".format(*shape))
+        row["ours_fwd_ms"], row["ours_fwdbwd_ms"] = time_fwd_bwd(lambda a: ours_scan(a, MIMO_CHUNK), inp, rep_ms)
+        if peer and peer["mimo"] is not None:
+            row["peer_fwd_ms"], row["peer_fwdbwd_ms"] = time_fwd_bwd(
+                lambda a: peer_mimo_scan(peer["mimo"], a, MIMO_CHUNK), inp, rep_ms)
         rows.append(row)
         del inp
         torch.cuda.empty_cache()

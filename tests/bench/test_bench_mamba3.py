@@ -26,6 +26,23 @@ def test_peer_adapter_feeds_the_same_computation():
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+def peer_mimo_convention_reference(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, MIMO_V, MIMO_Z, MIMO_Out, Angles, D, Z,
+                                   chunk_size, rotary_dim_divisor, dtype):
+    """mamba_ssm's mamba3_mimo contract (rank-major Q / K (b, L, R, g, n), halved rotary on n / divisor pairs)."""
+    assert rotary_dim_divisor == 4 and Angles.shape[-1] == Q.shape[-1] // 4
+    dt = DT.transpose(1, 2)
+    return naive.mamba3_chunk_scan(V, dt, ADT.transpose(1, 2) / dt, K, Q, torch.sigmoid(Trap.transpose(1, 2)),
+                                   math.pi * torch.tanh(Angles), chunk_size, D=D, z=Z, B_bias=K_bias, C_bias=Q_bias,
+                                   mimo_x=MIMO_V, mimo_z=MIMO_Z, mimo_o=MIMO_Out, rope="halved")
+
+
+def test_peer_mimo_adapter_feeds_the_same_computation():
+    inp = bench_mamba3.scan_inputs(1, 20, 2, 8, 16, torch.float32, device="cpu", R=2)
+    ours = bench_mamba3.ours_scan(inp, 8)
+    theirs = bench_mamba3.peer_mimo_scan(peer_mimo_convention_reference, inp, 8)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 def test_tables():
     rows = [dict(section="scan", shape="b1", ours_fwd_ms=1.0, ours_fwdbwd_ms=2.0, peer_fwd_ms=1.5,
                  peer_fwdbwd_ms=3.0), dict(section="step", shape="b2", ours_us=5.0)]

@@ -1,4 +1,4 @@
-"""Triton Mamba-3 scan (SISO) and decode step vs the float64 reference: outputs, final states and every gradient.
+"""Triton Mamba-3 scan and decode step (SISO and MIMO) vs the float64 reference: outputs, final states and every gradient.
 
 CPU: the kernels run in the Triton interpreter (fp32 / fp16, tiny shapes). GPU tests (bf16 / fp16 / fp32,
 realistic shapes, NaN-poisoned allocations) carry the ``gpu`` mark.
@@ -52,10 +52,16 @@ CASES = {
     "plain": (dict(b=2, L=37, h=2, p=16, n=32), dict(chunk_size=16)),
     "groups_halved_bare": (dict(b=1, L=21, h=4, p=8, n=16, g=2, a=8, init=False, z=False, D=False, bias=False),
                            dict(chunk_size=16, rope="halved")),
+    # MIMO: rank 2 with every projection; rank 4 keeping the rank axis (no mimo_o), no gate, groups
+    "mimo_r2": (dict(b=1, L=21, h=2, p=16, n=32, R=2), dict(chunk_size=8, rope="halved")),
+    "mimo_r4_unfolded": (dict(b=2, L=13, h=4, p=8, n=16, g=2, R=4, mimo_o=False, z=False),
+                         dict(chunk_size=4, rope="halved")),
 }
 
 
-@pytest.mark.parametrize("case,dtype", [(c, d) for c in CASES for d in (torch.float32, torch.float16)])
+# (the interpreter is slow: the rank-4 case runs in fp32 only)
+@pytest.mark.parametrize("case,dtype", [(c, d) for c in CASES for d in (torch.float32, torch.float16)
+                                        if not (c == "mimo_r4_unfolded" and d == torch.float16)])
 def test_matches_reference(case, dtype):
     mk, kw = CASES[case]
     check_against_reference(make_inputs(**mk, dtype=dtype, device=DEV), kw, dtype)
@@ -102,19 +108,20 @@ def test_public_function_dispatches_here(monkeypatch):
     args = make_inputs(1, 16, 2, 8, 16, dtype=torch.float32, device=DEV)
     y = mamba3_chunk_scan(**args, chunk_size=16)
     assert calls and y.shape == args["x"].shape
-    mimo = make_inputs(1, 8, 2, 8, 16, R=2, dtype=torch.float32, device=DEV)
-    assert not triton_impl.supports(*(mimo[k] for k in ("x", "dt", "A", "B")))
+    odd_rank = make_inputs(1, 8, 2, 8, 16, R=3, dtype=torch.float32, device=DEV)
+    assert not triton_impl.supports(*(odd_rank[k] for k in ("x", "dt", "A", "B")))  # the reference runs it
 
 
 def test_rejects_bad_chunk_size():
     args = make_inputs(1, 16, 2, 8, 16, dtype=torch.float32, device=DEV)
-    with pytest.raises(ValueError, match="power of two >= 16"):
+    with pytest.raises(ValueError, match="chunk_size must be a power of two"):
         triton_impl.mamba3_chunk_scan(**args, chunk_size=24)
 
 
-@pytest.mark.parametrize("dtype,rope", [(torch.float32, "interleaved"), (torch.float16, "halved")])
-def test_decode_step_matches_reference(dtype, rope):
-    args = make_inputs(3, 1, 4, 8, 16, g=2, dtype=dtype, device=DEV)
+@pytest.mark.parametrize("dtype,rope,R", [(torch.float32, "interleaved", None), (torch.float16, "halved", None),
+                                          (torch.float32, "halved", 2), (torch.float16, "halved", 4)])
+def test_decode_step_matches_reference(dtype, rope, R):
+    args = make_inputs(3, 1, 4, 8, 16, g=2, R=R, mimo_o=R != 4, dtype=dtype, device=DEV)
     step = {k: (v[:, 0] if k in ("x", "dt", "A", "B", "C", "trap", "angles", "z") else v)
             for k, v in args.items() if k != "initial_states"}
     state = Mamba3State(*(s.float().clone() for s in args["initial_states"]))
@@ -164,6 +171,14 @@ def test_gpu_groups_halved_varlen(dtype, nan_poison):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_gpu_mimo(dtype, nan_poison):
+    """Mamba-3's MIMO defaults: rank 4, chunk 16 (64 rows), headdim 64, d_state 128, halved rotary."""
+    args = make_inputs(2, 700, 8, 64, 128, R=4, dtype=dtype, device="cuda", expand_angles=True)
+    check_against_reference(args, dict(chunk_size=16, rope="halved"), dtype)
+
+
+@pytest.mark.gpu
 def test_gpu_seq_idx_chunk128_no_gate(nan_poison):
     args = make_inputs(2, 500, 4, 64, 128, dtype=torch.bfloat16, device="cuda", z=False, init=False)
     seq_idx = torch.zeros(2, 500, dtype=torch.int32, device="cuda")
@@ -175,15 +190,17 @@ def test_gpu_seq_idx_chunk128_no_gate(nan_poison):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-def test_gpu_decode_step(dtype, nan_poison):
-    args = make_inputs(16, 1, 32, 64, 128, dtype=dtype, device="cuda")
+@pytest.mark.parametrize("R", [None, 4])
+def test_gpu_decode_step(dtype, R, nan_poison):
+    args = make_inputs(16, 1, 32, 64, 128, R=R, dtype=dtype, device="cuda")
     step = {k: (v[:, 0] if k in ("x", "dt", "A", "B", "C", "trap", "angles", "z") else v)
             for k, v in args.items() if k != "initial_states"}
     state = Mamba3State(*(s.float().clone() for s in args["initial_states"]))
     ref_state = Mamba3State(*(s.double().clone() for s in state))
-    y = triton_impl.mamba3_state_update(state, **step)
+    rope = "halved" if R else "interleaved"
+    y = triton_impl.mamba3_state_update(state, **step, rope=rope)
     y_ref = naive.mamba3_state_update(ref_state, **{k: (v.double() if isinstance(v, torch.Tensor) else v)
-                                                    for k, v in step.items()})
+                                                    for k, v in step.items()}, rope=rope)
     assert_close(y, y_ref, dtype, name="y")
     for name, a, b in zip(Mamba3State._fields, state, ref_state):
         assert_close(a, b.float(), dtype, name=f"state {name}")

@@ -1,12 +1,13 @@
-"""Mamba-3 backward kernels (SISO): the reverse state-gradient sweep and the per-chunk gradients.
+"""Mamba-3 backward kernels (SISO and MIMO, T * R rows per chunk as in triton_fwd).
 
-``dstates``: one program per (row, head, headdim block) walks the chunks backwards carrying dH, the gradient of
-the (augmented) state: it writes dH at the end of every chunk, then dH <- exp(tot) dH + sum_i exp(cs_i) dy_i q_i^T.
-At a sequence start it writes the gradient of the initial state.
-``chunk_bwd``: one program per (row, head, chunk) with the whole headdim: with H entering the chunk and dH at its
-end, every gradient of the chunk's inputs: dx, dz, dB / dC (per head, before the rotation), and per token the
-gradients of the decay's log (da), of w and gamma (the trapezoid weights) and of the phase (summed from the end
-of the chunk: the rest comes from later chunks, added by the caller), and dD's share.
+``dstates``: one program per (batch row, head, headdim block) walks the chunks backwards carrying dH, the gradient
+of the (augmented) state: it writes dH at the end of every chunk, then dH <- exp(tot) dH + sum_i exp(cs_i) dy_i
+q_i^T over the chunk's rows. At a sequence start it writes the gradient of the initial state.
+``chunk_bwd``: one program per (batch row, head, chunk) with the whole headdim: with H entering the chunk and dH
+at its end, every gradient of the chunk's inputs: dx, dz, dB / dC (per head, before the rotation), and per token
+the gradients of the decay's log (da), of w and gamma (the trapezoid weights) and of the phase (summed from the end
+of the chunk: the rest comes from later chunks, added by the caller), and the chunk's shares of dD and of the
+MIMO scales' gradients.
 """
 
 from __future__ import annotations
@@ -14,35 +15,47 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.mamba3.triton_common import load_pairs, pair_columns, rotate_pairs, token_scalars
+from mamba_parallel.ops.mamba3.triton_common import (load_pairs, load_rank_rows, pair_columns, per_rank, per_token,
+                                                      per_token_vec, rotate_pairs, rows, token_scalars)
 
 
 @triton.jit
-def _gated(DY, Z, YPRE, off, zoff, m, HAS_Z: tl.constexpr):
-    """dy with the gate's backward applied: dy * silu(z) -> (that, dz) (dz = dy without a gate). DY and YPRE
-    share the offsets ``off``; z has its own strides (a view of the projection)."""
-    dy = tl.load(DY + off, mask=m, other=0.0).to(tl.float32)
+def _gate_back(DY, Z, YPRE, MZ, MO, row_off, tok_off, zoff, rank, offs_p, h, P, m, pm, R: tl.constexpr,
+               HAS_Z: tl.constexpr, HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr):
+    """Per row: the output gradient before the gate and the rank fold -> (dyg, dz per row, dy of the row's token
+    (HAS_MO), the gated output yg (HAS_MO: what mimo_o multiplied)). YPRE (y before the gate) is kept per row
+    whenever there is a gate or a fold."""
+    if HAS_MO:
+        dy_tok = tl.load(DY + tok_off, mask=m, other=0.0).to(tl.float32)
+        dy = dy_tok * load_rank_rows(MO + h * R * P, rank, offs_p, P, R, pm)
+    else:
+        dy = tl.load(DY + row_off, mask=m, other=0.0).to(tl.float32)
+        dy_tok = dy
     if HAS_Z:
         z = tl.load(Z + zoff, mask=m, other=0.0).to(tl.float32)
+        if HAS_MZ:
+            z *= load_rank_rows(MZ + h * R * P, rank, offs_p, P, R, pm)
         sg = tl.sigmoid(z)
-        ypre = tl.load(YPRE + off, mask=m, other=0.0).to(tl.float32)
-        return dy * z * sg, dy * ypre * sg * (1.0 + z * (1.0 - sg))
-    return dy, dy
+        ypre = tl.load(YPRE + row_off, mask=m, other=0.0).to(tl.float32)
+        return dy * z * sg, dy * ypre * sg * (1.0 + z * (1.0 - sg)), dy_tok, ypre * z * sg
+    if HAS_MO:
+        return dy, dy, dy_tok, tl.load(YPRE + row_off, mask=m, other=0.0).to(tl.float32)
+    return dy, dy, dy_tok, dy
 
 
 @triton.jit
-def dstates_kernel(DY, Z, YPRE, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFINAL, THS, DFIN, DHS, DINIT,
+def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFINAL, THS, DFIN, DHS, DINIT,
                    L, NC, H, HPG, P, NH, NA,
-                   sdb, sdt, sdh, scb, sct, scg, scn, sab, sat, sah, saa, syb, syt, syh, syp, szb, szt, szh, szp,
-                   T: tl.constexpr, BH: tl.constexpr, BLOCK_P: tl.constexpr, HALVED: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_DINIT: tl.constexpr,
-                   PREC: tl.constexpr):
+                   sdb, sdt, sdh, scb, sct, scr, scg, scn, sab, sat, sah, saa, srb, srt, srr, srh, srp,
+                   sob, sot, soh, sop, szb, szt, szh, szp,
+                   T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BLOCK_P: tl.constexpr,
+                   HALVED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_MZ: tl.constexpr,
+                   HAS_MO: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_DINIT: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)
     pp = tl.program_id(1)
     b = (pid // H).to(tl.int64)
     h = pid % H
     N = 2 * NH
-    offs_t = tl.arange(0, T)
     offs_p = pp * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_j = tl.arange(0, BH)
     pm, jm, am = offs_p < P, offs_j < NH, offs_j < NA
@@ -50,9 +63,6 @@ def dstates_kernel(DY, Z, YPRE, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFINAL, THS,
     hm = pm[:, None] & jm[None, :]
     scal = b * sdb + h * sdh
     c_ptr = Cm + b * scb + (h // HPG) * scg
-    if HAS_BIAS:
-        bias1 = tl.load(BIAS + h * N + col1, mask=jm, other=0.0).to(tl.float32)
-        bias2 = tl.load(BIAS + h * N + col2, mask=jm, other=0.0).to(tl.float32)
     dtype = DHS.dtype.element_ty
     dH1 = tl.zeros((BLOCK_P, BH), dtype=tl.float32)
     dH2 = tl.zeros((BLOCK_P, BH), dtype=tl.float32)
@@ -75,23 +85,27 @@ def dstates_kernel(DY, Z, YPRE, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFINAL, THS,
         tl.store(out + col1[None, :], dH1.to(dtype), mask=hm)
         tl.store(out + col2[None, :], dH2.to(dtype), mask=hm)
 
-        t = c * T + offs_t
+        t, rank, lead = rows(c, T, R)
         valid = t < L
         dt, la, gamma, w = token_scalars(DT + scal, AA + scal, TRAP + scal, sdt, t, valid, valid)
+        la = tl.where(lead, la, 0.0)
         cs = tl.cumsum(la, 0)
         tot = tl.sum(la, 0)
         th_c = tl.load(THS + ((b * H + h) * NC + c) * NA + offs_j, mask=am, other=0.0)
         om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_j[None, :] * saa,
                      mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
-        th_t = th_c[None, :] + tl.cumsum(om * dt[:, None], 0)
-        c1, c2 = load_pairs(c_ptr, sct, scn, t, valid, col1, col2, jm)
+        th_t = th_c[None, :] + tl.cumsum(tl.where(lead[:, None], om * dt[:, None], 0.0), 0)
+        c1, c2 = load_pairs(c_ptr, t * sct + rank * scr, scn, valid, col1, col2, jm)
         if HAS_BIAS:
-            c1 += bias1[None, :]
-            c2 += bias2[None, :]
+            c1 += load_rank_rows(BIAS + h * R * N, rank, col1, N, R, jm)
+            c2 += load_rank_rows(BIAS + h * R * N, rank, col2, N, R, jm)
         q1, q2 = rotate_pairs(c1, c2, tl.cos(th_t), tl.sin(th_t))
         ym = valid[:, None] & pm[None, :]
-        dy, _ = _gated(DY, Z, YPRE, b * syb + h * syh + t[:, None] * syt + offs_p[None, :] * syp,
-                       b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp, ym, HAS_Z)
+        dy, _, _, _ = _gate_back(DY, Z, YPRE, MZ, MO,
+                                 b * srb + h * srh + t[:, None] * srt + rank[:, None] * srr + offs_p[None, :] * srp,
+                                 b * sob + h * soh + t[:, None] * sot + offs_p[None, :] * sop,
+                                 b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp,
+                                 rank, offs_p, h, P, ym, pm, R, HAS_Z, HAS_MZ, HAS_MO)
         dyw = (dy * tl.exp(cs)[:, None]).to(dtype)
         decay = tl.exp(tot)
         dH1 = dH1 * decay + tl.dot(tl.trans(dyw), q1.to(dtype), input_precision=PREC)
@@ -105,20 +119,21 @@ def dstates_kernel(DY, Z, YPRE, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFINAL, THS,
 
 
 @triton.jit
-def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, CFINAL, HS, THS, DHS,
-                     DX, DZ, DBH, DCH, DW, DG, DA, DPHI, DTH_TOT, DD,
+def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, MX, MZ, MO, CFINAL, HS, THS,
+                     DHS, DX, DZ, DBH, DCH, DW, DG, DA, DPHI, DTH_TOT, DD, DMX, DMZ, DMO,
                      L, NC, H, HPG, P, NH, NA,
-                     sxb, sxt, sxh, sxp, sdb, sdt, sdh, sbb, sbt, sbg, sbn, scb, sct, scg, scn,
-                     sab, sat, sah, saa, syb, syt, syh, syp, szb, szt, szh, szp, sgb, sgt, sgh, spb, spt, sph,
-                     T: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, HALVED: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PREC: tl.constexpr):
+                     sxb, sxt, sxh, sxp, sdb, sdt, sdh, sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn,
+                     sab, sat, sah, saa, srb, srt, srr, srh, srp, sob, sot, soh, sop, szb, szt, szh, szp,
+                     sgb, sgt, sgr, sgh, spb, spt, sph,
+                     T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, HALVED: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_MX: tl.constexpr,
+                     HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr, PREC: tl.constexpr):
     pid = tl.program_id(0)
     c = tl.program_id(1)
     b = (pid // H).to(tl.int64)
     h = pid % H
     g = h // HPG
     N = 2 * NH
-    offs_t = tl.arange(0, T)
     offs_p = tl.arange(0, BP)
     offs_j = tl.arange(0, BH)
     pm, jm, am = offs_p < P, offs_j < NH, offs_j < NA
@@ -126,49 +141,70 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
     dtype = X.dtype.element_ty
 
     cf = tl.load(CFINAL + b * NC + c)
-    t = c * T + offs_t
+    t, rank, lead = rows(c, T, R)
+    tok = t - c * T
     valid = t < L
-    next_ok = (t + 1 < L) & ((offs_t < T - 1) | (offs_t * 0 + cf == -2))
+    next_ok = (t + 1 < L) & ((tok < T - 1) | (t * 0 + cf == -2))
     scal = b * sdb + h * sdh
     dt, la, gamma, w = token_scalars(DT + scal, AA + scal, TRAP + scal, sdt, t, valid, next_ok)
+    la = tl.where(lead, la, 0.0)
     cs = tl.cumsum(la, 0)
     tot = tl.sum(la, 0)
     th_c = tl.load(THS + ((b * H + h) * NC + c) * NA + offs_j, mask=am, other=0.0)
     om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_j[None, :] * saa,
                  mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
-    th_t = th_c[None, :] + tl.cumsum(om * dt[:, None], 0)
+    th_t = th_c[None, :] + tl.cumsum(tl.where(lead[:, None], om * dt[:, None], 0.0), 0)
     cos, sin = tl.cos(th_t), tl.sin(th_t)
-    c1, c2 = load_pairs(Cm + b * scb + g * scg, sct, scn, t, valid, col1, col2, jm)
-    b1, b2 = load_pairs(Bm + b * sbb + g * sbg, sbt, sbn, t, valid, col1, col2, jm)
+    c1, c2 = load_pairs(Cm + b * scb + g * scg, t * sct + rank * scr, scn, valid, col1, col2, jm)
+    b1, b2 = load_pairs(Bm + b * sbb + g * sbg, t * sbt + rank * sbr, sbn, valid, col1, col2, jm)
     if HAS_BIAS:
-        c1 += tl.load(BIAS_C + h * N + col1, mask=jm, other=0.0).to(tl.float32)[None, :]
-        c2 += tl.load(BIAS_C + h * N + col2, mask=jm, other=0.0).to(tl.float32)[None, :]
-        b1 += tl.load(BIAS_B + h * N + col1, mask=jm, other=0.0).to(tl.float32)[None, :]
-        b2 += tl.load(BIAS_B + h * N + col2, mask=jm, other=0.0).to(tl.float32)[None, :]
+        c1 += load_rank_rows(BIAS_C + h * R * N, rank, col1, N, R, jm)
+        c2 += load_rank_rows(BIAS_C + h * R * N, rank, col2, N, R, jm)
+        b1 += load_rank_rows(BIAS_B + h * R * N, rank, col1, N, R, jm)
+        b2 += load_rank_rows(BIAS_B + h * R * N, rank, col2, N, R, jm)
     q1, q2 = rotate_pairs(c1, c2, cos, sin)
     k1, k2 = rotate_pairs(b1, b2, cos, sin)
     q1d, q2d, k1d, k2d = q1.to(dtype), q2.to(dtype), k1.to(dtype), k2.to(dtype)
 
     xm = valid[:, None] & pm[None, :]
-    xoff = b * sxb + h * sxh + t[:, None] * sxt + offs_p[None, :] * sxp
-    yoff = b * syb + h * syh + t[:, None] * syt + offs_p[None, :] * syp  # dy, ypre, dx, dz: contiguous alike
-    xv = tl.load(X + xoff, mask=xm, other=0.0)
-    xd = xv.to(dtype)
-    dy, dz = _gated(DY, Z, YPRE, yoff, b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp, xm, HAS_Z)
+    xv = tl.load(X + b * sxb + h * sxh + t[:, None] * sxt + offs_p[None, :] * sxp, mask=xm, other=0.0)
+    xv = xv.to(tl.float32)
+    u = xv
+    if HAS_MX:
+        mx = load_rank_rows(MX + h * R * P, rank, offs_p, P, R, pm)
+        u = xv * mx
+    ud = u.to(dtype)
+    row_off = b * srb + h * srh + t[:, None] * srt + rank[:, None] * srr + offs_p[None, :] * srp
+    tok_off = b * sob + h * soh + t[:, None] * sot + offs_p[None, :] * sop
+    dy, dzr, dy_tok, yg = _gate_back(DY, Z, YPRE, MZ, MO, row_off, tok_off,
+                                     b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp,
+                                     rank, offs_p, h, P, xm, pm, R, HAS_Z, HAS_MZ, HAS_MO)
+    tt = c * T + tl.arange(0, T)  # per-token outputs
+    tm = tt < L
+    tmp = tm[:, None] & pm[None, :]
+    tok_out = b * sob + h * soh + tt[:, None] * sot + offs_p[None, :] * sop
+    mrank = ((b * H + h) * NC + c) * R * P + tl.arange(0, R)[:, None] * P + offs_p[None, :]
+    if HAS_MO:
+        tl.store(DMO + mrank, per_rank(dy_tok * yg, T, R, BP), mask=pm[None, :])
     if HAS_Z:
-        tl.store(DZ + yoff, dz.to(DZ.dtype.element_ty), mask=xm)
+        zraw = tl.load(Z + b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp, mask=xm,
+                       other=0.0).to(tl.float32)
+        if HAS_MZ:
+            tl.store(DMZ + mrank, per_rank(zraw * dzr, T, R, BP), mask=pm[None, :])
+            dzr *= load_rank_rows(MZ + h * R * P, rank, offs_p, P, R, pm)
+        tl.store(DZ + tok_out, per_token(dzr, T, R, BP).to(DZ.dtype.element_ty), mask=tmp)
     dyd = dy.to(dtype)
 
-    ii = offs_t[:, None]
-    jj = offs_t[None, :]
-    strict = ii > jj
-    diag = ii == jj
+    ti = tok[:, None]
+    tj = tok[None, :]
+    strict = ti > tj
+    same = ti == tj
     E = tl.exp(tl.where(strict, cs[:, None] - cs[None, :], float("-inf")))
-    W = E * w[None, :] + tl.where(diag, gamma[:, None], 0.0)
+    W = E * w[None, :] + tl.where(same, gamma[:, None], 0.0)
     S = tl.dot(q1d, tl.trans(k1d), input_precision=PREC) + tl.dot(q2d, tl.trans(k2d), input_precision=PREC)
-    G = tl.dot(dyd, tl.trans(xd), input_precision=PREC)  # G_ij = dy_i . x_j
+    G = tl.dot(dyd, tl.trans(ud), input_precision=PREC)  # G_ij = dy_i . u_j
     V = S * G
-    coef = tl.exp(tot - cs) * w  # token j's weight in the state leaving the chunk
+    coef = tl.exp(tot - cs) * w  # row j's weight in the state leaving the chunk
 
     hs = ((b * H + h) * NC + c) * P * N + offs_p[:, None] * N
     hm = pm[:, None] & jm[None, :]
@@ -177,50 +213,53 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
     dH1 = tl.load(DHS + hs + col1[None, :], mask=hm, other=0.0).to(tl.float32)
     dH2 = tl.load(DHS + hs + col2[None, :], mask=hm, other=0.0).to(tl.float32)
 
-    # dx: through the chunk's outputs, D, and the state leaving the chunk
-    dx = tl.dot(tl.trans(S * W).to(dtype), dyd, input_precision=PREC)
-    dx += coef[:, None] * (tl.dot(k1d, tl.trans(dH1.to(dtype)), input_precision=PREC)
+    # du (per row): through the chunk's outputs, D, and the state leaving the chunk; then dx (per token)
+    du = tl.dot(tl.trans(S * W).to(dtype), dyd, input_precision=PREC)
+    du += coef[:, None] * (tl.dot(k1d, tl.trans(dH1.to(dtype)), input_precision=PREC)
                            + tl.dot(k2d, tl.trans(dH2.to(dtype)), input_precision=PREC))
     if HAS_D:
-        dx += tl.load(D + h).to(tl.float32) * dy
-        tl.store(DD + (b * H + h) * NC + c, tl.sum(tl.sum(dy * xv.to(tl.float32), 1), 0))
-    tl.store(DX + yoff, dx.to(DX.dtype.element_ty), mask=xm)
+        du += tl.load(D + h).to(tl.float32) * dy
+        tl.store(DD + (b * H + h) * NC + c, tl.sum(tl.sum(dy * u, 1), 0))
+    if HAS_MX:
+        tl.store(DMX + mrank, per_rank(xv * du, T, R, BP), mask=pm[None, :])
+        du *= mx
+    tl.store(DX + tok_out, per_token(du, T, R, BP).to(DX.dtype.element_ty), mask=tmp)
 
     # dq, dk (of the rotated vectors)
     PW = (G * W).to(dtype)
-    dyH1 = tl.dot(dyd, H1.to(dtype), input_precision=PREC)  # (T, BH)
+    dyH1 = tl.dot(dyd, H1.to(dtype), input_precision=PREC)  # (rows, BH)
     dyH2 = tl.dot(dyd, H2.to(dtype), input_precision=PREC)
     ecs = tl.exp(cs)
     dq1 = tl.dot(PW, k1d, input_precision=PREC) + ecs[:, None] * dyH1
     dq2 = tl.dot(PW, k2d, input_precision=PREC) + ecs[:, None] * dyH2
-    xdH1 = tl.dot(xd, dH1.to(dtype), input_precision=PREC)
-    xdH2 = tl.dot(xd, dH2.to(dtype), input_precision=PREC)
-    dk1 = tl.dot(tl.trans(PW), q1d, input_precision=PREC) + coef[:, None] * xdH1
-    dk2 = tl.dot(tl.trans(PW), q2d, input_precision=PREC) + coef[:, None] * xdH2
+    udH1 = tl.dot(ud, dH1.to(dtype), input_precision=PREC)
+    udH2 = tl.dot(ud, dH2.to(dtype), input_precision=PREC)
+    dk1 = tl.dot(tl.trans(PW), q1d, input_precision=PREC) + coef[:, None] * udH1
+    dk2 = tl.dot(tl.trans(PW), q2d, input_precision=PREC) + coef[:, None] * udH2
 
     # per-token scalars: the trapezoid weights and the decay's log
     EV = tl.where(strict, E * V, 0.0)
-    Zs = tl.sum(xdH1 * k1 + xdH2 * k2, 1)  # x_j^T dH k_j
+    Zs = tl.sum(udH1 * k1 + udH2 * k2, 1)  # u_j^T dH k_j
     dw = tl.sum(EV, 0) + tl.exp(tot - cs) * Zs
-    dg = tl.sum(tl.where(diag, V, 0.0), 1)
-    R = EV * w[None, :]
-    dcs = tl.sum(R, 1) - tl.sum(R, 0) + ecs * tl.sum(q1 * dyH1 + q2 * dyH2, 1) - coef * Zs
+    dg = tl.sum(tl.where(same, V, 0.0), 1)
+    Rm = EV * w[None, :]
+    dcs = tl.sum(Rm, 1) - tl.sum(Rm, 0) + ecs * tl.sum(q1 * dyH1 + q2 * dyH2, 1) - coef * Zs
     dtot = tl.exp(tot) * tl.sum(tl.sum(dH1 * H1 + dH2 * H2, 1), 0) + tl.sum(coef * Zs, 0)
-    dcs += tl.where(offs_t == T - 1, dtot, 0.0)
+    dcs = per_token_vec(dcs, T, R)
+    dcs += tl.where(tl.arange(0, T) == T - 1, dtot, 0.0)
     da = tl.sum(dcs, 0) - tl.cumsum(dcs, 0) + dcs  # d(dt A)_t = sum_{i >= t} dcs_i
-    soff = b * sdb + h * sdh + t * sdt
-    tl.store(DW + soff, dw, mask=valid)
-    tl.store(DG + soff, dg, mask=valid)
-    tl.store(DA + soff, da, mask=valid)
+    soff = b * sdb + h * sdh + tt * sdt
+    tl.store(DW + soff, per_token_vec(dw, T, R), mask=tm)
+    tl.store(DG + soff, per_token_vec(dg, T, R), mask=tm)
+    tl.store(DA + soff, da, mask=tm)
 
-    # the rotation: the phase, and B / C before it
-    dth = q1 * dq2 - q2 * dq1 + k1 * dk2 - k2 * dk1
-    pm2 = valid[:, None] & am[None, :]
-    tl.store(DPHI + b * spb + h * sph + t[:, None] * spt + offs_j[None, :],
-             tl.sum(dth, 0)[None, :] - tl.cumsum(dth, 0) + dth, mask=pm2)
+    # the rotation: the phase (per token), and B / C before it (per row)
+    dth = per_token(q1 * dq2 - q2 * dq1 + k1 * dk2 - k2 * dk1, T, R, BH)
+    tl.store(DPHI + b * spb + h * sph + tt[:, None] * spt + offs_j[None, :],
+             tl.sum(dth, 0)[None, :] - tl.cumsum(dth, 0) + dth, mask=tm[:, None] & am[None, :])
     tl.store(DTH_TOT + ((b * H + h) * NC + c) * NA + offs_j, tl.sum(dth, 0), mask=am)
     nm = valid[:, None] & jm[None, :]
-    noff = b * sgb + h * sgh + t[:, None] * sgt  # DBH / DCH: (rows, L, H, N) fp32, per head
+    noff = b * sgb + h * sgh + t[:, None] * sgt + rank[:, None] * sgr  # DBH / DCH: per head, fp32
     tl.store(DCH + noff + col1[None, :], dq1 * cos + dq2 * sin, mask=nm)
     tl.store(DCH + noff + col2[None, :], dq2 * cos - dq1 * sin, mask=nm)
     tl.store(DBH + noff + col1[None, :], dk1 * cos + dk2 * sin, mask=nm)

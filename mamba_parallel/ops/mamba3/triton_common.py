@@ -26,6 +26,14 @@ def pair_columns(offs_j, n, HALVED: tl.constexpr):
 
 
 @triton.jit
+def rows(c, T: tl.constexpr, R: tl.constexpr):
+    """The T * R rows of chunk c (token-major: row = token * R + rank) -> (token index t, rank, first-rank mask)."""
+    offs = tl.arange(0, T * R)
+    rank = offs % R
+    return c * T + offs // R, rank, rank == 0
+
+
+@triton.jit
 def token_scalars(dt_ptr, a_ptr, trap_ptr, s_t, t, valid, next_ok):
     """dt, log decay dt*A, the diagonal weight gamma = trap dt and the weight w = gamma + beta_next of each token
     toward later ones (beta_next = (1 - trap) dt of the next token, zero where ``next_ok`` is false)."""
@@ -39,17 +47,45 @@ def token_scalars(dt_ptr, a_ptr, trap_ptr, s_t, t, valid, next_ok):
 
 
 @triton.jit
-def load_pairs(ptr, s_t, s_n, t, valid, col1, col2, jmask):
-    """Both halves (T, BH) of a (.., n) tensor at tokens t, fp32."""
+def load_pairs(ptr, row_off, s_n, valid, col1, col2, jmask):
+    """Both halves (rows, BH) of a (.., n) tensor at the rows' offsets, fp32."""
     m = valid[:, None] & jmask[None, :]
-    v1 = tl.load(ptr + t[:, None] * s_t + col1[None, :] * s_n, mask=m, other=0.0).to(tl.float32)
-    v2 = tl.load(ptr + t[:, None] * s_t + col2[None, :] * s_n, mask=m, other=0.0).to(tl.float32)
+    v1 = tl.load(ptr + row_off[:, None] + col1[None, :] * s_n, mask=m, other=0.0).to(tl.float32)
+    v2 = tl.load(ptr + row_off[:, None] + col2[None, :] * s_n, mask=m, other=0.0).to(tl.float32)
     return v1, v2
+
+
+@triton.jit
+def load_rank_rows(ptr, rank, cols, ncols, R: tl.constexpr, cmask):
+    """A per-head (R, ncols) parameter (MIMO scales, biases) read for every row's rank -> (rows, len(cols)) fp32."""
+    return tl.load(ptr + rank[:, None] * ncols + cols[None, :], mask=cmask[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
 def rotate_pairs(v1, v2, cos, sin):
     return v1 * cos - v2 * sin, v1 * sin + v2 * cos
+
+
+@triton.jit
+def per_token(v, T: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """(T * R, C) per row -> summed over each token's R rows: (T, C)."""
+    if R == 1:
+        return v
+    return tl.sum(tl.reshape(v, (T, R, C)), axis=1)
+
+
+@triton.jit
+def per_token_vec(v, T: tl.constexpr, R: tl.constexpr):
+    """(T * R,) per row -> summed over each token's R rows: (T,)."""
+    if R == 1:
+        return v
+    return tl.sum(tl.reshape(v, (T, R)), axis=1)
+
+
+@triton.jit
+def per_rank(v, T: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """(T * R, C) per row -> summed over the tokens, per rank: (R, C)."""
+    return tl.sum(tl.reshape(v, (T, R, C)), axis=0)
 
 
 def _c(num_warps=4, num_stages=2, **blocks):

@@ -1,12 +1,14 @@
-"""Mamba-3 forward kernels (SISO): the state sweep and the chunk outputs.
+"""Mamba-3 forward kernels: the state sweep and the chunk outputs, SISO (R = 1) and MIMO (rank R).
 
-``states``: one program per (row, head, headdim block) walks the chunks in order, keeping the state (p, n) and the
-rotary phase in registers; it writes the state and phase entering every chunk (and the final ones). The state is
-the trapezoid-augmented one: token j enters it with weight w_j = gamma_j + beta_{j+1}, so the next token's half step
-of j is already in it.
-``chunk_fwd``: one program per (row, head, chunk, headdim block), all chunks at once: within the chunk
-y_i = sum_{j<i} (q_i . k_j) exp(cs_i - cs_j) w_j x_j + gamma_i (q_i . k_i) x_i, plus exp(cs_i) q_i . H_in, plus
-D x_i, gated by silu(z_i).
+A chunk of T tokens is handled as T * R rows, token-major (row = token * R + rank): row (t, r) carries the rank-r
+input u = x_t * mimo_x_r, B_{t,r}, C_{t,r}; every row of a token shares its decay, trapezoid weights and phase.
+``states``: one program per (row of the batch, head, headdim block) walks the chunks in order, keeping the state
+(p, n) and the rotary phase in registers; it writes the state and phase entering every chunk (and the final ones).
+The state is the trapezoid-augmented one: token j enters it with weight w_j = gamma_j + beta_{j+1}, so the next
+token's half step of j is already in it.
+``chunk_fwd``: one program per (batch row, head, chunk, headdim block), all chunks at once: within the chunk
+y_i = sum_{j before i} (q_i . k_j) exp(cs_i - cs_j) w_j u_j + gamma_i sum_{j same token} (q_i . k_j) u_j, plus
+exp(cs_i) q_i . H_in, plus D u_i, gated by silu(z * mimo_z), folded over the ranks with mimo_o.
 """
 
 from __future__ import annotations
@@ -14,22 +16,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.mamba3.triton_common import (TWO_PI, load_pairs, pair_columns, rotate_pairs,
-                                                      token_scalars)
+from mamba_parallel.ops.mamba3.triton_common import (TWO_PI, load_pairs, load_rank_rows, pair_columns, per_token,
+                                                      rotate_pairs, rows, token_scalars)
 
 
 @triton.jit
-def states_kernel(X, DT, AA, TRAP, Bm, BIAS, ANG, INIT_SSM, INIT_ANG, CINIT, CFINAL, HS, THS, FIN_SSM, FIN_ANG,
+def states_kernel(X, DT, AA, TRAP, Bm, BIAS, ANG, MX, INIT_SSM, INIT_ANG, CINIT, CFINAL, HS, THS, FIN_SSM, FIN_ANG,
                   L, NC, H, HPG, P, NH, NA,
-                  sxb, sxt, sxh, sxp, sdb, sdt, sdh, sbb, sbt, sbg, sbn, sab, sat, sah, saa,
-                  T: tl.constexpr, BH: tl.constexpr, BLOCK_P: tl.constexpr, HALVED: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, PREC: tl.constexpr):
+                  sxb, sxt, sxh, sxp, sdb, sdt, sdh, sbb, sbt, sbr, sbg, sbn, sab, sat, sah, saa,
+                  T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BLOCK_P: tl.constexpr,
+                  HALVED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MX: tl.constexpr, HAS_INIT: tl.constexpr,
+                  PREC: tl.constexpr):
     pid = tl.program_id(0)
     pp = tl.program_id(1)
     b = (pid // H).to(tl.int64)
     h = pid % H
     N = 2 * NH
-    offs_t = tl.arange(0, T)
     offs_p = pp * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_j = tl.arange(0, BH)
     pm, jm, am = offs_p < P, offs_j < NH, offs_j < NA
@@ -40,9 +42,6 @@ def states_kernel(X, DT, AA, TRAP, Bm, BIAS, ANG, INIT_SSM, INIT_ANG, CINIT, CFI
     dt_ptr, a_ptr, trap_ptr = DT + b * sdb + h * sdh, AA + b * sdb + h * sdh, TRAP + b * sdb + h * sdh
     b_ptr = Bm + b * sbb + (h // HPG) * sbg
     ang_ptr = ANG + b * sab + h * sah
-    if HAS_BIAS:
-        bias1 = tl.load(BIAS + h * N + col1, mask=jm, other=0.0).to(tl.float32)
-        bias2 = tl.load(BIAS + h * N + col2, mask=jm, other=0.0).to(tl.float32)
     dtype = X.dtype.element_ty
     H1 = tl.zeros((BLOCK_P, BH), dtype=tl.float32)
     H2 = tl.zeros((BLOCK_P, BH), dtype=tl.float32)
@@ -70,27 +69,30 @@ def states_kernel(X, DT, AA, TRAP, Bm, BIAS, ANG, INIT_SSM, INIT_ANG, CINIT, CFI
         tl.store(out + col2[None, :], H2.to(HS.dtype.element_ty), mask=hm)
         tl.store(THS + ((b * H + h) * NC + c) * NA + offs_j, th, mask=am & first)
 
-        t = c * T + offs_t
+        t, rank, lead = rows(c, T, R)
         valid = t < L
-        next_ok = (t + 1 < L) & ((offs_t < T - 1) | (offs_t * 0 + cf == -2))
+        next_ok = (t + 1 < L) & ((t - c * T < T - 1) | (t * 0 + cf == -2))
         dt, la, gamma, w = token_scalars(dt_ptr, a_ptr, trap_ptr, sdt, t, valid, next_ok)
+        la = tl.where(lead, la, 0.0)  # one row per token sums the decay and the phase
         cs = tl.cumsum(la, 0)
         tot = tl.sum(la, 0)
         om = tl.load(ang_ptr + t[:, None] * sat + offs_j[None, :] * saa, mask=valid[:, None] & am[None, :],
                      other=0.0).to(tl.float32)
-        dphi = om * dt[:, None]
+        dphi = tl.where(lead[:, None], om * dt[:, None], 0.0)
         th_t = th[None, :] + tl.cumsum(dphi, 0)
-        b1, b2 = load_pairs(b_ptr, sbt, sbn, t, valid, col1, col2, jm)
+        b1, b2 = load_pairs(b_ptr, t * sbt + rank * sbr, sbn, valid, col1, col2, jm)
         if HAS_BIAS:
-            b1 += bias1[None, :]
-            b2 += bias2[None, :]
+            b1 += load_rank_rows(BIAS + h * R * N, rank, col1, N, R, jm)
+            b2 += load_rank_rows(BIAS + h * R * N, rank, col2, N, R, jm)
         k1, k2 = rotate_pairs(b1, b2, tl.cos(th_t), tl.sin(th_t))
-        xv = tl.load(x_ptr + t[:, None] * sxt + offs_p[None, :] * sxp, mask=valid[:, None] & pm[None, :],
-                     other=0.0).to(tl.float32)
-        xw = (xv * (tl.exp(tot - cs) * w)[:, None]).to(dtype)
+        u = tl.load(x_ptr + t[:, None] * sxt + offs_p[None, :] * sxp, mask=valid[:, None] & pm[None, :],
+                    other=0.0).to(tl.float32)
+        if HAS_MX:
+            u *= load_rank_rows(MX + h * R * P, rank, offs_p, P, R, pm)
+        uw = (u * (tl.exp(tot - cs) * w)[:, None]).to(dtype)
         decay = tl.exp(tot)
-        H1 = H1 * decay + tl.dot(tl.trans(xw), k1.to(dtype), input_precision=PREC)
-        H2 = H2 * decay + tl.dot(tl.trans(xw), k2.to(dtype), input_precision=PREC)
+        H1 = H1 * decay + tl.dot(tl.trans(uw), k1.to(dtype), input_precision=PREC)
+        H2 = H2 * decay + tl.dot(tl.trans(uw), k2.to(dtype), input_precision=PREC)
         th = th + tl.sum(dphi, 0)
         th = th - TWO_PI * tl.floor(th / TWO_PI)
         ok = (offs_j * 0 + cf) >= 0  # the sequence ends here with final state cf
@@ -102,12 +104,14 @@ def states_kernel(X, DT, AA, TRAP, Bm, BIAS, ANG, INIT_SSM, INIT_ANG, CINIT, CFI
 
 
 @triton.jit
-def chunk_fwd_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, CFINAL, HS, THS, Y, YPRE,
+def chunk_fwd_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, MX, MZ, MO, CFINAL, HS, THS, Y, YPRE,
                      L, NC, H, HPG, P, NH, NA,
-                     sxb, sxt, sxh, sxp, sdb, sdt, sdh, sbb, sbt, sbg, sbn, scb, sct, scg, scn,
-                     sab, sat, sah, saa, szb, szt, szh, szp, syb, syt, syh, syp,
-                     T: tl.constexpr, BH: tl.constexpr, BLOCK_P: tl.constexpr, HALVED: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PREC: tl.constexpr):
+                     sxb, sxt, sxh, sxp, sdb, sdt, sdh, sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn,
+                     sab, sat, sah, saa, szb, szt, szh, szp, srb, srt, srr, srh, srp, sob, sot, soh, sop,
+                     T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BLOCK_P: tl.constexpr,
+                     HALVED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                     HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr, PREC: tl.constexpr):
+    """Y: per token (strides so*) when HAS_MO (the ranks folded), else per row (strides sr*, like YPRE)."""
     pid = tl.program_id(0)
     c = tl.program_id(1)
     pp = tl.program_id(2)
@@ -115,7 +119,6 @@ def chunk_fwd_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, CFINAL,
     h = pid % H
     g = h // HPG
     N = 2 * NH
-    offs_t = tl.arange(0, T)
     offs_p = pp * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_j = tl.arange(0, BH)
     pm, jm, am = offs_p < P, offs_j < NH, offs_j < NA
@@ -123,38 +126,41 @@ def chunk_fwd_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, CFINAL,
     dtype = X.dtype.element_ty
 
     cf = tl.load(CFINAL + b * NC + c)
-    t = c * T + offs_t
+    t, rank, lead = rows(c, T, R)
+    tok = t - c * T
     valid = t < L
-    next_ok = (t + 1 < L) & ((offs_t < T - 1) | (offs_t * 0 + cf == -2))
+    next_ok = (t + 1 < L) & ((tok < T - 1) | (t * 0 + cf == -2))
     scal = b * sdb + h * sdh
     dt, la, gamma, w = token_scalars(DT + scal, AA + scal, TRAP + scal, sdt, t, valid, next_ok)
-    cs = tl.cumsum(la, 0)
+    cs = tl.cumsum(tl.where(lead, la, 0.0), 0)
     th_c = tl.load(THS + ((b * H + h) * NC + c) * NA + offs_j, mask=am, other=0.0)
     om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_j[None, :] * saa,
                  mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
-    th_t = th_c[None, :] + tl.cumsum(om * dt[:, None], 0)
+    th_t = th_c[None, :] + tl.cumsum(tl.where(lead[:, None], om * dt[:, None], 0.0), 0)
     cos, sin = tl.cos(th_t), tl.sin(th_t)
-    c1, c2 = load_pairs(Cm + b * scb + g * scg, sct, scn, t, valid, col1, col2, jm)
-    b1, b2 = load_pairs(Bm + b * sbb + g * sbg, sbt, sbn, t, valid, col1, col2, jm)
+    c1, c2 = load_pairs(Cm + b * scb + g * scg, t * sct + rank * scr, scn, valid, col1, col2, jm)
+    b1, b2 = load_pairs(Bm + b * sbb + g * sbg, t * sbt + rank * sbr, sbn, valid, col1, col2, jm)
     if HAS_BIAS:
-        c1 += tl.load(BIAS_C + h * N + col1, mask=jm, other=0.0).to(tl.float32)[None, :]
-        c2 += tl.load(BIAS_C + h * N + col2, mask=jm, other=0.0).to(tl.float32)[None, :]
-        b1 += tl.load(BIAS_B + h * N + col1, mask=jm, other=0.0).to(tl.float32)[None, :]
-        b2 += tl.load(BIAS_B + h * N + col2, mask=jm, other=0.0).to(tl.float32)[None, :]
+        c1 += load_rank_rows(BIAS_C + h * R * N, rank, col1, N, R, jm)
+        c2 += load_rank_rows(BIAS_C + h * R * N, rank, col2, N, R, jm)
+        b1 += load_rank_rows(BIAS_B + h * R * N, rank, col1, N, R, jm)
+        b2 += load_rank_rows(BIAS_B + h * R * N, rank, col2, N, R, jm)
     q1, q2 = rotate_pairs(c1, c2, cos, sin)
     k1, k2 = rotate_pairs(b1, b2, cos, sin)
     q1, q2, k1, k2 = q1.to(dtype), q2.to(dtype), k1.to(dtype), k2.to(dtype)
 
-    # within the chunk
+    # within the chunk: earlier tokens with their decay and w, the same token's rows with gamma
     S = tl.dot(q1, tl.trans(k1), input_precision=PREC) + tl.dot(q2, tl.trans(k2), input_precision=PREC)
-    ii = offs_t[:, None]
-    jj = offs_t[None, :]
-    strict = ii > jj
+    ti = tok[:, None]
+    tj = tok[None, :]
+    strict = ti > tj
     E = tl.exp(tl.where(strict, cs[:, None] - cs[None, :], float("-inf")))
-    W = E * w[None, :] + tl.where(ii == jj, gamma[:, None], 0.0)
+    W = E * w[None, :] + tl.where(ti == tj, gamma[:, None], 0.0)
     xm = valid[:, None] & pm[None, :]
-    xv = tl.load(X + b * sxb + h * sxh + t[:, None] * sxt + offs_p[None, :] * sxp, mask=xm, other=0.0)
-    y = tl.dot((S * W).to(dtype), xv.to(dtype), input_precision=PREC)
+    u = tl.load(X + b * sxb + h * sxh + t[:, None] * sxt + offs_p[None, :] * sxp, mask=xm, other=0.0).to(tl.float32)
+    if HAS_MX:
+        u *= load_rank_rows(MX + h * R * P, rank, offs_p, P, R, pm)
+    y = tl.dot((S * W).to(dtype), u.to(dtype), input_precision=PREC)
     # the state entering the chunk
     hs = HS + ((b * H + h) * NC + c) * P * N + offs_p[:, None] * N
     hm = pm[:, None] & jm[None, :]
@@ -163,11 +169,21 @@ def chunk_fwd_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, CFINAL,
     inter = tl.dot(q1, tl.trans(H1), input_precision=PREC) + tl.dot(q2, tl.trans(H2), input_precision=PREC)
     y += tl.exp(cs)[:, None] * inter
     if HAS_D:
-        y += tl.load(D + h).to(tl.float32) * xv.to(tl.float32)
-    out = b * syb + h * syh + t[:, None] * syt + offs_p[None, :] * syp
+        y += tl.load(D + h).to(tl.float32) * u
+    row_out = b * srb + h * srh + t[:, None] * srt + rank[:, None] * srr + offs_p[None, :] * srp
+    if HAS_Z or HAS_MO:  # the backward of the gate / the fold reads y before them
+        tl.store(YPRE + row_out, y.to(YPRE.dtype.element_ty), mask=xm)
     if HAS_Z:
         zv = tl.load(Z + b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp, mask=xm,
                      other=0.0).to(tl.float32)
-        tl.store(YPRE + out, y.to(YPRE.dtype.element_ty), mask=xm)
+        if HAS_MZ:
+            zv *= load_rank_rows(MZ + h * R * P, rank, offs_p, P, R, pm)
         y = y * zv * tl.sigmoid(zv)
-    tl.store(Y + out, y.to(Y.dtype.element_ty), mask=xm)
+    if HAS_MO:  # fold the ranks: y_t = sum_r mimo_o_r * y_{t,r}
+        y = per_token(y * load_rank_rows(MO + h * R * P, rank, offs_p, P, R, pm), T, R, BLOCK_P)
+        tt = c * T + tl.arange(0, T)
+        om_ = (tt < L)[:, None] & pm[None, :]
+        tl.store(Y + b * sob + h * soh + tt[:, None] * sot + offs_p[None, :] * sop, y.to(Y.dtype.element_ty),
+                 mask=om_)
+    else:
+        tl.store(Y + row_out, y.to(Y.dtype.element_ty), mask=xm)

@@ -1,12 +1,13 @@
-"""Triton path of the Mamba-3 scan (SISO): one autograd node around the kernels of triton_fwd / triton_bwd.
+"""Triton path of the Mamba-3 scan (SISO and MIMO): one autograd node around the kernels of triton_fwd / triton_bwd.
 
 Forward: the state sweep (states entering every chunk, in x.dtype, and the final ones, fp32) then the chunk
 outputs, all chunks at once. Backward: the sweep again (the states are not kept: they are larger than x), the
 reverse state-gradient sweep, the per-chunk gradients, then a few torch ops for what is a per-token chain rule
-(dt, A, trap from the decay's log and the trapezoid weights; the phase's suffix sums across chunks).
+(dt, A, trap from the decay's log and the trapezoid weights; the phase's suffix sums across chunks) and the sums
+over heads (dB / dC per group) and chunks (dD, the MIMO scales).
 Outside the node, in plain differentiable torch: the initial state's trapezoid half step (the token before the
 sequence) is folded into the initial state, and the final k / v (the last token's rotated B and x) are gathered.
-MIMO (rank-R B / C) runs the reference (``supports`` says so).
+MIMO needs a power-of-two rank R (the kernels hold chunk x R rows); otherwise the reference runs.
 """
 
 from __future__ import annotations
@@ -24,34 +25,58 @@ from mamba_parallel.ops.mamba3.triton_fwd import chunk_fwd_kernel, states_kernel
 from mamba_parallel.ops.mamba3.triton_layout import Layout, make_layout
 
 
+def _rank(B) -> int:
+    return B.shape[2] if B.dim() == 5 else 1
+
+
 def supports(x, dt, A, B, *args) -> bool:
-    """The kernels cover SISO (B / C of rank 1); MIMO runs the reference."""
-    return B.dim() == 4
+    """SISO, or MIMO of a power-of-two rank; anything else runs the reference."""
+    R = _rank(B)
+    return R & (R - 1) == 0
 
 
 def _strides(t, n=4):
     return tuple(t.stride()) if t is not None else (0,) * n
 
 
-def _states(xs, dts, As, traps, Bs, B_bias, angs, init_angle, init_ssm, lay: Layout, T, halved, nstates,
+def _bc_strides(t):
+    """B / C (b, L, [R,] g, n) -> (sb, st, sr, sg, sn) (sr = 0 for SISO)."""
+    if t.dim() == 5:
+        return tuple(t.stride())
+    sb, st, sg, sn = t.stride()
+    return sb, st, 0, sg, sn
+
+
+def _row_strides(t):
+    """Per-row outputs (b, L, [R,] h, p) -> (sb, st, sr, sh, sp) (sr = 0 for SISO); zeros for None."""
+    if t is None:
+        return (0,) * 5
+    if t.dim() == 5:
+        return tuple(t.stride())
+    sb, st, sh, sp = t.stride()
+    return sb, st, 0, sh, sp
+
+
+def _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, lay: Layout, T, halved, nstates,
             keep_final: bool):
     """The state sweep -> states entering every chunk (rows, h, nc, p, n) in x.dtype, phases (rows, h, nc, a),
     final state (nstates, h, p, n) and phase (nstates, h, a) fp32."""
     rows, Lk, H, P = xs.shape
-    G, N, NA = Bs.shape[2], Bs.shape[3], angs.shape[3]
+    R, G, N, NA = _rank(Bs), Bs.shape[-2], Bs.shape[-1], angs.shape[3]
     dev = xs.device
     HS = torch.empty(rows, H, lay.nchunks, P, N, device=dev, dtype=xs.dtype)
     THS = torch.empty(rows, H, lay.nchunks, NA, device=dev, dtype=torch.float32)
     fin_ssm = torch.empty(nstates if keep_final else 0, H, P, N, device=dev, dtype=torch.float32)
     fin_ang = torch.empty(nstates if keep_final else 0, H, NA, device=dev, dtype=torch.float32)
+    # without final states, the codes keep only where sequences end (the trapezoid must not cross there)
+    final = lay.final if keep_final else torch.full_like(lay.final, -2).masked_fill(lay.final != -2, -1)
     kernel = tuned(states_kernel, "states")
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
-    kernel[grid](xs, dts, As, traps, Bs, B_bias, angs, init_ssm, init_angle, lay.init, lay.final if keep_final
-                 else torch.full_like(lay.final, -2).masked_fill(lay.final != -2, -1), HS, THS, fin_ssm, fin_ang,
-                 Lk, lay.nchunks, H, H // G, P, N // 2, NA,
-                 *_strides(xs), *_strides(dts, 3), *_strides(Bs), *_strides(angs),
-                 T=T, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_INIT=init_ssm is not None,
-                 PREC=dot_precision(xs.dtype))
+    kernel[grid](xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_ssm, init_angle, lay.init, final, HS, THS,
+                 fin_ssm, fin_ang, Lk, lay.nchunks, H, H // G, P, N // 2, NA,
+                 *_strides(xs), *_strides(dts, 3), *_bc_strides(Bs), *_strides(angs),
+                 T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_MX=mimo_x is not None,
+                 HAS_INIT=init_ssm is not None, PREC=dot_precision(xs.dtype))
     return HS, THS, fin_ssm, fin_ang
 
 
@@ -63,22 +88,29 @@ def _scalars(dt, A, trap):
     return tuple(t.float().contiguous() for t in (dt, A, trap))
 
 
-def _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, init_angle, init_ssm, lay, T, halved):
+def _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle, init_ssm, lay,
+             T, halved):
     dt, A, trap = _scalars(dt, A, trap)
     xs, dts, As, traps, Bs, Cs, angs, zs = _pack_all(lay, x, dt, A, trap, B, C, angles, z)
     rows, Lk, H, P = xs.shape
-    G, N, NA = Bs.shape[2], Bs.shape[3], angs.shape[3]
-    HS, THS, fin_ssm, fin_ang = _states(xs, dts, As, traps, Bs, B_bias, angs, init_angle, init_ssm, lay, T, halved,
-                                        lay.nstates, True)
-    y = torch.empty(rows, Lk, H, P, device=x.device, dtype=x.dtype)
-    ypre = torch.empty_like(y) if z is not None else None
+    R, G, N, NA = _rank(B), B.shape[-2], B.shape[-1], angs.shape[3]
+    HS, THS, fin_ssm, fin_ang = _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, lay, T,
+                                        halved, lay.nstates, True)
+    rank_axis = (R,) if R > 1 else ()
+    fold = mimo_o is not None
+    y = torch.empty(rows, Lk, *(() if fold else rank_axis), H, P, device=x.device, dtype=x.dtype)
+    ypre = torch.empty(rows, Lk, *rank_axis, H, P, device=x.device, dtype=x.dtype) if (z is not None or fold) \
+        else None
+    row_t = ypre if ypre is not None else y  # the per-row layout (y itself when nothing is folded)
     kernel = tuned(chunk_fwd_kernel, "chunk_fwd")
     grid = lambda meta: (rows * H, lay.nchunks, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
-    kernel[grid](xs, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, zs, lay.final, HS, THS, y, ypre,
-                 Lk, lay.nchunks, H, H // G, P, N // 2, NA,
-                 *_strides(xs), *_strides(dts, 3), *_strides(Bs), *_strides(Cs), *_strides(angs), *_strides(zs),
-                 *_strides(y), T=T, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None,
-                 HAS_D=D is not None, HAS_Z=z is not None, PREC=dot_precision(x.dtype))
+    kernel[grid](xs, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, zs, mimo_x, mimo_z, mimo_o, lay.final, HS, THS,
+                 y, ypre, Lk, lay.nchunks, H, H // G, P, N // 2, NA,
+                 *_strides(xs), *_strides(dts, 3), *_bc_strides(Bs), *_bc_strides(Cs), *_strides(angs),
+                 *_strides(zs), *_row_strides(row_t), *(_strides(y) if fold else (0,) * 4),
+                 T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_D=D is not None,
+                 HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
+                 PREC=dot_precision(x.dtype))
     if lay.empty is not None and lay.empty.numel():  # a sequence without tokens hands its initial state through
         fin_ssm[lay.empty] = init_ssm[lay.empty] if init_ssm is not None else 0.0
         fin_ang[lay.empty] = init_angle[lay.empty] if init_angle is not None else 0.0
@@ -106,48 +138,57 @@ def _phase_carry(lay: Layout, tot, dfin_angle, T, Lk):
 
 
 def _backward(ctx, dy, dfin_angle, dfin_ssm):
-    (x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, init_angle, init_ssm, ypre) = ctx.saved_tensors
+    (x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle, init_ssm,
+     ypre) = ctx.saved_tensors
     lay, T, halved = ctx.lay, ctx.T, ctx.halved
+    fold = mimo_o is not None
+    R = _rank(B)
     dt, A, trap = _scalars(dt, A, trap)
     if dy is None:
-        dy = torch.zeros(x.shape, device=x.device, dtype=x.dtype)
-    assert ypre is None or ypre.is_contiguous()  # the kernels read dy and ypre with the same offsets
+        dy = torch.zeros(ctx.y_shape, device=x.device, dtype=x.dtype)
     xs, dts, As, traps, Bs, Cs, angs, zs, ypres, dys = _pack_all(lay, x, dt, A, trap, B, C, angles, z, ypre,
                                                                  dy.contiguous())
     rows, Lk, H, P = xs.shape
-    G, N, NA = Bs.shape[2], Bs.shape[3], angs.shape[3]
+    G, N, NA = B.shape[-2], B.shape[-1], angs.shape[3]
     dev, f32 = x.device, torch.float32
-    HS, THS, _, _ = _states(xs, dts, As, traps, Bs, B_bias, angs, init_angle, init_ssm, lay, T, halved,
+    HS, THS, _, _ = _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, lay, T, halved,
                             lay.nstates, False)
     dHS = torch.empty_like(HS)
-    need_dinit = init_ssm is not None and ctx.needs_input_grad[12]
+    need_dinit = init_ssm is not None and ctx.needs_input_grad[15]
     dinit = torch.zeros(lay.nstates, H, P, N, device=dev, dtype=f32) if need_dinit else None
     dfin = dfin_ssm.float().contiguous() if dfin_ssm is not None else None
+    row_t = ypres if ypres is not None else dys  # per-row layout: ypre (kept with a gate or a fold), else dy
+    dx = torch.empty(rows, Lk, H, P, device=dev, dtype=x.dtype)  # per token, contiguous: dy's layout when folded
+    tok_strides = _strides(dx)
     kernel = tuned(dstates_kernel, "dstates")
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
-    kernel[grid](dys, zs, ypres, dts, As, traps, Cs, C_bias, angs, lay.init, lay.final, THS, dfin, dHS, dinit,
-                 Lk, lay.nchunks, H, H // G, P, N // 2, NA,
-                 *_strides(dts, 3), *_strides(Cs), *_strides(angs), *_strides(dys), *_strides(zs),
-                 T=T, BH=block(N // 2), HALVED=halved, HAS_BIAS=C_bias is not None, HAS_Z=z is not None,
-                 HAS_DFIN=dfin is not None, HAS_DINIT=dinit is not None, PREC=dot_precision(x.dtype))
+    kernel[grid](dys, zs, ypres, mimo_z, mimo_o, dts, As, traps, Cs, C_bias, angs, lay.init, lay.final, THS, dfin,
+                 dHS, dinit, Lk, lay.nchunks, H, H // G, P, N // 2, NA,
+                 *_strides(dts, 3), *_bc_strides(Cs), *_strides(angs), *_row_strides(row_t), *tok_strides,
+                 *_strides(zs), T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=C_bias is not None,
+                 HAS_Z=z is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold, HAS_DFIN=dfin is not None,
+                 HAS_DINIT=dinit is not None, PREC=dot_precision(x.dtype))
 
-    dx = torch.empty(rows, Lk, H, P, device=dev, dtype=x.dtype)
     dz = torch.empty_like(dx) if z is not None else None
-    dBh = torch.zeros(rows, Lk, H, N, device=dev, dtype=f32)
+    rank_axis = (R,) if R > 1 else ()
+    dBh = torch.zeros(rows, Lk, *rank_axis, H, N, device=dev, dtype=f32)
     dCh = torch.zeros_like(dBh)
     dw, dg, da = (torch.zeros_like(dts) for _ in range(3))
     dphi = torch.zeros(rows, Lk, H, NA, device=dev, dtype=f32)
     dth_tot = torch.empty(rows, H, lay.nchunks, NA, device=dev, dtype=f32)
     dD = torch.empty(rows, H, lay.nchunks, device=dev, dtype=f32) if D is not None else None
+    part = lambda t: torch.empty(rows, H, lay.nchunks, R, P, device=dev, dtype=f32) if t is not None else None  # noqa
+    dmx, dmz, dmo = part(mimo_x), part(mimo_z), part(mimo_o)
     kernel = tuned(chunk_bwd_kernel, "chunk_bwd")
     kernel[(rows * H, lay.nchunks)](
-        xs, dys, zs, ypres, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, lay.final, HS, THS, dHS,
-        dx, dz, dBh, dCh, dw, dg, da, dphi, dth_tot, dD,
+        xs, dys, zs, ypres, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
+        THS, dHS, dx, dz, dBh, dCh, dw, dg, da, dphi, dth_tot, dD, dmx, dmz, dmo,
         Lk, lay.nchunks, H, H // G, P, N // 2, NA,
-        *_strides(xs), *_strides(dts, 3), *_strides(Bs), *_strides(Cs), *_strides(angs), *_strides(dys),
-        *_strides(zs), *dBh.stride()[:3], *dphi.stride()[:3],
-        T=T, BH=block(N // 2), BP=block(P), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_D=D is not None,
-        HAS_Z=z is not None, PREC=dot_precision(x.dtype))
+        *_strides(xs), *_strides(dts, 3), *_bc_strides(Bs), *_bc_strides(Cs), *_strides(angs), *_row_strides(row_t),
+        *_strides(dx), *_strides(zs), *_bc_strides(dBh)[:4], *dphi.stride()[:3],
+        T=T, R=R, BH=block(N // 2), BP=block(P), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_D=D is not None,
+        HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
+        PREC=dot_precision(x.dtype))
 
     # the per-token chain rule: w_j = gamma_j + beta_{j+1}, gamma = trap dt, beta = (1 - trap) dt, log decay dt A
     dbeta = torch.zeros_like(dw)
@@ -157,14 +198,12 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     carry, dinit_angle_seq = _phase_carry(lay, dth_tot, dfin_angle, T, Lk)
     dphi = dphi + carry
     ddt = da * As + traps * dgt + (1 - traps) * dbeta + (dphi * angs.float()).sum(-1)
-    grads = dict(x=lay.unpack(dx, x), dt=lay.unpack(ddt, x), A=lay.unpack(da * dts, x),
-                 trap=lay.unpack(dts * (dgt - dbeta), x), angles=lay.unpack(dphi * dts[..., None], x),
-                 z=lay.unpack(dz, x))
+    unpack = lambda t: lay.unpack(t, x)  # noqa: E731
     hpg = H // G
-    grads["B"] = lay.unpack(dBh.view(rows, Lk, G, hpg, N).sum(3).to(B.dtype), x)
-    grads["C"] = lay.unpack(dCh.view(rows, Lk, G, hpg, N).sum(3).to(C.dtype), x)
+    per_group = lambda t: t.view(*t.shape[:-2], G, hpg, N).sum(-2)  # noqa: E731  sum over each group's heads
+    head_first = lambda t: t.transpose(0, 1) if R > 1 else t  # noqa: E731  (R, h, ..) -> (h, R, ..)
     dinit_angle = None
-    if init_angle is not None and ctx.needs_input_grad[11]:
+    if init_angle is not None and ctx.needs_input_grad[14]:
         dinit_angle = torch.zeros_like(init_angle, dtype=f32)
         ok = lay.seq_init >= 0
         dinit_angle[lay.seq_init[ok]] = dinit_angle_seq[ok]
@@ -173,20 +212,25 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
             dinit_angle[lay.empty] += dfin_angle[lay.empty].float()
         if dinit is not None and dfin is not None:
             dinit[lay.empty] += dfin[lay.empty]
-    return (grads["x"], grads["dt"], grads["A"], grads["B"], grads["C"], grads["trap"],
-            grads["angles"].to(angles.dtype), dD.sum((0, 2)).to(D.dtype) if D is not None else None, grads["z"],
-            dBh.sum((0, 1)).to(B_bias.dtype) if B_bias is not None else None,
-            dCh.sum((0, 1)).to(C_bias.dtype) if C_bias is not None else None,
-            dinit_angle, dinit, None, None, None)
+    rank_sum = lambda t, like: t.sum((0, 2)).to(like.dtype) if like is not None else None  # noqa: E731
+    return (unpack(dx), unpack(ddt), unpack(da * dts), unpack(per_group(dBh).to(B.dtype)),
+            unpack(per_group(dCh).to(C.dtype)), unpack(dts * (dgt - dbeta)), unpack(dphi * dts[..., None]).to(
+                angles.dtype), dD.sum((0, 2)).to(D.dtype) if D is not None else None, unpack(dz),
+            head_first(dBh.sum((0, 1))).to(B_bias.dtype) if B_bias is not None else None,
+            head_first(dCh.sum((0, 1))).to(C_bias.dtype) if C_bias is not None else None,
+            rank_sum(dmx, mimo_x), rank_sum(dmz, mimo_z), rank_sum(dmo, mimo_o), dinit_angle, dinit,
+            None, None, None)
 
 
 class _Mamba3Scan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, init_angle, init_ssm, lay, T, halved):
-        y, ypre, fin_angle, fin_ssm = _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, init_angle,
-                                               init_ssm, lay, T, halved)
-        ctx.save_for_backward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, init_angle, init_ssm, ypre)
-        ctx.lay, ctx.T, ctx.halved = lay, T, halved
+    def forward(ctx, x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle,
+                init_ssm, lay, T, halved):
+        y, ypre, fin_angle, fin_ssm = _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z,
+                                               mimo_o, init_angle, init_ssm, lay, T, halved)
+        ctx.save_for_backward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
+                              init_angle, init_ssm, ypre)
+        ctx.lay, ctx.T, ctx.halved, ctx.y_shape = lay, T, halved, y.shape
         return y, fin_angle, fin_ssm
 
     @staticmethod
@@ -211,70 +255,90 @@ def _per_head(t, h):
 def mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D=None, z=None, B_bias=None, C_bias=None,
                       mimo_x=None, mimo_z=None, mimo_o=None, rope="interleaved", initial_states=None, seq_idx=None,
                       cu_seqlens=None, return_final_states=False):
-    """Triton path of ``mamba_parallel.ops.mamba3.mamba3_chunk_scan`` (SISO; arguments checked there).
-    chunk_size must be a power of two >= 16."""
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"mamba3_chunk_scan (triton): chunk_size must be a power of two >= 16, got {chunk_size}")
+    """Triton path of ``mamba_parallel.ops.mamba3.mamba3_chunk_scan`` (arguments checked there). chunk_size must be
+    a power of two with chunk_size x R >= 16 (R = 1 for SISO)."""
+    R = _rank(B)
+    if chunk_size & (chunk_size - 1) or chunk_size * R < 16:
+        raise ValueError(f"mamba3_chunk_scan (triton): chunk_size must be a power of two with chunk_size x rank >= 16,"
+                         f" got {chunk_size} (rank {R})")
     b, L, h, p = x.shape
     n = B.shape[-1]
+    mimo = B.dim() == 5
     if L == 0:
-        return naive.mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D, z, B_bias, C_bias, rope=rope,
-                                       initial_states=initial_states, cu_seqlens=cu_seqlens,
+        return naive.mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D, z, B_bias, C_bias, mimo_x, mimo_z,
+                                       mimo_o, rope=rope, initial_states=initial_states, cu_seqlens=cu_seqlens,
                                        return_final_states=return_final_states)
     lay = make_layout(b, L, chunk_size, seq_idx, cu_seqlens, x.device)
     first, last, nonempty = _state_tokens(b, L, cu_seqlens, x.device)
     flat = lambda t: t.reshape(b * L, *t.shape[2:])  # noqa: E731
+    mx = mimo_x.float().transpose(0, 1) if mimo_x is not None else 1.0  # (R, h, p)
     init_angle = init_ssm = None
     if initial_states is not None:
         # the trapezoid's half step of the token before each sequence joins its initial state
         beta0 = (1 - flat(trap)[first].float()) * flat(dt)[first].float()
         if nonempty is not None:
             beta0 = beta0 * nonempty[:, None]
-        outer = initial_states.v.float()[..., :, None] * initial_states.k.float()[..., None, :]
+        k_prev = initial_states.k.float() if mimo else initial_states.k.float().unsqueeze(1)
+        u_prev = initial_states.v.float().unsqueeze(1) * mx
+        outer = torch.einsum("nrhp,nrhq->nhpq", u_prev, k_prev)
         init_ssm = (initial_states.ssm.float() + beta0[..., None, None] * outer).contiguous()
         init_angle = initial_states.angle.float().contiguous()
     small = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     y, fin_angle, fin_ssm = _Mamba3Scan.apply(x, dt, A, B, C, trap, angles, small(D), z, small(B_bias),
-                                              small(C_bias), init_angle, init_ssm, lay, chunk_size,
-                                              rope == "halved")
+                                              small(C_bias), small(mimo_x), small(mimo_z), small(mimo_o),
+                                              init_angle, init_ssm, lay, chunk_size, rope == "halved")
     if not return_final_states:
         return y
     # the last token's rotated B and x, what the next token's trapezoid half step reads
-    k0 = _per_head(flat(B)[last].float(), h)
+    k0 = _per_head(flat(B)[last].float(), h)  # (N, [R,] h, n)
     if B_bias is not None:
-        k0 = k0 + B_bias.float()
+        k0 = k0 + (B_bias.float().transpose(0, 1) if mimo else B_bias.float())
     first_col, second_col = naive.rope_pairs(n, angles.shape[-1], rope, x.device)
-    k_last = naive.rotate(k0, fin_angle, first_col, second_col)
+    k_last = naive.rotate(k0, fin_angle[:, None] if mimo else fin_angle, first_col, second_col)
     v_last = flat(x)[last]
     if nonempty is not None:  # a sequence without tokens hands its initial k / v through (or zeros)
-        keep = nonempty[:, None, None]
         k_prev = initial_states.k.float() if initial_states is not None else torch.zeros_like(k_last)
         v_prev = initial_states.v.to(v_last.dtype) if initial_states is not None else torch.zeros_like(v_last)
-        k_last, v_last = torch.where(keep, k_last, k_prev), torch.where(keep, v_last, v_prev)
+        k_last = torch.where(nonempty.view(-1, *([1] * (k_last.dim() - 1))), k_last, k_prev)
+        v_last = torch.where(nonempty[:, None, None], v_last, v_prev)
     return y, Mamba3State(torch.remainder(fin_angle, 2 * math.pi), fin_ssm, k_last, v_last)
 
 
 def supports_step(state, x, dt, A, B, *args) -> bool:
-    """The decode kernel covers SISO; MIMO runs the reference."""
-    return B.dim() == 3
+    """SISO, or MIMO of a power-of-two rank (the kernel's rank axis)."""
+    R = B.shape[1] if B.dim() == 4 else 1
+    return R & (R - 1) == 0
+
+
+def _ranked3(t):
+    """(b, [R,] c, n) -> strides (sb, sr, sc, sn) with sr = 0 without a rank axis."""
+    if t.dim() == 4:
+        return tuple(t.stride())
+    sb, sc, sn = t.stride()
+    return sb, 0, sc, sn
 
 
 def mamba3_state_update(state: Mamba3State, x, dt, A, B, C, trap, angles, D=None, z=None, B_bias=None,
                         C_bias=None, mimo_x=None, mimo_z=None, mimo_o=None, rope="interleaved"):
-    """Triton path of ``mamba_parallel.ops.mamba3.mamba3_state_update`` (SISO; arguments checked there)."""
+    """Triton path of ``mamba_parallel.ops.mamba3.mamba3_state_update`` (arguments checked there)."""
     from mamba_parallel.ops.mamba3.triton_step import step_kernel
 
     b, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
-    y = torch.empty_like(x)
+    R = B.shape[1] if B.dim() == 4 else 1
+    G, N = B.shape[-2], B.shape[-1]
+    fold = mimo_o is not None or R == 1
+    y = torch.empty(b, H, P, device=x.device, dtype=x.dtype) if fold else \
+        torch.empty(b, R, H, P, device=x.device, dtype=x.dtype)
     small = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     dt, A, trap = _scalars(dt, A, trap)
     # not autotuned: the kernel updates the cache in place, a tuning rerun would advance it twice
-    step_kernel[(b * H,)](x, dt, A, trap, B, C, small(B_bias), small(C_bias), angles, small(D), z, *state, y,
+    step_kernel[(b * H,)](x, dt, A, trap, B, C, small(B_bias), small(C_bias), angles, small(D), z, small(mimo_x),
+                          small(mimo_z), small(mimo_o), *state, y,
                           H, H // G, P, N // 2, angles.shape[-1],
-                          *_strides(x, 3), *_strides(dt, 2), *_strides(B, 3), *_strides(C, 3),
-                          *_strides(angles, 3), *_strides(z, 3), *_strides(state.angle, 3), *_strides(state.ssm),
-                          *_strides(state.k, 3), *_strides(state.v, 3), *_strides(y, 3),
-                          BH=block(N // 2), BP=block(P), HALVED=rope == "halved", HAS_BIAS=B_bias is not None,
-                          HAS_D=D is not None, HAS_Z=z is not None, num_warps=4)
+                          *_strides(x, 3), *_strides(dt, 2), *_ranked3(B), *_ranked3(C), *_strides(angles, 3),
+                          *_strides(z, 3), *_strides(state.angle, 3), *_strides(state.ssm), *_ranked3(state.k),
+                          *_strides(state.v, 3), *((y.stride(0), 0, *y.stride()[1:]) if fold else y.stride()),
+                          R=R, BH=block(N // 2), BP=block(P), HALVED=rope == "halved", HAS_BIAS=B_bias is not None,
+                          HAS_D=D is not None, HAS_Z=z is not None, HAS_MX=mimo_x is not None,
+                          HAS_MZ=mimo_z is not None, HAS_MO=mimo_o is not None, num_warps=4)
     return y

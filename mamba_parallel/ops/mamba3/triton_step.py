@@ -1,26 +1,35 @@
-"""Mamba-3 one-token decode kernel (SISO): one program per (row, head) advances the cached phase, state, and
-previous-token k / x in place, and writes y (the cache is read before it is written, by the same program)."""
+"""Mamba-3 one-token decode kernel (SISO and MIMO): one program per (batch row, head) advances the cached phase,
+state, and previous-token k / x in place, and writes y (the cache is read before it is written, by the same
+program). MIMO's R ranks are broadcast sums over a leading axis of R rows (R is small)."""
 
 from __future__ import annotations
 
-import triton.language as tl
 import triton
+import triton.language as tl
 
 from mamba_parallel.ops.mamba3.triton_common import TWO_PI, pair_columns, rotate_pairs
 
 
 @triton.jit
-def step_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, S_ANG, S_SSM, S_K, S_V, Y,
+def _rank_rows(ptr, offs_r, cols, ncols, cmask):
+    """(R, len(cols)) of a per-head (R, ncols) parameter, fp32."""
+    return tl.load(ptr + offs_r[:, None] * ncols + cols[None, :], mask=cmask[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def step_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, MX, MZ, MO, S_ANG, S_SSM, S_K, S_V, Y,
                 H, HPG, P, NH, NA,
-                sxb, sxh, sxp, sdb, sdh, sbb, sbg, sbn, scb, scg, scn, sab, sah, saa, szb, szh, szp,
-                s_ab, s_ah, s_aa, ssb, ssh, ssp, ssn, skb, skh, skn, svb, svh, svp, syb, syh, syp,
-                BH: tl.constexpr, BP: tl.constexpr, HALVED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+                sxb, sxh, sxp, sdb, sdh, sbb, sbr, sbg, sbn, scb, scr, scg, scn, sab, sah, saa, szb, szh, szp,
+                s_ab, s_ah, s_aa, ssb, ssh, ssp, ssn, skb, skr, skh, skn, svb, svh, svp, syb, syr, syh, syp,
+                R: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, HALVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr,
+                HAS_MO: tl.constexpr):
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
     h = pid % H
     g = h // HPG
     N = 2 * NH
+    offs_r = tl.arange(0, R)
     offs_p = tl.arange(0, BP)
     offs_j = tl.arange(0, BH)
     pm, jm, am = offs_p < P, offs_j < NH, offs_j < NA
@@ -33,44 +42,58 @@ def step_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, S_ANG, S_SSM
     a_ptr = S_ANG + b * s_ab + h * s_ah + offs_j * s_aa
     om = tl.load(ANG + b * sab + h * sah + offs_j * saa, mask=am, other=0.0).to(tl.float32)
     th = tl.load(a_ptr, mask=am, other=0.0) + om * dt
-    cos, sin = tl.cos(th), tl.sin(th)
-    b1 = tl.load(Bm + b * sbb + g * sbg + col1 * sbn, mask=jm, other=0.0).to(tl.float32)
-    b2 = tl.load(Bm + b * sbb + g * sbg + col2 * sbn, mask=jm, other=0.0).to(tl.float32)
-    c1 = tl.load(Cm + b * scb + g * scg + col1 * scn, mask=jm, other=0.0).to(tl.float32)
-    c2 = tl.load(Cm + b * scb + g * scg + col2 * scn, mask=jm, other=0.0).to(tl.float32)
+    cos, sin = tl.cos(th)[None, :], tl.sin(th)[None, :]
+    jm2 = jm[None, :]
+    b_ptr = Bm + b * sbb + g * sbg + offs_r[:, None] * sbr
+    c_ptr = Cm + b * scb + g * scg + offs_r[:, None] * scr
+    b1 = tl.load(b_ptr + col1[None, :] * sbn, mask=jm2, other=0.0).to(tl.float32)  # (R, BH)
+    b2 = tl.load(b_ptr + col2[None, :] * sbn, mask=jm2, other=0.0).to(tl.float32)
+    c1 = tl.load(c_ptr + col1[None, :] * scn, mask=jm2, other=0.0).to(tl.float32)
+    c2 = tl.load(c_ptr + col2[None, :] * scn, mask=jm2, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        b1 += tl.load(BIAS_B + h * N + col1, mask=jm, other=0.0).to(tl.float32)
-        b2 += tl.load(BIAS_B + h * N + col2, mask=jm, other=0.0).to(tl.float32)
-        c1 += tl.load(BIAS_C + h * N + col1, mask=jm, other=0.0).to(tl.float32)
-        c2 += tl.load(BIAS_C + h * N + col2, mask=jm, other=0.0).to(tl.float32)
+        b1 += _rank_rows(BIAS_B + h * R * N, offs_r, col1, N, jm)
+        b2 += _rank_rows(BIAS_B + h * R * N, offs_r, col2, N, jm)
+        c1 += _rank_rows(BIAS_C + h * R * N, offs_r, col1, N, jm)
+        c2 += _rank_rows(BIAS_C + h * R * N, offs_r, col2, N, jm)
     k1, k2 = rotate_pairs(b1, b2, cos, sin)
     q1, q2 = rotate_pairs(c1, c2, cos, sin)
 
-    k_ptr = S_K + b * skb + h * skh
-    kp1 = tl.load(k_ptr + col1 * skn, mask=jm, other=0.0).to(tl.float32)
-    kp2 = tl.load(k_ptr + col2 * skn, mask=jm, other=0.0).to(tl.float32)
+    k_ptr = S_K + b * skb + h * skh + offs_r[:, None] * skr
+    kp1 = tl.load(k_ptr + col1[None, :] * skn, mask=jm2, other=0.0).to(tl.float32)
+    kp2 = tl.load(k_ptr + col2[None, :] * skn, mask=jm2, other=0.0).to(tl.float32)
     v_ptr = S_V + b * svb + h * svh + offs_p * svp
     vp = tl.load(v_ptr, mask=pm, other=0.0).to(tl.float32)
     xr = tl.load(X + b * sxb + h * sxh + offs_p * sxp, mask=pm, other=0.0)
     xv = xr.to(tl.float32)
+    u, u_prev = xv[None, :], vp[None, :]  # (1 or R, BP)
+    if HAS_MX:
+        mx = _rank_rows(MX + h * R * P, offs_r, offs_p, P, pm)
+        u, u_prev = u * mx, u_prev * mx
     s_ptr = S_SSM + b * ssb + h * ssh + offs_p[:, None] * ssp
     hm = pm[:, None] & jm[None, :]
     H1 = tl.load(s_ptr + col1[None, :] * ssn, mask=hm, other=0.0).to(tl.float32)
     H2 = tl.load(s_ptr + col2[None, :] * ssn, mask=hm, other=0.0).to(tl.float32)
-    prev = (alpha * beta) * vp[:, None]
-    cur = gamma * xv[:, None]
-    H1 = alpha * H1 + prev * kp1[None, :] + cur * k1[None, :]
-    H2 = alpha * H2 + prev * kp2[None, :] + cur * k2[None, :]
-    y = tl.sum(H1 * q1[None, :] + H2 * q2[None, :], 1)
+    prev = (alpha * beta) * u_prev
+    cur = gamma * u
+    H1 = alpha * H1 + tl.sum(prev[:, :, None] * kp1[:, None, :] + cur[:, :, None] * k1[:, None, :], 0)
+    H2 = alpha * H2 + tl.sum(prev[:, :, None] * kp2[:, None, :] + cur[:, :, None] * k2[:, None, :], 0)
+    y = tl.sum(H1[None, :, :] * q1[:, None, :] + H2[None, :, :] * q2[:, None, :], 2)  # (R, BP)
     if HAS_D:
-        y += tl.load(D + h).to(tl.float32) * xv
+        y += tl.load(D + h).to(tl.float32) * u
     if HAS_Z:
-        zv = tl.load(Z + b * szb + h * szh + offs_p * szp, mask=pm, other=0.0).to(tl.float32)
+        zv = tl.load(Z + b * szb + h * szh + offs_p * szp, mask=pm, other=0.0).to(tl.float32)[None, :]
+        if HAS_MZ:
+            zv = zv * _rank_rows(MZ + h * R * P, offs_r, offs_p, P, pm)
         y = y * zv * tl.sigmoid(zv)
-    tl.store(Y + b * syb + h * syh + offs_p * syp, y.to(Y.dtype.element_ty), mask=pm)
+    y_ptr = Y + b * syb + h * syh + offs_p[None, :] * syp
+    if HAS_MO:
+        y = tl.sum(y * _rank_rows(MO + h * R * P, offs_r, offs_p, P, pm), 0)
+        tl.store(Y + b * syb + h * syh + offs_p * syp, y.to(Y.dtype.element_ty), mask=pm)
+    else:
+        tl.store(y_ptr + offs_r[:, None] * syr, y.to(Y.dtype.element_ty), mask=pm[None, :])
     tl.store(s_ptr + col1[None, :] * ssn, H1.to(S_SSM.dtype.element_ty), mask=hm)
     tl.store(s_ptr + col2[None, :] * ssn, H2.to(S_SSM.dtype.element_ty), mask=hm)
-    tl.store(k_ptr + col1 * skn, k1.to(S_K.dtype.element_ty), mask=jm)
-    tl.store(k_ptr + col2 * skn, k2.to(S_K.dtype.element_ty), mask=jm)
+    tl.store(k_ptr + col1[None, :] * skn, k1.to(S_K.dtype.element_ty), mask=jm2)
+    tl.store(k_ptr + col2[None, :] * skn, k2.to(S_K.dtype.element_ty), mask=jm2)
     tl.store(v_ptr, xr.to(S_V.dtype.element_ty), mask=pm)
     tl.store(a_ptr, th - TWO_PI * tl.floor(th / TWO_PI), mask=am)
