@@ -5,7 +5,8 @@
 
 Sections (``--only`` picks some; ``kernels`` = ``ssd`` + ``selective_scan``): the SSD and selective-scan kernels on
 their standard shapes, one training step of eight presets (seq 2048 x batch 8), generation of three models at
-batch 1 and 64, and the longest mamba2-1.3b sequence one GPU trains. Each section writes its JSON as soon as it
+batch 1 and 64, and the longest mamba2-1.3b sequence one GPU trains; ``--only mamba3`` adds the Mamba-3 kernels
+and layer (bench_mamba3.py). Each section writes its JSON as soon as it
 ends (``<out>/<date>-<device>/<bench>.json``); a failing row keeps its error and the run goes on. ``--budget-s``:
 presets / models not started by then are listed as skipped (the run then still writes the report).
 """
@@ -22,6 +23,7 @@ from mamba_parallel.bench.results import error_text, publish, say
 from mamba_parallel.bench.timing import Deadline
 
 SECTIONS = ("ssd", "selective_scan", "train", "generate", "long_context")
+EXTRA = ("mamba3",)  # run when --only names them
 GROUPS = {"kernels": ("ssd", "selective_scan")}
 
 
@@ -31,11 +33,12 @@ def parse_only(text: str | None) -> list[str]:
     picked = []
     for item in (x.strip() for x in text.split(",")):
         names = GROUPS.get(item, (item,))
-        bad = [n for n in names if n not in SECTIONS]
+        bad = [n for n in names if n not in SECTIONS + EXTRA]
         if bad:
-            raise SystemExit(f"bench all: --only {item!r} is not one of {', '.join(list(GROUPS) + list(SECTIONS))}")
+            raise SystemExit(f"bench all: --only {item!r} is not one of "
+                             f"{', '.join(list(GROUPS) + list(SECTIONS + EXTRA))}")
         picked += [n for n in names if n not in picked]
-    return [s for s in SECTIONS if s in picked]
+    return [s for s in SECTIONS + EXTRA if s in picked]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mamba-parallel bench all", description=__doc__.splitlines()[0])
     peer_mod.add_peer_flags(ap)
     ap.add_argument("--only", default=None, metavar="LIST",
-                    help="comma list of kernels, ssd, selective_scan, train, generate, long_context (default: all)")
+                    help="comma list of kernels, ssd, selective_scan, train, generate, long_context, mamba3 "
+                         "(default: all)")
     ap.add_argument("--out", default="benchmarks/results", metavar="DIR",
                     help="results folder: <date>-<device>/<bench>.json go in it (default: benchmarks/results)")
     ap.add_argument("--report", default="docs/performance.md", metavar="FILE",
@@ -80,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mamba_parallel.bench import (bench_generate, bench_selective_scan, bench_ssd, long_context_probe,
-                                      train_side_by_side)
+    from mamba_parallel.bench import (bench_generate, bench_mamba3, bench_selective_scan, bench_ssd,
+                                      long_context_probe, train_side_by_side)
 
     a = build_parser().parse_args(argv)
     sections = parse_only(a.only)
@@ -102,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": lambda: bench_generate.run(a.generate_models, peer, device, a.generate_batches, a.prompt_len,
                                                a.new_tokens, a.generate_repeats, deadline=deadline),
         "long_context": lambda: long_context_probe.run(a.long_preset, peer, device, a.long_start, a.long_max),
+        "mamba3": lambda: bench_mamba3.run(peer, device, "bf16", warmup=a.kernel_warmup, reps=a.kernel_reps),
     }
     failed = []
     for name in sections:

@@ -158,6 +158,13 @@ class MambaSsmPeer(Peer):
     def model_class(self):
         return self._model_cls
 
+    def build_lm(self, config: MambaConfig, device, dtype=None) -> torch.nn.Module:
+        if config.layer == "Mamba3":  # mamba_ssm's LM has no Mamba-3 blocks: its mixers go in (peer_mamba3.py)
+            from mamba_parallel.bench.peer_mamba3 import build_peer_lm
+
+            return build_peer_lm(self, config, device, dtype)
+        return super().build_lm(config, device, dtype)
+
 
 class _ReferenceLM(torch.nn.Module):
     """This package's model behind mamba_ssm's model API (``.logits``, ``generate(max_length, top_k, cg)``)."""
