@@ -7,7 +7,8 @@ loss. Only through the model's seams (layers/seq_ops.py, ``model.loss_fn``), it 
 
 - per mixer, its class's strategy from ``CP_STRATEGIES`` as ``mixer.seq_ops``: for Mamba / Mamba2 a conv taking
   the previous rank's last d_conv - 1 inputs (halo) and a scan run from zero, then folding in the earlier ranks'
-  state after ONE all-gather of (final state, slice decay) (cp_ops.py, cp_exchange.py); for attention, keys /
+  state after ONE all-gather of (final state, slice decay) (cp_ops.py, cp_exchange.py); for Mamba3 its scan
+  the same way, the gathered state carrying its rotary phase and last token (cp_mamba3.py); for attention, keys /
   values all-gathered (cp_attention.py); a new mixer adds its entry;
 - ``model.loss_fn``: the sum of the loss in place (vocab-parallel under TP) over the cp group / the number of
   targets of the whole sequence; its backward all-reduces over cp, so FSDP's average over (dp_shard, cp) gives
@@ -28,11 +29,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from mamba_parallel.distributed.collectives import all_reduce_both
 from mamba_parallel.distributed.cp_attention import CPAttentionOps
 from mamba_parallel.distributed.cp_exchange import SeqMeta
+from mamba_parallel.distributed.cp_mamba3 import CPMamba3Ops
 from mamba_parallel.distributed.cp_ops import cp_causal_conv1d, cp_selective_scan, cp_ssd_chunk_scan
 from mamba_parallel.distributed.parallel_dims import ParallelConfigError
 from mamba_parallel.layers.attention import MHA
 from mamba_parallel.layers.mamba1 import Mamba, Mamba1Ops
 from mamba_parallel.layers.mamba2 import Mamba2, Mamba2Ops
+from mamba_parallel.layers.mamba3 import Mamba3
 from mamba_parallel.layers.mlp import MLP, GatedMLP
 
 
@@ -117,6 +120,7 @@ def _mamba_ops(cls):
 CP_STRATEGIES = {
     Mamba: _mamba_ops(CPMamba1Ops),
     Mamba2: _mamba_ops(CPMamba2Ops),
+    Mamba3: lambda mixer, ctx: CPMamba3Ops(ctx),  # no conv: the state-passing scan alone (cp_mamba3.py)
     MHA: lambda mixer, ctx: CPAttentionOps(ctx.group, ctx.rank, ctx.size),
     GatedMLP: None,
     MLP: None,

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mamba_parallel.distributed.collectives import all_gather
-from mamba_parallel.distributed.cp_exchange import SeqMeta
+from mamba_parallel.distributed.cp_exchange import SeqMeta, attach
+from mamba_parallel.layers.mamba3 import Mamba3Ops
 from mamba_parallel.ops.mamba3 import Mamba3State, mamba3_chunk_scan
 from mamba_parallel.ops.mamba3.naive import rope_pairs, rotate
 
@@ -93,6 +94,28 @@ def cp_mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D=None, z=Non
     if rerun:
         init = Mamba3State(entering.angle, entering.ssm, entering.k, entering.v.to(x.dtype))
         y = mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, initial_states=init, **kw)
+    # every rank runs the gather's backward (its reduce-scatter), also rank 0 whose outputs do not read it
+    y = attach(y, gathered)
     if not return_final_states:
         return y
     return y, Mamba3State(torch.remainder(theta, 2 * math.pi), E, k_prev, v_prev.to(x.dtype))
+
+
+class CPMamba3Ops(Mamba3Ops):
+    """Mamba3's sequence op over this rank's slice (the parallel seam, ``mixer.seq_ops``): the state-passing scan.
+    ``ctx``: the model's cp context (its group, and the packed-sequence metadata shared by the layers)."""
+
+    local = False
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def scan(self, x, dt, A, B, C, trap, angles, chunk_size, seq_idx=None, cu_seqlens=None, **kwargs):
+        if cu_seqlens is not None:
+            raise ValueError("context parallel: pass packed sequences as this rank's slice of the global seq_idx, "
+                             "not cu_seqlens (its offsets would be local to the slice)")
+        return cp_mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, seq_idx=seq_idx, group=self.ctx.group,
+                                    meta=self.ctx.meta(seq_idx, 1), **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(cp={self.ctx.size})"

@@ -10,7 +10,8 @@ Data flow for hidden (b, L, d_model):
   -> out_proj -> (b, L, d_model). No short convolution: the trapezoid and the biases take its place.
 MIMO (is_mimo): B and C carry R = mimo_rank inputs / outputs per head; x, z and the output go through the
 per-head, per-rank scales mimo_x, mimo_z, mimo_o (the state size stays (p, n)).
-Local sizes come from the attributes ``d_inner, nheads, ngroups`` (tensor parallelism rewrites them).
+Local sizes come from the attributes ``d_inner, nheads, ngroups`` (tensor parallelism rewrites them); the scan
+goes through ``seq_ops`` (the parallel seam: context parallelism installs its own, distributed/cp_mamba3.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from mamba_parallel.layers import init
 from mamba_parallel.layers.norm import RMSNorm, RMSNormGated
+from mamba_parallel.layers.seq_ops import SequenceOps
 from mamba_parallel.ops.mamba3 import Mamba3State, mamba3_chunk_scan, mamba3_state_update
 
 
@@ -31,6 +33,16 @@ def rope_angle_count(d_state: int, rope_fraction: float) -> int:
     rounded down to an even number (mamba_ssm's rule)."""
     rotated = int(d_state * rope_fraction)
     return (rotated - rotated % 2) // 2
+
+
+class Mamba3Ops(SequenceOps):
+    """Mamba3's single-device sequence op (the parallel seam, layers/seq_ops.py): the Mamba-3 scan; the layer has
+    no conv."""
+
+    def scan(self, x, dt, A, B, C, trap, angles, chunk_size, **kwargs):
+        """``ops.mamba3.mamba3_chunk_scan`` (same arguments): x (b, L, h, p) ... -> y (b, L, h, p)
+        [, final Mamba3State]."""
+        return mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, **kwargs)
 
 
 class Mamba3(nn.Module):
@@ -63,6 +75,7 @@ class Mamba3(nn.Module):
         self.chunk_size = chunk_size
         self.dt_min, self.dt_max, self.dt_init_floor, self.A_floor = dt_min, dt_max, dt_init_floor, A_floor
         self.layer_idx = layer_idx
+        self.seq_ops = Mamba3Ops()  # the scan: what context parallelism replaces
 
         R, h, n = self.mimo_rank, self.nheads, d_state
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner + 2 * R * ngroups * n + 3 * h + self.num_rope_angles,
@@ -105,19 +118,20 @@ class Mamba3(nn.Module):
         init.linear_zero_bias_(self.out_proj)
         init.mark_no_weight_decay(self)
 
-    # ---- the scan (context parallelism replaces it per instance) ----------------------------------------------------
-    def run_scan(self, x, dt, A, B, C, trap, angles, z=None, seq_idx=None, cu_seqlens=None, **state_kwargs):
+    # ---- the scan ------------------------------------------------------------------------------------------------
+    def _scan(self, x, dt, A, B, C, trap, angles, z=None, seq_idx=None, cu_seqlens=None, **state_kwargs):
         """x, z (b, L, h, p), dt / A / trap (b, L, h), B / C (b, L, [R,] g, n) normed, angles (b, L, h, a)
         -> y (b, L, h, p) (or (b, L, R, h, p): MIMO with is_outproj_norm). ``state_kwargs`` (inference):
         ``initial_states``, ``return_final_states``."""
-        if cu_seqlens is not None:
-            seq_idx = None
         gate = not self.is_outproj_norm
         mimo = dict(mimo_x=self.mimo_x, mimo_z=self.mimo_z if gate else None,
                     mimo_o=self.mimo_o if gate else None) if self.is_mimo else {}
-        return mamba3_chunk_scan(x, dt, A, B, C, trap, angles, self.chunk_size, D=self.D, z=z, B_bias=self._bias(self.B_bias),
-                                 C_bias=self._bias(self.C_bias), rope=self.rope, seq_idx=seq_idx,
-                                 cu_seqlens=cu_seqlens, **mimo, **state_kwargs)
+        # packed input may come with both seq_idx and cu_seqlens (the model derives one from the other): the op
+        # takes one, cu_seqlens (b == 1) when given
+        return self.seq_ops.scan(x, dt, A, B, C, trap, angles, self.chunk_size, D=self.D, z=z,
+                                 B_bias=self._bias(self.B_bias), C_bias=self._bias(self.C_bias), rope=self.rope,
+                                 seq_idx=None if cu_seqlens is not None else seq_idx, cu_seqlens=cu_seqlens,
+                                 **mimo, **state_kwargs)
 
     # ---- pieces shared by forward and step ----------------------------------------------------------------------
     def _bias(self, bias: torch.Tensor) -> torch.Tensor:
@@ -177,8 +191,8 @@ class Mamba3(nn.Module):
             resume = inference_params.seqlen_offset > 0  # chunked prefill continues from the cached states
             init_states = Mamba3State(*(t[:b] for t in cache)) if resume else None
             state_kwargs.update(initial_states=init_states, return_final_states=True)
-        y = self.run_scan(x, dt, A, B, C, trap, angles, z=None if self.is_outproj_norm else z, seq_idx=seq_idx,
-                          cu_seqlens=cu_seqlens, **state_kwargs)
+        y = self._scan(x, dt, A, B, C, trap, angles, z=None if self.is_outproj_norm else z, seq_idx=seq_idx,
+                       cu_seqlens=cu_seqlens, **state_kwargs)
         if cache is not None:
             y, final = y
             for slot, value in zip(cache, final):
