@@ -204,3 +204,10 @@ def test_gpu_decode_step(dtype, R, nan_poison):
     assert_close(y, y_ref, dtype, name="y")
     for name, a, b in zip(Mamba3State._fields, state, ref_state):
         assert_close(a, b.float(), dtype, name=f"state {name}")
+
+
+def test_large_chunk_sizes_are_split_into_kernel_chunks():
+    """chunk_size 128 (or MIMO 64 x rank 4) is more rows than one tile: the kernels split it, same result."""
+    args = make_inputs(1, 70, 2, 8, 16, dtype=torch.float32, device=DEV, init=False)
+    assert_close(triton_impl.mamba3_chunk_scan(**args, chunk_size=128),
+                 naive.mamba3_chunk_scan(**as_double(args), chunk_size=128), torch.float32, name="y")

@@ -25,6 +25,9 @@ from mamba_parallel.ops.mamba3.triton_fwd import chunk_fwd_kernel, states_kernel
 from mamba_parallel.ops.mamba3.triton_layout import Layout, make_layout
 
 
+MAX_ROWS = 64  # rows (tokens x rank) of one chunk's tiles: 64 x 64 fp32 score tiles stay in registers
+
+
 def _rank(B) -> int:
     return B.shape[2] if B.dim() == 5 else 1
 
@@ -256,11 +259,14 @@ def mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D=None, z=None, 
                       mimo_x=None, mimo_z=None, mimo_o=None, rope="interleaved", initial_states=None, seq_idx=None,
                       cu_seqlens=None, return_final_states=False):
     """Triton path of ``mamba_parallel.ops.mamba3.mamba3_chunk_scan`` (arguments checked there). chunk_size must be
-    a power of two with chunk_size x R >= 16 (R = 1 for SISO)."""
+    a power of two with chunk_size x R >= 16 (R = 1 for SISO). The kernels hold a chunk's T x R rows as one tile
+    pair: they use chunks of at most MAX_ROWS rows (a larger chunk_size is split; the result does not depend on
+    the chunk size)."""
     R = _rank(B)
     if chunk_size & (chunk_size - 1) or chunk_size * R < 16:
         raise ValueError(f"mamba3_chunk_scan (triton): chunk_size must be a power of two with chunk_size x rank >= 16,"
                          f" got {chunk_size} (rank {R})")
+    chunk_size = min(chunk_size, max(1, MAX_ROWS // R))
     b, L, h, p = x.shape
     n = B.shape[-1]
     mimo = B.dim() == 5
