@@ -17,6 +17,7 @@ import math
 import torch
 import triton
 
+from mamba_parallel.ops._common import fp32_math
 from mamba_parallel.ops.mamba3 import naive
 from mamba_parallel.ops.mamba3.naive import Mamba3State
 from mamba_parallel.ops.mamba3.triton_bwd import chunk_bwd_kernel, dstates_kernel
@@ -255,6 +256,7 @@ def _per_head(t, h):
     return t.repeat_interleave(h // t.shape[-2], dim=-2)
 
 
+@fp32_math  # the few torch ops around the kernels (initial / final k, v) stay fp32 inside a caller's autocast
 def mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D=None, z=None, B_bias=None, C_bias=None,
                       mimo_x=None, mimo_z=None, mimo_o=None, rope="interleaved", initial_states=None, seq_idx=None,
                       cu_seqlens=None, return_final_states=False):
