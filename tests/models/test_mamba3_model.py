@@ -140,3 +140,6 @@ def test_gpu_triton_kernels_match_reference_ops(name, monkeypatch):
     for k in gr:
         assert_close(gt[k], gr[k], dtype=torch.float16, grad=True, factor=2, name=f"d{k}")
     assert torch.equal(outt, outr)
+    with torch.no_grad():  # the decode step captured in a CUDA graph (the kernel updates the static cache in place)
+        graphed = model.generate(ids[:, :7], max_new_tokens=6, temperature=0, cuda_graph=True)
+    assert torch.equal(graphed, outt)
