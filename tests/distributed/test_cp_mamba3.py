@@ -60,14 +60,9 @@ def _worker(rank, world, names):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def ranks(request):
-    return request.param, spawn(_worker, request.param, list(CASES))
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_cp_equals_one_process(ranks, name):
-    world, results = ranks
+    world, results = ranks[0], [r["ops"] for r in ranks[1]]
     args, seq = case_inputs(name)
     y, final, leaves, init = run(args, seq, CASES[name]["rope"], mamba3_chunk_scan)
     gy, gf = loss_weights(y, final)
@@ -187,9 +182,19 @@ def _model_worker(rank, world):
     return out
 
 
+def _all(rank, world):
+    return {"ops": _worker(rank, world, list(CASES)), "models": _model_worker(rank, world)}
+
+
 @pytest.fixture(scope="module", params=[2, 4])
-def model_ranks(request):
-    return request.param, spawn(_model_worker, request.param)
+def ranks(request):
+    """One spawn per world size runs every check of this file (starting ranks costs seconds)."""
+    return request.param, spawn(_all, request.param)
+
+
+@pytest.fixture(scope="module")
+def model_ranks(ranks):
+    return ranks[0], [r["models"] for r in ranks[1]]
 
 
 def _close_grads(got, want, what):

@@ -15,12 +15,12 @@ def test_train_then_generate(tmp_path, capsys, preset):
     data = tmp_path / "text.txt"
     data.write_text("the trapezoid feeds each token in twice; the phase turns the state. " * 40)
     out = tmp_path / "run"
-    rc = cli.main(["train", "--preset", preset, "--data", str(data), "--out", str(out), "--steps", "8",
+    rc = cli.main(["train", "--preset", preset, "--data", str(data), "--out", str(out), "--steps", "5",
                    "--seq-len", "32", "--batch-size", "2", "--warmup", "2", "--lr", "0.01", "--log-every", "1",
                    "--eval-every", "0", "--sample-tokens", "0", "--no-progress"])
     assert rc == 0
     losses = [x["loss"] for x in map(json.loads, open(out / "metrics.jsonl")) if "loss" in x]
-    assert len(losses) == 8 and losses[-1] < losses[0]
+    assert len(losses) == 5 and losses[-1] < losses[0]
     model = MambaLMHeadModel.from_pretrained(str(out / "final"))
     assert model.config.layer == "Mamba3"
     capsys.readouterr()
