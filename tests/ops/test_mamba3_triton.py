@@ -74,6 +74,12 @@ def test_seq_idx(dtype):
     check_against_reference(args, dict(chunk_size=16, seq_idx=seq_idx), dtype)
 
 
+def test_mimo_packed_sequences():
+    args = make_inputs(2, 30, 2, 8, 16, R=2, dtype=torch.float32, device=DEV)
+    seq_idx = torch.tensor([[0] * 5 + [1] * 16 + [2] * 9, [0] * 16 + [3] * 14], dtype=torch.int32, device=DEV)
+    check_against_reference(args, dict(chunk_size=8, rope="halved", seq_idx=seq_idx), torch.float32)
+
+
 def test_cu_seqlens_with_an_empty_sequence():
     args = make_inputs(1, 40, 2, 8, 16, dtype=torch.float32, device=DEV, nstates=4)
     cu = torch.tensor([0, 7, 7, 23, 40], dtype=torch.int32, device=DEV)
