@@ -96,12 +96,13 @@ def _c(num_warps=4, num_stages=2, **blocks):
 # and the forward outputs are independent per headdim column).
 _CONFIGS = {
     "states": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
-               _c(1, 1, BLOCK_P=16), ["P", "BH", "T"]),
-    "chunk_fwd": ([_c(4, 2, BLOCK_P=64), _c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(4, 3, BLOCK_P=64)],
-                  _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "HAS_Z"]),
+               _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R"]),
+    "chunk_fwd": ([_c(4, 2, BLOCK_P=64), _c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 1, BLOCK_P=64)],
+                  _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z"]),
     "dstates": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
-                _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "HAS_Z"]),
-    "chunk_bwd": ([_c(4, 1), _c(8, 1), _c(8, 2), _c(4, 2)], _c(1, 1), ["P", "BH", "T", "HAS_Z"]),
+                _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z"]),
+    # the backward holds ~20 chunk-sized tiles: more warps spread its registers
+    "chunk_bwd": ([_c(8, 1), _c(16, 1), _c(8, 2), _c(4, 1)], _c(1, 1), ["P", "BH", "T", "R", "HAS_Z"]),
 }
 _CACHE: dict = {}
 
