@@ -156,7 +156,7 @@ def _refusals(model, rank: int) -> dict:
     ids = torch.zeros(1, 10, dtype=torch.long)
     cases = {"short": lambda: model(ids[:, :2]),
              "cu_seqlens": lambda: model(ids, cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32)),
-             "generate": lambda: model.generate(ids, 2),
+             "generate": lambda: model.generate(ids, max_new_tokens=2),
              "labels": lambda: model(ids, labels=ids)}
     for key, call in cases.items():
         try:
