@@ -10,10 +10,37 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("MAMBA_PARALLEL_BACKEND", "auto")
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_autotuning():
+    """GPU test runs check results, not speed: the SSD kernels take their first launch candidate (no tuning sweeps
+    on first use, which cost minutes)."""
+    from mamba_parallel.ops import use_autotune
+
+    with use_autotune(False):
+        yield
+
+
+@pytest.fixture
+def ops_backend():
+    """``ops_backend(name)``: the ops run on ``name`` ("naive" | "triton" | "auto", ops.use_backend) for the rest
+    of the test; a later call replaces the earlier choice."""
+    import contextlib
+
+    from mamba_parallel.ops import use_backend
+
+    stack = contextlib.ExitStack()
+
+    def choose(name: str) -> None:
+        stack.close()
+        stack.enter_context(use_backend(name))
+
+    yield choose
+    stack.close()
 
 
 def pytest_collection_modifyitems(config, items):

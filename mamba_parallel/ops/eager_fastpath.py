@@ -14,7 +14,8 @@ op would. Call sites write ``eager(op)(...)``.
 
 The custom op itself runs instead (exactly today's behaviour) when:
 - torch.compile / export traces (``torch.compiler.is_compiling()``);
-- ``MAMBA_PARALLEL_EAGER_FASTPATH=0`` (read on every call: debugging, and tests comparing both paths);
+- inside ``use_eager_fastpath(False)`` (tests comparing both paths), or in a process started with
+  ``MAMBA_PARALLEL_EAGER_FASTPATH=0`` (the debugging switch, read once at import; docs/kernels/README.md);
 - the first argument is a tensor subclass (FakeTensor, FunctionalTensor, DTensor, ...), or a TorchDispatchMode is
   active (op logs, FLOP counters and selective checkpointing see the op, not its insides);
 - keyword arguments are passed (call sites pass positionally);
@@ -27,9 +28,10 @@ checkpoints output). Every registered backward here accepts None for those.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch._C import _any_requires_grad, _len_torch_dispatch_stack
@@ -40,9 +42,22 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _REQUIRED = object()  # placeholder default of a parameter without one
 
 
+_state = [os.environ.get(ENV) != "0"]  # the process default: on unless the variable is "0"
+
+
 def enabled() -> bool:
-    """False while MAMBA_PARALLEL_EAGER_FASTPATH=0 (any other value, or unset: the fast path is on)."""
-    return os.environ.get(ENV) != "0"
+    """Whether eager calls take the fast path (the innermost ``use_eager_fastpath`` block, else the default)."""
+    return _state[-1]
+
+
+@contextlib.contextmanager
+def use_eager_fastpath(on: bool) -> Iterator[None]:
+    """Inside the block, eager calls take the fast path (True) or always the custom op (False); blocks nest."""
+    _state.append(bool(on))
+    try:
+        yield
+    finally:
+        _state.pop()
 
 
 def eager(op: Callable) -> Callable:
@@ -138,4 +153,4 @@ def fastpath(op, impl: Callable, *, setup_context: Optional[Callable] = None,
     return dispatch
 
 
-__all__ = ["ENV", "eager", "enabled", "fastpath"]
+__all__ = ["ENV", "eager", "enabled", "fastpath", "use_eager_fastpath"]

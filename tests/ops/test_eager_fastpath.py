@@ -1,9 +1,11 @@
 """The eager fast path around the custom ops (ops/eager_fastpath.py): in eager mode the op's Python body runs
 directly (through a plain autograd.Function), with the same outputs, gradients and saved tensors as the custom op
-(MAMBA_PARALLEL_EAGER_FASTPATH=0); torch.compile still sees the custom op; unused outputs' gradients arrive as None.
+(``use_eager_fastpath(False)``); torch.compile still sees the custom op; unused outputs' gradients arrive as None.
 
 CPU: the Triton kernels run in the interpreter (tiny shapes); fp32 results must be bit-for-bit equal.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -11,7 +13,8 @@ from torch._library.custom_ops import CustomOpDef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mamba_parallel.ops import eager_fastpath as ef
-from mamba_parallel.ops.eager_fastpath import ENV, eager, fastpath
+from mamba_parallel.ops import use_backend
+from mamba_parallel.ops.eager_fastpath import eager, fastpath, use_eager_fastpath
 
 pytest.importorskip("triton")
 
@@ -68,7 +71,7 @@ def _both_paths(monkeypatch, op_calls, fn, inputs, loss_of, ops):
     called none of the custom ops ``ops`` and the op path all of them."""
     results = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv(ENV, flag)
+        set_fastpath(flag)
         op_calls.clear()
         results[flag] = _run(fn, inputs, loss_of)
         called = set(op_calls) & set(ops)
@@ -89,8 +92,19 @@ def _rnd(*shape, seed=0, scale=1.0):
 
 
 @pytest.fixture(autouse=True)
-def _triton_backend(monkeypatch):
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
+def _triton_backend():
+    with use_backend("triton"):
+        yield
+    _fastpath_choice.close()
+
+
+_fastpath_choice = contextlib.ExitStack()
+
+
+def set_fastpath(flag: str) -> None:
+    """The eager fast path on ("1") or off ("0", every call through the custom op) for the rest of the test."""
+    _fastpath_choice.close()
+    _fastpath_choice.enter_context(use_eager_fastpath(flag == "1"))
 
 
 # ---------------------------------------------------------------------------------------------- op families
@@ -124,7 +138,7 @@ def test_conv1d_update_mutates_in_place(monkeypatch, op_calls):
     x, weight, bias = _rnd(b, d, seed=1), _rnd(d, w, seed=2), _rnd(d, seed=3)
     got = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv(ENV, flag)
+        set_fastpath(flag)
         op_calls.clear()
         state = _rnd(b, d, w - 1, seed=4)
         version = state._version
@@ -182,7 +196,7 @@ def test_layout_kernels(monkeypatch, op_calls):
     dout = _rnd(b, L, d, seed=3)
     got = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv(ENV, flag)
+        set_fastpath(flag)
         op_calls.clear()
         dst = torch.empty(b, L, d).transpose(1, 2)
         v = dst._version
@@ -218,7 +232,7 @@ def test_layers_match_the_op_path(monkeypatch, op_calls, kind, mode):
     fn = (lambda hidden: checkpoint(layer, hidden, use_reentrant=False)) if mode == "checkpoint" else layer
     results = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv(ENV, flag)
+        set_fastpath(flag)
         layer.zero_grad()
         op_calls.clear()
         out, grads = _run(lambda hidden: fn(hidden), dict(hidden=h), _wsum)
@@ -241,13 +255,13 @@ def test_unused_output_gradients_are_none(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(scan.selective_scan_bwd, ef._ATTR, spy)
-    monkeypatch.setenv(ENV, "1")
+    set_fastpath("1")
     leaves = _leaves(_scan_inputs())
     y = scan.selective_scan(**leaves, delta_softplus=True, return_last_state=True)[0]
     _wsum(y).backward()
     assert seen == [None]
     seen.clear()
-    monkeypatch.setenv(ENV, "0")
+    set_fastpath("0")
     leaves = _leaves(_scan_inputs())
     _wsum(scan.selective_scan(**leaves, delta_softplus=True, return_last_state=True)[0]).backward()
     (dlast,) = seen  # the custom op's backward: materialised zeros
@@ -274,9 +288,9 @@ def test_same_saved_tensors(monkeypatch):
         (lambda **kw: ssd.ssd_chunk_scan(**kw, chunk_size=16, dt_softplus=True), _ssd_inputs()),
     ]
     for fn, inputs in cases:
-        monkeypatch.setenv(ENV, "1")
+        set_fastpath("1")
         fast = _saved(fn, inputs)
-        monkeypatch.setenv(ENV, "0")
+        set_fastpath("0")
         assert fast == _saved(fn, inputs) and fast
 
 
@@ -290,7 +304,7 @@ def test_compile_keeps_the_custom_op(monkeypatch):
         targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
-    monkeypatch.setenv(ENV, "1")
+    set_fastpath("1")
     M, d = 4, 16
     x, wt = _rnd(M, d, seed=1), _rnd(d, seed=2) + 1
     f = lambda x, weight: norm.rms_norm(x, weight)  # noqa: E731
@@ -341,7 +355,7 @@ toy = fastpath(toy_op, _toy_impl, setup_context=_toy_setup, backward=_toy_backwa
 
 
 def _toy_grad_fn(monkeypatch, flag, *args, **kwargs):
-    monkeypatch.setenv(ENV, flag)
+    set_fastpath(flag)
     return type(toy(*args, **kwargs)[0].grad_fn).__name__
 
 
@@ -359,7 +373,7 @@ def test_adapter_routing(monkeypatch):
 
     with Mode():
         assert "GeneratedBackwardFor" in _toy_grad_fn(monkeypatch, "1", x, y)
-    monkeypatch.setenv(ENV, "1")
+    set_fastpath("1")
     with torch.no_grad():
         assert toy(x, y)[0].grad_fn is None
     assert toy(x.detach(), y)[0].grad_fn is None  # no input requires grad: no graph node
@@ -375,7 +389,7 @@ def test_adapter_defaults_gradients_and_none(monkeypatch):
     x, y = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
     grads = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv(ENV, flag)
+        set_fastpath(flag)
         _toy_calls.clear()
         a, _ = toy(x, y)
         gx, = torch.autograd.grad(a.sum(), x)
@@ -384,7 +398,7 @@ def test_adapter_defaults_gradients_and_none(monkeypatch):
         grads[flag] = gx
     assert torch.equal(grads["1"], grads["0"]) and torch.equal(grads["1"], torch.full((4,), 2.0))
     gcheck = lambda x, y: toy(x, y, 1.5)  # noqa: E731
-    monkeypatch.setenv(ENV, "1")
+    set_fastpath("1")
     assert torch.autograd.gradcheck(gcheck, (x.double().detach().requires_grad_(), y.double().detach()
                                              .requires_grad_()))
 
@@ -413,7 +427,7 @@ def test_gpu_models_match_the_op_path(monkeypatch, op_calls, preset):
     ids = torch.randint(0, model.config.vocab_size, (2, 201), device="cuda")
     results = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv(ENV, flag)
+        set_fastpath(flag)
         model.zero_grad(set_to_none=True)
         op_calls.clear()
         loss = model(ids[:, :-1], targets=ids[:, 1:]).loss

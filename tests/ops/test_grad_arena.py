@@ -236,10 +236,10 @@ def _layer_grads(monkeypatch, arena: bool, rmsnorm: bool, packed: bool):
 @pytest.mark.parametrize("backend,rmsnorm,packed", [
     ("triton", True, False), ("triton", False, True),
     ("naive", True, False), ("naive", True, True), ("naive", False, False), ("naive", False, True)])
-def test_mamba2_layer_gradients_match_plain_split(monkeypatch, copies, backend, rmsnorm, packed):
+def test_mamba2_layer_gradients_match_plain_split(monkeypatch, ops_backend, copies, backend, rmsnorm, packed):
     """Same gradients as the plain split; with the Triton kernels (conv, SSD: dx, ddt, dB, dC, dz; gated norm:
     dz) every piece's gradient is written in place: no copy at all. The naive ops (autograd) are all copied."""
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", backend)
+    ops_backend(backend)
     ref = _layer_grads(monkeypatch, False, rmsnorm, packed)
     assert copies == []  # the plain split never reaches the arena
 
@@ -267,11 +267,11 @@ def test_double_backward_through_the_split():
         assert_close(a, b, grad=True, name="double backward")
 
 
-def test_mamba2_layer_under_torch_compile(monkeypatch):
+def test_mamba2_layer_under_torch_compile(ops_backend):
     """torch.compile traces both splits as plain splits (no graph break) and gives the eager gradients."""
     from mamba_parallel.layers.mamba2 import Mamba2
 
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
+    ops_backend("naive")
     torch.manual_seed(0)
     layer = Mamba2(32, d_state=8, d_conv=4, expand=2, headdim=16, ngroups=2, chunk_size=16)
     hidden = torch.randn(2, 24, 32)
@@ -288,9 +288,16 @@ def test_mamba2_layer_under_torch_compile(monkeypatch):
 # ---- context parallel (its sequence ops installed) and tensor parallel (local split sizes), 2 gloo ranks ------
 
 def _parallel_ranks(rank: int, world: int) -> dict:
-    """Per parallel mode: (max relative gradient difference arena vs plain split, fallback copies) of one rank."""
+    """Per parallel mode: (max relative gradient difference arena vs plain split, fallback copies) of one rank,
+    every op on its Triton kernel."""
+    from mamba_parallel.ops import use_backend
+
+    with use_backend("triton"):
+        return _parallel_modes(rank, world)
+
+
+def _parallel_modes(rank: int, world: int) -> dict:
     import dataclasses
-    import os
 
     from mamba_parallel import get_preset
     from mamba_parallel.distributed.context_parallel import apply_context_parallel
@@ -299,7 +306,6 @@ def _parallel_ranks(rank: int, world: int) -> dict:
     from mamba_parallel.layers import mamba2
     from mamba_parallel.models import MambaLMHeadModel
 
-    os.environ["MAMBA_PARALLEL_BACKEND"] = "triton"
     cfg = dataclasses.replace(get_preset("tiny-mamba2"), n_layer=1)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (1, 16), generator=g)
@@ -347,12 +353,12 @@ def test_arena_under_context_and_tensor_parallel():
 
 
 @pytest.mark.parametrize("gated", [True, False])
-def test_gated_norm_writes_dx_and_dz_in_place(monkeypatch, copies, gated):
+def test_gated_norm_writes_dx_and_dz_in_place(ops_backend, copies, gated):
     """The Triton gated RMSNorm takes both x and z from one split: dx and dz land in the arena; the third piece
     (a plain op) is copied."""
     from mamba_parallel import ops
 
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
+    ops_backend("triton")
     t = torch.randn(2, 5, 24)
     w = torch.linspace(0.5, 1.5, 8)
 

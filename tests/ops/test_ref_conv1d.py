@@ -5,14 +5,15 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_close
 
-from mamba_parallel.ops import causal_conv1d, causal_conv1d_update
+from mamba_parallel.ops import causal_conv1d, causal_conv1d_update, use_backend
 
 F64 = torch.float64
 
 
 @pytest.fixture(autouse=True)
-def _naive_backend(monkeypatch):
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
+def _naive_backend():
+    with use_backend("naive"):
+        yield
 
 
 def _torch_conv(x, weight, bias, activation, initial_state=None):

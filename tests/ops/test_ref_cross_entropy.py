@@ -7,14 +7,15 @@ import torch.nn.functional as F
 from helpers import assert_close
 from torch.overrides import TorchFunctionMode
 
-from mamba_parallel.ops import linear_cross_entropy
+from mamba_parallel.ops import linear_cross_entropy, use_backend
 
 F64 = torch.float64
 
 
 @pytest.fixture(autouse=True)
-def _naive_backend(monkeypatch):
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
+def _naive_backend():
+    with use_backend("naive"):
+        yield
 
 
 def _data(N=10, d=6, V=13, dtype=F64, seed=0):

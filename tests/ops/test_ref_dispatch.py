@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mamba_parallel.ops.norm as norm_pkg
-from mamba_parallel.ops import rms_norm
+from mamba_parallel.ops import rms_norm, use_backend
 from mamba_parallel.ops._common import kernel_module
 
 
@@ -49,15 +49,37 @@ def test_public_op_routes_by_backend(monkeypatch):
     monkeypatch.setattr(norm_pkg, "_kernel", lambda: fake)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     x, w = torch.randn(2, 4), torch.randn(4)
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
-    assert torch.equal(rms_norm(x, w, 1e-3), torch.full_like(x, 3.0))
-    assert fake.calls[0][0] is x and fake.calls[0][2] == 1e-3
-    with pytest.raises(ValueError, match="weight"):  # validation runs before any kernel
-        rms_norm(x, torch.randn(5))
-    assert len(fake.calls) == 1
+    with use_backend("triton"):
+        assert torch.equal(rms_norm(x, w, 1e-3), torch.full_like(x, 3.0))
+        assert fake.calls[0][0] is x and fake.calls[0][2] == 1e-3
+        with pytest.raises(ValueError, match="weight"):  # validation runs before any kernel
+            rms_norm(x, torch.randn(5))
+        assert len(fake.calls) == 1
+        with use_backend("naive"):  # the innermost block wins
+            assert not torch.equal(rms_norm(x, w), torch.full_like(x, 3.0))
+        assert len(fake.calls) == 1
+        assert torch.equal(rms_norm(x, w, 1e-3), torch.full_like(x, 3.0))  # back to the outer block's choice
+    assert len(fake.calls) == 2
+
+
+def test_backend_default_and_bad_names(monkeypatch):
+    """Outside any use_backend block the process default MAMBA_PARALLEL_BACKEND applies (auto when unset); an
+    unknown name is refused, naming where it came from."""
+    from mamba_parallel.ops.backend import BackendError, requested_backend
+
+    monkeypatch.delenv("MAMBA_PARALLEL_BACKEND", raising=False)
+    assert requested_backend() == "auto"
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
-    assert not torch.equal(rms_norm(x, w), torch.full_like(x, 3.0))
-    assert len(fake.calls) == 1
+    assert requested_backend() == "naive"
+    with use_backend("triton"):
+        assert requested_backend() == "triton"
+    assert requested_backend() == "naive"
+    with pytest.raises(BackendError, match="use_backend='cuda'"):
+        with use_backend("cuda"):
+            pass
+    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "fast")
+    with pytest.raises(BackendError, match="MAMBA_PARALLEL_BACKEND='fast'"):
+        requested_backend()
 
 
 def test_int32_span_guard_names_the_tensor():

@@ -4,14 +4,15 @@ import pytest
 import torch
 from helpers import assert_close
 
-from mamba_parallel.ops import add_rms_norm, gated_rms_norm, rms_norm
+from mamba_parallel.ops import add_rms_norm, gated_rms_norm, rms_norm, use_backend
 
 F64 = torch.float64
 
 
 @pytest.fixture(autouse=True)
-def _naive_backend(monkeypatch):
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
+def _naive_backend():
+    with use_backend("naive"):
+        yield
 
 
 def _rms(x, w, eps):

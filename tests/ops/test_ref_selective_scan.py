@@ -6,14 +6,15 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_close
 
-from mamba_parallel.ops import selective_scan, selective_scan_sequential
+from mamba_parallel.ops import selective_scan, selective_scan_sequential, use_backend
 
 F64 = torch.float64
 
 
 @pytest.fixture(autouse=True)
-def _naive_backend(monkeypatch):
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
+def _naive_backend():
+    with use_backend("naive"):
+        yield
 
 
 def _inputs(b=2, d=4, n=3, L=7, g=None, dtype=F64, seed=0):

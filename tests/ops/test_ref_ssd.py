@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import assert_close
 
-from mamba_parallel.ops import ssd_chunk_scan, ssd_sequential
+from mamba_parallel.ops import ssd_chunk_scan, ssd_sequential, use_backend
 from mamba_parallel.ops.ssd.naive import segsum
 
 F64 = torch.float64
@@ -13,8 +13,9 @@ SEQ = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 3, 3], [7, 7, 7, 7, 7, 7, 7, 7, 
 
 
 @pytest.fixture(autouse=True)
-def _naive_backend(monkeypatch):
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
+def _naive_backend():
+    with use_backend("naive"):
+        yield
 
 
 def _inputs(b=2, L=11, h=4, p=3, g=2, n=3, d_hp=False, dtype=F64, seed=0):

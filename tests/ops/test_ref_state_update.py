@@ -5,14 +5,15 @@ import pytest
 import torch
 from helpers import assert_close
 
-from mamba_parallel.ops import selective_scan, selective_state_update, ssd_chunk_scan, ssd_state_update
+from mamba_parallel.ops import selective_scan, selective_state_update, ssd_chunk_scan, ssd_state_update, use_backend
 
 F64 = torch.float64
 
 
 @pytest.fixture(autouse=True)
-def _naive_backend(monkeypatch):
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
+def _naive_backend():
+    with use_backend("naive"):
+        yield
 
 
 @pytest.mark.parametrize("g", [None, 2])

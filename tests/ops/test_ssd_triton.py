@@ -12,7 +12,7 @@ import pytest
 import torch
 import triton
 
-from helpers import assert_close
+from helpers import assert_close, saved_bytes
 from mamba_parallel.ops.ssd import naive
 from mamba_parallel.ops.ssd import triton_impl
 
@@ -143,6 +143,22 @@ def test_matches_sequential_recurrence():
     assert_close(y, y_ref, torch.float32, name="y")
 
 
+def test_recompute_states_option_keeps_less():
+    """recompute_states=True: the backward rebuilds dt, the decay and the chunk states; the forward keeps fewer
+    bytes and every gradient is the same bit for bit."""
+    args = make_inputs(2, 40, 2, 16, 16, 1, torch.float32, z=True)
+    results = {}
+    for recompute in (False, True):
+        leaves = {k: (v.detach().requires_grad_(True) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+        y, kept = saved_bytes(torch.nn.Module(), lambda: triton_impl.ssd_chunk_scan(
+            **leaves, chunk_size=16, dt_softplus=True, recompute_states=recompute))
+        grads = torch.autograd.grad(y.square().sum(), [v for v in leaves.values() if isinstance(v, torch.Tensor)])
+        results[recompute] = (y.detach(), grads, kept)
+    (y0, g0, kept0), (y1, g1, kept1) = results[False], results[True]
+    assert kept1 < kept0
+    assert torch.equal(y0, y1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
 def test_rejects_bad_chunk_size():
     args = make_inputs(1, 16, 2, 16, 16, 1, torch.float32)
     with pytest.raises(ValueError, match="chunk_size"):
@@ -181,14 +197,14 @@ def test_compile_backward_matches_eager():
         assert_close(grads[1][k], grads[0][k], torch.float32, grad=True, name=f"compiled d{k}")
 
 
-def test_public_function_dispatches_here(monkeypatch):
-    """mamba_parallel.ops.ssd.ssd_chunk_scan with MAMBA_PARALLEL_BACKEND=triton runs this module's op."""
+def test_public_function_dispatches_here(monkeypatch, ops_backend):
+    """mamba_parallel.ops.ssd.ssd_chunk_scan on the triton backend runs this module's op."""
     from mamba_parallel.ops.ssd import ssd_chunk_scan
 
     calls = []
     real = triton_impl.ssd_fwd_op
     monkeypatch.setattr(triton_impl, "ssd_fwd_op", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
+    ops_backend("triton")
     args = make_inputs(1, 20, 2, 16, 16, 1, torch.float32)
     y = ssd_chunk_scan(**args, chunk_size=16, dt_softplus=True)
     assert calls and y.shape == args["x"].shape

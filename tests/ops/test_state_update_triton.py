@@ -6,12 +6,14 @@ import pytest
 import torch
 from helpers import assert_close
 
+from mamba_parallel.ops import use_backend
 from mamba_parallel.ops.state_update import naive, selective_state_update, ssd_state_update
 
 
 @pytest.fixture(autouse=True)
-def _force_triton(monkeypatch):
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
+def _force_triton():
+    with use_backend("triton"):
+        yield
 
 
 def _rnd(gen, *shape, dtype=torch.float32, device="cpu", scale=1.0):

@@ -1,18 +1,16 @@
 """Launch configurations of the SSD kernels: a few autotuned candidates on the GPU, one small config in the
 CPU interpreter (small blocks there also exercise the multi-block loops on tiny test shapes).
-``MAMBA_PARALLEL_AUTOTUNE=0`` takes the first GPU candidate without tuning (fast compiles for tests).
+Inside ``ops.use_autotune(False)`` the first GPU candidate runs without tuning (fast compiles: the GPU tests).
 
 No SSD kernel reads what it writes, so re-running a launch while autotuning is safe.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
-from mamba_parallel.ops.backend import interpret_mode
+from mamba_parallel.ops.backend import autotune_enabled, interpret_mode
 
 
 def _c(num_warps=4, num_stages=2, **blocks):
@@ -40,7 +38,7 @@ _CONFIGS = {
 
 def tuned(kernel, name: str):
     """The kernel wrapped in its autotuner (GPU) or bound to the interpreter config (CPU)."""
-    autotune = os.environ.get("MAMBA_PARALLEL_AUTOTUNE", "1") != "0"
+    autotune = autotune_enabled()
     key = (id(kernel), name, interpret_mode(), autotune)
     fn = _CACHE.get(key)
     if fn is None:
