@@ -353,13 +353,13 @@ class _Mamba1Inner(torch.autograd.Function):
         A = torch.exp(A_log.t(), out=A_log.new_empty(A_log.shape[::-1], dtype=torch.float32)).neg_().t()
         D32, dtb32 = D.float(), dt_b.float()
         sid = seq_idx.to(torch.int32) if seq_idx is not None else None
-        impl = scan.scan_impl(b, d, n, xz.device, scan._interpreted(xc), False)
-        y, _, ckpt, _ = scan._scan_fwd(xc, dt, A, B4, C4, D32, None, dtb32, None, sid, True, False, b, True, impl)
+        path = scan.scan_path(xc, dt, None, A, B4)
+        y, _, ckpt, _ = scan.scan_forward(xc, dt, A, B4, C4, D32, None, dtb32, None, sid, True, False, b, True, path)
         out = layout._gate_fwd(y, z)  # (b, L, d) contiguous: out_proj's input
         # dt is rebuilt in the backward (one small matmul), xc too with recompute_conv (one conv)
         ctx.save_for_backward(xz, conv_w, conv_b, wx, wdt, None if recompute_conv else xc, x_dbl, B4, C4, A, D32,
                               dtb32, sid, ckpt, y, seq_idx, rstd)
-        ctx.meta = (d, r, n, impl, D.dtype, dt_b.dtype, A_log.dtype)
+        ctx.meta = (d, r, n, path, D.dtype, dt_b.dtype, A_log.dtype)
         return out
 
     @staticmethod
@@ -368,7 +368,7 @@ class _Mamba1Inner(torch.autograd.Function):
         conv, scan, layout = _kernels()
         xz, conv_w, conv_b, wx, wdt, xc, x_dbl, B4, C4, A, D32, dtb32, sid, ckpt, y, seq_idx, rstd = \
             ctx.saved_tensors
-        d, r, n, impl, d_dtype, dtb_dtype, alog_dtype = ctx.meta
+        d, r, n, path, d_dtype, dtb_dtype, alog_dtype = ctx.meta
         b = xz.shape[0]
         x, z = _xz_views(xz, d)
         if xc is None:
@@ -377,8 +377,8 @@ class _Mamba1Inner(torch.autograd.Function):
         dxz = torch.empty_like(xz)  # in_proj's output gradient: the gate fills the z half, the conv the x half
         dy = layout._gate_bwd(dout, y, z, dxz[..., d:].transpose(1, 2))
         dx_dbl = torch.empty_like(x_dbl)  # x_proj's output gradient: [ddt_low | dB | dC]
-        du, ddt, dA_log, _, _, dD, _, ddtb, _ = scan.scan_bwd_impl(
-            xc, dt, A, B4, C4, D32, None, dtb32, None, sid, ckpt, xc.new_empty((0,)), dy, None, True, False, impl,
+        du, ddt, dA_log, _, _, dD, _, ddtb, _ = scan.scan_backward(
+            xc, dt, A, B4, C4, D32, None, dtb32, None, sid, ckpt, xc.new_empty((0,)), dy, None, True, False, path,
             dB_out=dx_dbl[:, r:r + n].unsqueeze(1), dC_out=dx_dbl[:, r + n:].unsqueeze(1), dA_scale=A)
         del dy, dt  # activation-sized: free before the next ones are made (peak memory of the largest models)
         torch.bmm(_expand(wdt.t(), b), ddt, out=dx_dbl[:, :r])

@@ -1,5 +1,5 @@
 """The selective-scan backward's finishing kernel (triton_finish.finish_bwd: every reduction in one launch) vs the
-torch expressions it replaces, and ``scan_bwd_impl``'s caller-given outputs (dB_out / dC_out, dA_scale) vs the
+torch expressions it replaces, and ``scan_backward``'s caller-given outputs (dB_out / dC_out, dA_scale) vs the
 custom op's body ``_scan_bwd``.
 
 CPU runs use the Triton interpreter with tiny tiles (64 elements), so odd L = 19 crosses several token tiles and a
@@ -12,7 +12,7 @@ from helpers import assert_close
 
 from mamba_parallel.ops.selective_scan import triton_impl
 from mamba_parallel.ops.selective_scan.triton_finish import finish_bwd
-from mamba_parallel.ops.selective_scan.triton_impl import _scan_bwd, _scan_fwd, scan_bwd_impl
+from mamba_parallel.ops.selective_scan.triton_impl import _scan_bwd, scan_backward, scan_forward
 
 SENTINEL = 7.0  # fills the parts of a shared output buffer the kernel must not touch
 
@@ -121,16 +121,17 @@ def _scan_args(b=2, d=8, L=19, n=4, g=None, dtype=torch.float32, seed=0):
 
 
 def _backward_both(args, dy, **outs):
-    """(_scan_bwd's gradients, scan_bwd_impl's with the given outputs) after one forward that saved checkpoints."""
+    """(_scan_bwd's gradients, scan_backward's with the given outputs) after one forward that saved checkpoints."""
     u, delta, A, B, C, D, z, dtb, h0 = args
-    _, _, ckpt, ypre = _scan_fwd(u, delta, A, B, C, D, z, dtb, h0, None, True, False, u.shape[0], True, "v2")
-    common = (u, delta, A, B, C, D, z, dtb, h0, None, ckpt, ypre, dy, None, True, False, "v2")
-    return _scan_bwd(*common), scan_bwd_impl(*common, **outs)
+    _, _, ckpt, ypre = scan_forward(u, delta, A, B, C, D, z, dtb, h0, None, True, False, u.shape[0], True,
+                                    "generic")
+    common = (u, delta, A, B, C, D, z, dtb, h0, None, ckpt, ypre, dy, None, True, False, "generic")
+    return _scan_bwd(*common), scan_backward(*common, **outs)
 
 
 @pytest.mark.parametrize("g", [None, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_scan_bwd_impl_writes_into_caller_outputs(dtype, g):
+def test_scan_backward_writes_into_caller_outputs(dtype, g):
     """dB / dC land in slices of the caller's buffer (the list holds empty placeholders), dA comes back times
     dA_scale; every other gradient as the custom op's body returns it."""
     b, d, L, n, r = 2, 8, 19, 4, 3
@@ -147,7 +148,7 @@ def test_scan_bwd_impl_writes_into_caller_outputs(dtype, g):
         assert torch.equal(ours[i], ref[i]), i
 
 
-def test_scan_bwd_impl_fp32_grouped_bc():
+def test_scan_backward_fp32_grouped_bc():
     """B / C converted once by the caller (fp32 (b, 1, n, L)) give the gradients of the fp16 (b, n, L) views,
     dB / dC written into fp16 slices of the caller's buffer."""
     args, dy = _scan_args(dtype=torch.float16)
@@ -163,7 +164,7 @@ def test_scan_bwd_impl_fp32_grouped_bc():
         assert torch.equal(ours[i], ref[i]), i
 
 
-def test_scan_bwd_impl_rejects_misshapen_outputs():
+def test_scan_backward_rejects_misshapen_outputs():
     args, dy = _scan_args()
     with pytest.raises(ValueError, match="dC_out"):
         _backward_both(args, dy, dC_out=torch.empty(2, 4, 18))

@@ -1,9 +1,9 @@
-"""Triton selective scan (Mamba-1) vs the naive reference: outputs, last state and every gradient.
+"""Triton selective scan (Mamba-1) vs the naive reference: outputs, last state and every gradient, per kernel path.
 
-CPU runs use the Triton interpreter with tiny tiles (chunk 8), so L = 19 / 33 already crosses several chunks.
-Every test runs per kernel variant (MAMBA_PARALLEL_SCAN_IMPL: v2, v3, v4; the default picks v3 or v4). On CPU, v3 runs v2's code
-(its register-chain / lane-shuffle paths are GPU-only), so it takes only the broad tests there, plus its lane paths
-with the shuffles emulated; the GPU tests cover its own paths and run v3's and v4's full dtype x varlen matrix.
+CPU runs use the Triton interpreter with tiny tiles (chunk 8), so L = 19 / 33 already crosses several chunks. The
+interpreter's default is the generic code; the row-per-thread paths run there when asked for by name, their lane
+shuffles emulated by gathers (their index arithmetic, against the reference). The GPU tests run every path's real
+code across dtypes, seq_idx / cu_seqlens and the layouts that make the row-per-thread paths step aside.
 """
 
 import pytest
@@ -12,35 +12,24 @@ import triton
 import triton.language as tl
 from helpers import assert_close
 
-from mamba_parallel.ops.selective_scan import naive, selective_scan
-from mamba_parallel.ops.selective_scan import triton_impl
-from mamba_parallel.ops.selective_scan.triton_common import (DEFAULT_IMPL, GPU_TILES, IMPLS, V4_BELOW_WARPS_PER_SM,
-                                                              pick_impl, scan_config, scan_impl)
+from mamba_parallel.ops import use_backend
+from mamba_parallel.ops.selective_scan import launch, naive, triton_impl
+from mamba_parallel.ops.selective_scan import selective_scan as public_selective_scan
 from mamba_parallel.ops.selective_scan.triton_impl import selective_scan_fwd
 from mamba_parallel.ops.selective_scan.triton_tiles import scan_adjoint, scan_forward
 
 GRAD_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
 
 
-CPU_DUPLICATES = ("v3", "v4+v3")  # interpreter code paths already run by v2 (but for their lane paths)
-BROAD_TESTS = ("test_full_features_all_gradients", "test_custom_op_registration", "test_lane_paths_emulated",
-               "test_sparse_checkpoints")
-ONCE_TESTS = ("test_token_scans", "test_default_variant_and_removed_ones")  # no variant involved
-LANE_CFG = {"v3": "8,32,1,32,1", "v4": "8,16,1,16,1", "v4+v3": "8,16,1,32,1"}  # one warp: 32 rows per program
+# The generic code on one and two rows per channel: what the interpreter runs by default (and any layout on a GPU).
+GENERIC_PATHS = (launch.GENERIC, launch.GENERIC_TWO_ROWS)
+ROW_PATHS = (launch.ROW_PER_THREAD, launch.TWO_ROWS_PER_CHANNEL, launch.TWO_ROWS_STATE_LOOP)
 
 
-@pytest.fixture(autouse=True, params=IMPLS + ("v4+v3",))
-def impl(request, monkeypatch):
-    """Every test runs once per kernel variant (MAMBA_PARALLEL_SCAN_IMPL)."""
-    is_gpu = request.node.get_closest_marker("gpu") is not None
-    if request.node.originalname in ONCE_TESTS and request.param != "v2":
-        pytest.skip("variant-independent")
-    if request.param in CPU_DUPLICATES and not is_gpu and (
-            request.node.originalname not in BROAD_TESTS or request.node.callspec.params.get("L", 19) != 19):
-        pytest.skip(f"{request.param} runs the same interpreter code as another variant")
-    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
-    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_IMPL", request.param)
-    return request.param
+@pytest.fixture(autouse=True)
+def _triton_backend():
+    with use_backend("triton"):
+        yield
 
 
 def make_inputs(b=2, d=8, L=19, n=4, g=None, dtype=torch.float32, device="cpu", mode=None, with_init=True,
@@ -69,14 +58,15 @@ def make_inputs(b=2, d=8, L=19, n=4, g=None, dtype=torch.float32, device="cpu", 
     return kw
 
 
-def run_both(kw, grads=True):
-    """(triton y, last, grads) and (reference in fp64: y, last, grads) for the same random cotangents."""
+def run_both(kw, grads=True, path=None):
+    """(triton y, last, grads) on kernel path ``path`` (None: the default) and (reference in fp64: y, last, grads)
+    for the same random cotangents."""
     leaves = [k for k in GRAD_NAMES if isinstance(kw.get(k), torch.Tensor)] if grads else []
     ours = {k: (v.detach().clone().requires_grad_(k in leaves) if isinstance(v, torch.Tensor) else v)
             for k, v in kw.items()}
     ref = {k: (v.detach().double().requires_grad_(k in leaves) if isinstance(v, torch.Tensor)
                and v.is_floating_point() else v) for k, v in kw.items()}
-    y, last = selective_scan(**ours, return_last_state=True)
+    y, last = triton_impl.selective_scan(**ours, return_last_state=True, path=path)
     yr, lastr = naive.selective_scan(**ref, return_last_state=True)
     out = {"y": (y, yr), "last_state": (last, lastr)}
     if grads:
@@ -96,22 +86,37 @@ def check(out, dtype, factor=1.0):
                      factor=factor)
 
 
+def resolved(kw, path):
+    """The forward path a request runs for these inputs (where the layout cannot take it, another one)."""
+    varlen = kw.get("cu_seqlens") is not None
+    return triton_impl.scan_path(kw["u"], kw["delta"], kw.get("z"), kw["A"], kw["B"], varlen, path)
+
+
+# ---------------------------------------------------------------------------------- CPU: the generic code
+
+@pytest.fixture(params=GENERIC_PATHS)
+def generic(request):
+    """One and two rows per channel of the generic code (the interpreter's default is the first)."""
+    return request.param
+
+
 @pytest.mark.parametrize("L", [1, 19, 33])
-def test_full_features_all_gradients(L):
-    check(run_both(make_inputs(L=L, n=4 if L != 33 else 3)), torch.float32)
+def test_full_features_all_gradients(L, generic):
+    check(run_both(make_inputs(L=L, n=4 if L != 33 else 3), path=generic), torch.float32)
 
 
-def test_grouped_bc():
-    check(run_both(make_inputs(d=8, g=2)), torch.float32)
+def test_grouped_bc(generic):
+    check(run_both(make_inputs(d=8, g=2), path=generic), torch.float32)
 
 
-def test_seq_idx_resets_state():
-    check(run_both(make_inputs(mode="seq_idx", L=26)), torch.float32)
+def test_seq_idx_resets_state(generic):
+    check(run_both(make_inputs(mode="seq_idx", L=26), path=generic), torch.float32)
 
 
 @pytest.mark.parametrize("with_init", [True, False])
 def test_cu_seqlens_per_sequence_states(with_init):
     kw = make_inputs(b=1, L=27, mode="cu_seqlens", with_init=with_init)
+    assert resolved(kw, launch.GENERIC_TWO_ROWS) == launch.GENERIC  # packed sequences: one row per channel
     check(run_both(kw), torch.float32)
 
 
@@ -124,34 +129,50 @@ def test_cu_seqlens_empty_sequence_keeps_initial_state():
     torch.testing.assert_close(out["last_state"][0][1], kw["initial_state"][1])
 
 
-def test_minimal_arguments():
-    check(run_both(make_inputs(full=False, with_init=False)), torch.float32)
+def test_minimal_arguments(generic):
+    check(run_both(make_inputs(full=False, with_init=False), path=generic), torch.float32)
 
 
-def test_noncontiguous_inputs():
+def test_noncontiguous_inputs(generic):
     kw = make_inputs(d=8, L=13)
     for k in ("u", "delta", "z"):  # (b, d, L) views of (b, L, d) storage
         kw[k] = kw[k].transpose(1, 2).contiguous().transpose(1, 2)
     kw["B"] = kw["B"].transpose(1, 2).contiguous().transpose(1, 2)
     assert not kw["u"].is_contiguous()
-    check(run_both(kw), torch.float32)
+    check(run_both(kw, path=generic), torch.float32)
 
 
-def test_fp16_inputs():
-    check(run_both(make_inputs(dtype=torch.float16, L=21)), torch.float16)
+def test_fp16_inputs(generic):
+    check(run_both(make_inputs(dtype=torch.float16, L=21), path=generic), torch.float16)
 
 
 def test_no_grad_forward_saves_nothing():
     kw = make_inputs(L=9)
     with torch.no_grad():
-        y = selective_scan(**kw)
+        y = triton_impl.selective_scan(**kw)
     assert_close(y, naive.selective_scan(**kw), name="y")
 
 
-def test_custom_op_registration(impl):
+def test_public_op_runs_the_kernel(monkeypatch):
+    """ops.selective_scan on the triton backend runs this module's forward op (the interpreter's default path)."""
+    calls = []
+    real = triton_impl.selective_scan
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_impl, "selective_scan", spy)
+    kw = make_inputs(L=9)
+    assert_close(public_selective_scan(**kw), naive.selective_scan(**kw), name="y")
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("path", GENERIC_PATHS + ROW_PATHS)
+def test_custom_op_registration(path):
     kw = make_inputs(L=11, d=4, n=2, b=1)
     args = (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["delta_bias"],
-            kw["initial_state"], None, True, False, 1, True, impl)
+            kw["initial_state"], None, True, False, 1, True, path)
     args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
     torch.library.opcheck(selective_scan_fwd, args, test_utils=("test_schema", "test_faketensor",
                                                                "test_autograd_registration"))
@@ -194,122 +215,84 @@ def test_token_scans(P, V, seq):
     torch.testing.assert_close(out[1], adj.view(BD, P, V).permute(1, 0, 2), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["seq_idx"])
-@pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "loop"])
-def test_lane_paths_emulated(impl, mode, unrolled, monkeypatch):
-    """v3 / v4's GPU paths (sequential token chains, lane-shuffle sums of dB / dC, v4's row pairs; v4's forward
-    with its states unrolled or in the loop) in the interpreter, the shuffles emulated by gathers over rows: their
-    index arithmetic, against the reference."""
-    if impl not in LANE_CFG:
-        pytest.skip("no lane path")
-    if not unrolled and impl == "v3":
-        pytest.skip("v3 always runs the state loop")
-    monkeypatch.setattr(triton_impl, "EMULATE_LANES_IN_INTERPRETER", True)
-    if not unrolled:
-        monkeypatch.setattr(triton_impl, "V4_UNROLLED_STATES", 0)
-    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_CFG", LANE_CFG[impl])
+# ---------------------------------------------------------- CPU: the row-per-thread paths, shuffles emulated
+
+@pytest.mark.parametrize("path", ROW_PATHS)
+@pytest.mark.parametrize("mode", [None, "seq_idx"])
+def test_row_paths_emulated(path, mode):
+    """The row-per-thread paths' code (sequential token chains, lane-shuffle sums of dB / dC, two rows per channel
+    with the states unrolled or in the loop; their backward) in the interpreter, one warp of 32 rows per program,
+    against the reference; without gradients the unrolled forward keeps no checkpoints (its carries only)."""
     kw = make_inputs(d=32, L=19, n=4, mode=mode)
-    check(run_both(kw), torch.float32)
-    check(run_both(kw, grads=False), torch.float32)  # no checkpoints kept: the unrolled carries only
+    assert resolved(kw, path) == path
+    check(run_both(kw, path=path), torch.float32)
+    check(run_both(kw, grads=False, path=path), torch.float32)
 
 
-@pytest.mark.parametrize("unrolled", [True, False], ids=["unrolled", "loop"])
-def test_sparse_checkpoints(impl, unrolled, monkeypatch):
-    """MAMBA_PARALLEL_SCAN_CKPT_EVERY: the forward keeps every K-th chunk's state, the backward recomputes the rest
-    per segment (5 chunks, K = 3: a full segment and a partial one), with seq_idx restarts inside the recomputed
-    chunks. v2's generic code and the lane paths of v3 / v4 (one / two rows per channel, emulated shuffles)."""
-    if not unrolled and impl not in ("v4", "v4+v3"):
-        pytest.skip("only v4's forward unrolls its states")
-    every = 3
-    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_CKPT_EVERY", str(every))
-    if not unrolled:
-        monkeypatch.setattr(triton_impl, "V4_UNROLLED_STATES", 0)
-    d = 8
-    if impl in LANE_CFG:
-        monkeypatch.setattr(triton_impl, "EMULATE_LANES_IN_INTERPRETER", True)
-        monkeypatch.setenv("MAMBA_PARALLEL_SCAN_CFG", LANE_CFG[impl])
-        d = 32
-    kw = make_inputs(d=d, L=33, n=2, mode="seq_idx")
-    args = [kw[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")]
-    ckpt = selective_scan_fwd(*args, kw["seq_idx"], True, False, 2, True, impl)[2]
-    assert ckpt.shape == (2, -(-5 // every), 2, d)  # (b, checkpoints, n, d)
-    check(run_both(kw), torch.float32)
+def test_row_paths_step_aside():
+    """Requests the inputs cannot take fall back in the documented order (launch.plan): no row-per-thread layout
+    -> the generic code of as many rows; odd n -> one row per channel."""
+    kw = make_inputs(d=32, L=19, n=4)
+    cl = dict(kw, **{k: kw[k].transpose(1, 2).contiguous().transpose(1, 2) for k in ("u", "delta", "z")})
+    assert resolved(cl, launch.ROW_PER_THREAD) == launch.GENERIC
+    assert resolved(cl, launch.TWO_ROWS_PER_CHANNEL) == launch.GENERIC_TWO_ROWS
+    assert resolved(make_inputs(d=32, L=19, n=3), launch.TWO_ROWS_PER_CHANNEL) == launch.ROW_PER_THREAD
+    assert resolved(kw, None) == launch.GENERIC  # the interpreter's default
+    with pytest.raises(ValueError, match="path 'v4' is not one of"):
+        resolved(kw, "v4")
 
 
-def test_default_variant_and_removed_ones(monkeypatch):
-    """The default picks v3 or v4 by the warps v3 would give each SM (v3 with one-warp tiles at many channels x
-    batch, v4 at few); v3 in the interpreter, with cu_seqlens and odd n; the interpreter keeps its tiny tiles;
-    explicit choices win; v1 / v5 are gone with an error that says so."""
-    monkeypatch.delenv("MAMBA_PARALLEL_SCAN_IMPL", raising=False)
-    monkeypatch.delenv("MAMBA_PARALLEL_SCAN_CFG", raising=False)
-    monkeypatch.delenv("MAMBA_PARALLEL_SCAN_CKPT_EVERY", raising=False)
-    from mamba_parallel.ops.selective_scan import triton_common
+# ------------------------------------------------------------------------------------------------------ GPU
 
-    monkeypatch.setattr(triton_common, "_sm_count", lambda dev: 132)  # an H200
-    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert DEFAULT_IMPL == "auto" and V4_BELOW_WARPS_PER_SM == 6
-    assert scan_impl(8, 4096, 16, gpu, False) == "v3"  # 1024 warps: 7.8 per SM
-    assert scan_impl(8, 5120, 16, gpu, False) == "v3"  # mamba-2.8b
-    assert scan_impl(4, 5120, 16, gpu, False) == "v4+v3"  # 640 warps: 4.8 per SM
-    assert scan_impl(8, 1536, 16, gpu, False) == "v4+v3"  # mamba-130m
-    assert scan_impl(8, 2048, 16, gpu, False) == "v4+v3"  # mamba-370m, and mamba-1.4b at tp 2
-    assert pick_impl(4, 5120, 15, gpu, False) == "v3"  # v4 halves the states over two rows
-    assert pick_impl(4, 5120, 16, gpu, False, varlen=True) == "v3"
-    assert scan_impl(4, 5120, 16, gpu, True) == scan_impl(4, 5120, 16, cpu, False) == "v3"
-    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_IMPL", "v3")
-    assert scan_impl(4, 5120, 16, gpu, False) == "v3"
-    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_IMPL", "V4 ")
-    assert scan_impl(8, 8192, 16, gpu, False) == "v4"
-    cfg = scan_config(4096, 4096, interpret=False)
-    assert (cfg.chunk, cfg.fwd_block_d, cfg.fwd_warps, cfg.bwd_block_d, cfg.bwd_warps) == GPU_TILES["v3"]
-    assert GPU_TILES["v3"] == (16, 32, 1, 32, 1) and cfg.ckpt_every == 1
-    assert scan_config(4096, 4096, interpret=True).chunk == 8
-    for gone in ("v1", "v5"):
-        monkeypatch.setenv("MAMBA_PARALLEL_SCAN_IMPL", gone)
-        with pytest.raises(ValueError, match="was removed"):
-            scan_impl(1, 64, 16, gpu, False)
-    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_IMPL", "v9")
-    with pytest.raises(ValueError, match="MAMBA_PARALLEL_SCAN_IMPL"):
-        scan_impl(1, 64, 16, gpu, False)
-
-
-GPU_OTHER_VARIANT_CASES = ((torch.bfloat16, None), (torch.bfloat16, "cu_seqlens"), (torch.float32, "seq_idx"))
+GPU_SUBSET = ((torch.bfloat16, None), (torch.bfloat16, "cu_seqlens"), (torch.float32, "seq_idx"))
+FULL_MATRIX = (launch.ROW_PER_THREAD, launch.TWO_ROWS_PER_CHANNEL)  # the paths the defaults train with
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ROW_PATHS + GENERIC_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("mode", [None, "seq_idx", "cu_seqlens"])
-def test_gpu_realistic(dtype, mode, impl, nan_poison):
-    if impl in ("v2", "v4+v3") and (dtype, mode) not in GPU_OTHER_VARIANT_CASES:
-        pytest.skip("v2 (the fallback code) and v4+v3 (v4's forward, v3's backward) run a representative subset")
+def test_gpu_realistic(dtype, mode, path, nan_poison):
+    if path not in FULL_MATRIX and (dtype, mode) not in GPU_SUBSET:
+        pytest.skip("the other paths run a representative subset")
     b = 1 if mode == "cu_seqlens" else 2
-    L = 700 if mode == "cu_seqlens" else 704  # v3 / v4 take their lane paths at L % 16 == 0 only
+    L = 700 if mode == "cu_seqlens" else 704  # the row-per-thread paths need L % 16 == 0
     kw = make_inputs(b=b, d=256, L=L, n=16, dtype=dtype, device="cuda", mode=mode, g=2 if mode is None else None)
-    check(run_both(kw), dtype, factor=2.0)
+    if mode != "cu_seqlens":
+        assert resolved(kw, path) == path
+    check(run_both(kw, path=path), dtype, factor=2.0)
 
 
 @pytest.mark.gpu
-def test_gpu_unaligned_length(impl, nan_poison):
-    """Token-major rows that are not 16-byte aligned (L = 700): Triton does not vectorise them, so the lane paths
-    must step aside."""
-    check(run_both(make_inputs(b=2, d=128, L=700, n=16, dtype=torch.bfloat16, device="cuda")), torch.bfloat16,
-          factor=2.0)
+def test_gpu_default_paths(nan_poison):
+    """The default at few and many channels x batch (two rows per channel / one row on an H200's 132 SMs) and
+    with more than 8 states per row (the state loop), bf16, against the reference."""
+    if triton_impl._sm_count(torch.device("cuda")) != 132:
+        pytest.skip("the expected paths are an H200's")
+    for (b, d, n), want in (((2, 256, 16), launch.TWO_ROWS_PER_CHANNEL), ((32, 1024, 16), launch.ROW_PER_THREAD),
+                            ((2, 256, 32), launch.TWO_ROWS_STATE_LOOP)):
+        kw = make_inputs(b=b, d=d, L=256, n=n, dtype=torch.bfloat16, device="cuda")
+        assert resolved(kw, None) == want
+        check(run_both(kw), torch.bfloat16, factor=2.0)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ROW_PATHS)
+def test_gpu_unaligned_length(path, nan_poison):
+    """Token-major rows that are not 16-byte aligned (L = 700): Triton does not vectorise them, so the
+    row-per-thread paths must step aside (to the generic code of as many rows)."""
+    kw = make_inputs(b=2, d=128, L=700, n=16, dtype=torch.bfloat16, device="cuda")
+    assert resolved(kw, path) in GENERIC_PATHS
+    check(run_both(kw, path=path), torch.bfloat16, factor=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ROW_PATHS)
 @pytest.mark.parametrize("L", [300, 320])
-def test_gpu_channels_last_inputs(impl, L, nan_poison):
-    """(b, d, L) views of (b, L, d) storage, as the layer's z: the lane-shuffle paths must step aside."""
+def test_gpu_channels_last_inputs(path, L, nan_poison):
+    """(b, d, L) views of (b, L, d) storage, as the layer's z: the row-per-thread paths must step aside."""
     kw = make_inputs(b=2, d=128, L=L, n=16, dtype=torch.bfloat16, device="cuda")
     for k in ("u", "delta", "z"):
         kw[k] = kw[k].transpose(1, 2).contiguous().transpose(1, 2)
-    check(run_both(kw), torch.bfloat16, factor=2.0)
-
-
-@pytest.mark.gpu
-def test_gpu_sparse_checkpoints(impl, monkeypatch, nan_poison):
-    """MAMBA_PARALLEL_SCAN_CKPT_EVERY=3 on the GPU paths (44 chunks: 14 full segments and a partial one), bf16,
-    seq_idx restarts inside the recomputed chunks."""
-    monkeypatch.setenv("MAMBA_PARALLEL_SCAN_CKPT_EVERY", "3")
-    check(run_both(make_inputs(b=2, d=128, L=704, n=16, dtype=torch.bfloat16, device="cuda", mode="seq_idx")),
-          torch.bfloat16, factor=2.0)
+    assert resolved(kw, path) in GENERIC_PATHS
+    check(run_both(kw, path=path), torch.bfloat16, factor=2.0)

@@ -1,14 +1,13 @@
 """Backward kernel of the Mamba-1 selective scan: one thread per channel, the chunk's tokens in its registers.
 
-Walks the chunks in reverse on the forward's (P, BD R, V) tiles (triton_tiles.py), with state-major checkpoints /
+Walks the chunks in reverse on the forward's (P, BD, V) tiles (triton_tiles.py), with state-major checkpoints /
 carries / dA (b, ., n, d). Per chunk and state it recomputes the forward states from the chunk's checkpoint and runs
 the adjoint dh_t = dy_t C_t + a_{t+1} dh_{t+1} in reverse (a register chain, or a reverse scan whose monoid
 carries each run's first decay), so a_t is computed once per element (one exp2) and never shifted. The carry
 between chunks is g = a dh at the chunk's first token (0 where a sequence starts), which is also d(initial
 state). Both scans, the carries and the sums over tokens (dA, dD, d delta_bias) stay inside each thread; only
 dB / dC sum over channels: per program by ``tl.reduce`` (shuffles + shared memory) into (b, d / BD, n, L)
-partials, or per warp by lane shuffles (LANE_SUM, triton_lanes.py). v4 (R = 2) gives each channel two rows /
-lanes, each doing half of the states.
+partials, or per warp by lane shuffles (LANE_SUM, triton_lanes.py). One row (thread) per channel.
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ import triton
 import triton.language as tl
 
 from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags
-from mamba_parallel.ops.selective_scan.triton_sparse_ckpt import segment_states
-from mamba_parallel.ops.selective_scan.triton_tiles import (delta_tile, first_token, load_tile, rows_sum, scan_adjoint,
-                                                            scan_forward, state_row, store_tile)
 from mamba_parallel.ops.selective_scan.triton_lanes import rows_lane, warp_channel_sum
+from mamba_parallel.ops.selective_scan.triton_tiles import (delta_tile, first_token, load_tile, scan_adjoint,
+                                                            scan_forward, state_row, store_tile)
 
 
 @triton.jit
@@ -32,15 +30,15 @@ def _add2(a1, b1, a2, b2):
 def selective_scan_bwd_kernel(
     u_ptr, dt_ptr, z_ptr, B_ptr, C_ptr, A_ptr, D_ptr, dtb_ptr, h0_ptr, sid_ptr, ckpt_ptr, ypre_ptr, dy_ptr,
     dlast_ptr,
-    du_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, ddtb_ptr, dh0_ptr, adj_ptr, scr_ptr,
-    L, dim, dstate, d_per_group, nchunks, nblk, ncks,
+    du_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, ddtb_ptr, dh0_ptr, adj_ptr, _pad_ptr,
+    L, dim, dstate, d_per_group, nchunks, nblk, _pad_n,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
     sB_b, sB_g, sB_n, sB_l, sC_b, sC_g, sC_n, sC_l, ssid_b,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_SID: tl.constexpr, VARLEN: tl.constexpr, HAS_DLAST: tl.constexpr,
     FAST_EXP: tl.constexpr, BD: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
-    LANE_SUM: tl.constexpr = False, LP: tl.constexpr = 0, LV: tl.constexpr = 0, R: tl.constexpr = 1,
-    UNROLL: tl.constexpr = 1, EMU: tl.constexpr = False, KC: tl.constexpr = 1,
+    LANE_SUM: tl.constexpr = False, LP: tl.constexpr = 0, LV: tl.constexpr = 0, UNROLL: tl.constexpr = 1,
+    STAGES: tl.constexpr = 1, EMU: tl.constexpr = False,
 ):
     """One program: channels [pid * BD, +BD) of sequence pid_b, chunks of P * V tokens walked in reverse.
 
@@ -49,29 +47,26 @@ def selective_scan_bwd_kernel(
     Writes du, ddt, dz (b, d, L); dB, dC partials (b, nblk, n, L) fp32; dA (b, n, d) (accumulated: zeros from
     the host), dD (b, d), ddtb (b, d) fp32 per-sequence partials; dh0 like h0. adj (b, 2, n, d) fp32 zeros:
     ping-pong slots for g = a dh at a chunk's first token.
-    LANE_SUM (v3 / v4 on a GPU, row-per-thread layout only; P = 2^LP, V = 2^LV): dB / dC partials per warp of 32
-    rows (nblk = d R / 32) by lane shuffles (triton_lanes.py) instead of per program by ``tl.reduce``.
-    R (1 or 2, dividing n) rows per channel, row R c + h doing states [h n / R, (h + 1) n / R).
+    LANE_SUM (the row-per-thread layout only; P = 2^LP, V = 2^LV): dB / dC partials per warp of 32 channels
+    (nblk = d / 32) by lane shuffles (triton_lanes.py) instead of per program by ``tl.reduce``.
+    UNROLL states per iteration of the state loop, pipelined over STAGES stages.
+    _pad_ptr / _pad_n: unused (the host passes adj and nchunks), as the forward's: the argument list whose code
+    was timed.
     EMU (tests): the lane paths with the shuffles emulated, so that the interpreter runs them.
-    KC > 1: ckpt (b, ncks, n, d) holds every KC-th chunk's entering state; the others are recomputed per segment
-    into scr (b, KC, n, d) (triton_sparse_ckpt.py).
     """
     pid = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
-    rows = tl.arange(0, BD * R)
-    offs_d = pid * BD + rows // R  # the channel of each row
-    half = rows % R
-    first_row = (half == 0)[None, :, None]  # the row that stores a channel's outputs
+    rows = tl.arange(0, BD)
+    offs_d = pid * BD + rows  # the channel of each row
     p_idx = tl.arange(0, P)[:, None]
     v_idx = tl.arange(0, V)[None, None, :]
     tok = tl.arange(0, P)[:, None, None] * V + v_idx
     tok2 = tl.arange(0, P)[:, None] * V + tl.arange(0, V)[None, :]
     g = (pid * BD) // d_per_group
     dn = dim * dstate
-    nh = dstate // R
-    d_off = offs_d * dstate + half * nh  # row offsets in a (d, n) slab: the row's first state
+    d_off = offs_d * dstate  # row offsets in a (d, n) slab
     drow = d_off[None, :, None]
-    s_row = half * nh * dim + offs_d  # row offsets in an (n, d) state slab: a state's channels are contiguous
+    s_row = offs_d  # row offsets in an (n, d) state slab: a state's channels are contiguous
     if HAS_D:
         Dv = tl.load(D_ptr + offs_d).to(tl.float32)[None, :, None]
     if HAS_DTB:
@@ -81,16 +76,15 @@ def selective_scan_bwd_kernel(
     B_base = B_ptr + pid_b * sB_b + g * sB_g
     C_base = C_ptr + pid_b * sC_b + g * sC_g
     if LANE_SUM:
-        grow = pid * (BD * R) + rows  # global row: 32 per warp
-        lane = rows_lane(BD * R, EMU)
-        lane_tok = (lane >> (R // 2)) % (P * V)  # the token this lane's sums end up holding
-        lane_ok = (lane >> (R // 2)) < P * V
-        part_base = ((pid_b * nblk + grow // 32) * dstate + (lane % R) * nh) * L + lane_tok
+        grow = pid * BD + rows  # global row: 32 per warp
+        lane = rows_lane(BD, EMU)
+        lane_tok = lane % (P * V)  # the token this lane's sums end up holding
+        lane_ok = lane < P * V
+        part_base = (pid_b * nblk + grow // 32) * dstate * L + lane_tok
     else:
         part_base = (pid_b * nblk + pid) * dstate * L
-        grp = tl.arange(0, R)[None, :, None] * nh  # (1, R, 1): first state of each row group
-    dD_acc = tl.zeros([BD * R], dtype=tl.float32)
-    ddtb_acc = tl.zeros([BD * R], dtype=tl.float32)
+    dD_acc = tl.zeros([BD], dtype=tl.float32)
+    ddtb_acc = tl.zeros([BD], dtype=tl.float32)
 
     for ci in range(nchunks):
         c = nchunks - 1 - ci
@@ -103,49 +97,35 @@ def selective_scan_bwd_kernel(
             s_cur, start, end = segment_flags(sid_ptr + pid_b * ssid_b, t, mt, L, end, VARLEN)
         t0 = c * (P * V)
         c0 = pid * BD
-        u = load_tile(u_ptr + pid_b * su_b, c0, su_d, su_l, t0, L, P, BD * R, V, R)
-        dt_raw, dt = delta_tile(dt_ptr + pid_b * sdt_b, c0, sdt_d, sdt_l, t0, L, mt, bias, P, BD * R, V, R,
-                                HAS_DTB, SOFTPLUS)
+        u = load_tile(u_ptr + pid_b * su_b, c0, su_d, su_l, t0, L, P, BD, V, 1)
+        dt_raw, dt = delta_tile(dt_ptr + pid_b * sdt_b, c0, sdt_d, sdt_l, t0, L, mt, bias, P, BD, V, 1, HAS_DTB,
+                                SOFTPLUS)
         dtu = dt * u
         out_b = pid_b * dim * L  # the (b, d, L) contiguous buffers
-        dy = load_tile(dy_ptr + out_b, c0, L, 1, t0, L, P, BD * R, V, R)
+        dy = load_tile(dy_ptr + out_b, c0, L, 1, t0, L, P, BD, V, 1)
         if HAS_Z:
-            zv = load_tile(z_ptr + pid_b * sz_b, c0, sz_d, sz_l, t0, L, P, BD * R, V, R)
-            yp = load_tile(ypre_ptr + out_b, c0, L, 1, t0, L, P, BD * R, V, R)
+            zv = load_tile(z_ptr + pid_b * sz_b, c0, sz_d, sz_l, t0, L, P, BD, V, 1)
+            yp = load_tile(ypre_ptr + out_b, c0, L, 1, t0, L, P, BD, V, 1)
             sig = tl.sigmoid(zv)
-            store_tile(dz_ptr + out_b, dy * yp * sig * (1.0 + zv * (1.0 - sig)), c0, L, 1, t0, L, P, BD * R, V, R)
+            store_tile(dz_ptr + out_b, dy * yp * sig * (1.0 + zv * (1.0 - sig)), c0, L, 1, t0, L, P, BD, V, 1)
             dy = dy * zv * sig
         if HAS_D:
             dD_acc += tl.sum(tl.sum(dy * u, axis=2), axis=0)
-        if KC > 1:
-            kseg = c % KC  # the chunk's place in its segment
-            ck_seg = ckpt_ptr + (pid_b * ncks + c // KC) * dn + s_row
-            scr = scr_ptr + pid_b * KC * dn + s_row
-            if ((kseg == KC - 1) | (c == nchunks - 1)) & (kseg > 0):  # a segment's first chunk here, last in time
-                segment_states(u_ptr, dt_ptr, B_base, A_ptr, dtb_ptr, h0_ptr, sid_ptr, ck_seg, scr, c - kseg, kseg,
-                               pid_b, c0, offs_d, s_row, drow, first_row, L, dim, dstate, nh,
-                               su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sB_n, sB_l, ssid_b,
-                               HAS_DTB, SOFTPLUS, HAS_H0, HAS_SID, VARLEN, FAST_EXP, BD, P, V, R, LANE_SUM)
-            if kseg == 0:
-                ck = ck_seg
-            else:
-                ck = scr + kseg * dn
-        else:
-            ck = ckpt_ptr + (pid_b * nchunks + c) * dn + s_row
+        ck = ckpt_ptr + (pid_b * nchunks + c) * dn + s_row
         adj_in = adj_ptr + (pid_b * 2 + (c + 1) % 2) * dn + s_row  # g entering from chunk c + 1
         adj_out = adj_ptr + (pid_b * 2 + c % 2) * dn + s_row
 
-        dhB = tl.zeros([P, BD * R, V], dtype=tl.float32)   # sum_n dh * B_n
-        dhA = tl.zeros([P, BD * R, V], dtype=tl.float32)   # sum_n dh * a_t h_{t-1} * A_n
-        # UNROLL states per iteration: independent work for the scheduler. One row per channel (v3) with the
-        # row-per-thread layout: software-pipelined over 3 stages (H200: b8 d4096 L4096 backward 6.55 -> 5.58 ms,
-        # b4 d5120 L8192 10.2 -> 9.9); v4's two-row backward lost with 2 or 3 stages.
-        for n0 in tl.range(0, nh, UNROLL, num_stages=3 if (LANE_SUM and R == 1) else 1):
+        dhB = tl.zeros([P, BD, V], dtype=tl.float32)   # sum_n dh * B_n
+        dhA = tl.zeros([P, BD, V], dtype=tl.float32)   # sum_n dh * a_t h_{t-1} * A_n
+        # UNROLL states per iteration: independent work for the scheduler. With the row-per-thread layout:
+        # software-pipelined over 3 stages (H200: b8 d4096 L4096 backward 6.55 -> 5.58 ms, b4 d5120 L8192
+        # 10.2 -> 9.9).
+        for n0 in tl.range(0, dstate, UNROLL, num_stages=STAGES):
             for k in tl.static_range(UNROLL):
                 n = n0 + k
                 A_n = tl.load(A_ptr + s_row + n * dim).to(tl.float32)[None, :, None]
-                B_n = state_row(B_base, n, nh, sB_n, sB_l, t2, mt2, first_row, R)
-                C_n = state_row(C_base, n, nh, sC_n, sC_l, t2, mt2, first_row, R)
+                B_n = state_row(B_base, n, sB_n, sB_l, t2, mt2)
+                C_n = state_row(C_base, n, sC_n, sC_l, t2, mt2)
                 a = exp2(dt * (A_n * LOG2E), FAST_EXP)
                 bx = dtu * B_n
                 hx = bx
@@ -169,14 +149,15 @@ def selective_scan_bwd_kernel(
                 tl.store(adj_out + n * dim, g_first)
                 if LANE_SUM:
                     m_l = lane_ok & (c * (P * V) + lane_tok < L)
-                    tl.store(dB_ptr + part_base + n * L + c * (P * V), warp_channel_sum(dh * dtu, LP, LV, R // 2, EMU),
+                    tl.store(dB_ptr + part_base + n * L + c * (P * V), warp_channel_sum(dh * dtu, LP, LV, EMU),
                              mask=m_l)
-                    tl.store(dC_ptr + part_base + n * L + c * (P * V), warp_channel_sum(dy * hs, LP, LV, R // 2, EMU),
+                    tl.store(dC_ptr + part_base + n * L + c * (P * V), warp_channel_sum(dy * hs, LP, LV, EMU),
                              mask=m_l)
-                else:  # over the channels of each row group: (P, R, V) sums for states n + h n / R
-                    sB, sC = tl.reduce((tl.reshape(dh * dtu, (P, BD, R, V)), tl.reshape(dy * hs, (P, BD, R, V))),
+                else:  # over the program's channels: (P, 1, V) sums (reduced as (P, BD, 1, V): a keep_dims reduce
+                    # moves the varlen code's registers)
+                    sB, sC = tl.reduce((tl.reshape(dh * dtu, (P, BD, 1, V)), tl.reshape(dy * hs, (P, BD, 1, V))),
                                        axis=1, combine_fn=_add2)
-                    tp = part_base + (n + grp) * L + c * (P * V) + tok
+                    tp = part_base + n * L + c * (P * V) + tok
                     tl.store(dB_ptr + tp, sB, mask=mt)
                     tl.store(dC_ptr + tp, sC, mask=mt)
                 dhB += dh * B_n
@@ -189,8 +170,6 @@ def selective_scan_bwd_kernel(
                         tl.store(dh0_ptr + s_cur * dn + drow + n, a * dh, mask=start)
                     elif c == 0:
                         tl.store(dh0_ptr + pid_b * dn + d_off + n, g_first)
-        dhB = rows_sum(dhB, R, LANE_SUM, EMU)
-        dhA = rows_sum(dhA, R, LANE_SUM, EMU)
         du = dhB * dt
         if HAS_D:
             du += Dv * dy
@@ -200,12 +179,12 @@ def selective_scan_bwd_kernel(
         ddt = tl.where(mt, ddt, 0.0)
         if HAS_DTB:
             ddtb_acc += tl.sum(tl.sum(ddt, axis=2), axis=0)
-        store_tile(du_ptr + out_b, du, c0, L, 1, t0, L, P, BD * R, V, R)
-        store_tile(ddt_ptr + out_b, ddt, c0, L, 1, t0, L, P, BD * R, V, R)
+        store_tile(du_ptr + out_b, du, c0, L, 1, t0, L, P, BD, V, 1)
+        store_tile(ddt_ptr + out_b, ddt, c0, L, 1, t0, L, P, BD, V, 1)
         if not LANE_SUM:  # with the row-per-thread layout each thread reloads the carries it stored itself
             tl.debug_barrier()  # the carries, for other layouts
 
     if HAS_D:
-        tl.store(dD_ptr + pid_b * dim + offs_d, dD_acc, mask=half == 0)
+        tl.store(dD_ptr + pid_b * dim + offs_d, dD_acc)
     if HAS_DTB:
-        tl.store(ddtb_ptr + pid_b * dim + offs_d, ddtb_acc, mask=half == 0)
+        tl.store(ddtb_ptr + pid_b * dim + offs_d, ddtb_acc)

@@ -2,17 +2,17 @@
 
 One program walks L in chunks of S tokens for BD channels of one sequence. The tiles are (P, BD * R, V)
 (triton_tiles.py), so the scan, the chunk's last state and y's sum over the states stay inside each thread. With
-R = 2 (v4) each channel has two rows (two neighbouring lanes), each scanning half of the states: twice the threads
-for the same work, and one pairwise sum of y per chunk. The state carried to the next chunk goes through a small
+R = 2 each channel has two rows (two neighbouring lanes), each scanning half of the states: twice the threads for
+the same work, and one pairwise sum of y per chunk. The state carried to the next chunk goes through a small
 state-major buffer (the state loop is a runtime loop, so a register carry per state is not expressible); with the
 row-per-thread layout (LANES) each thread reads back what it wrote, otherwise a barrier guards it. With gradients
-the buffer keeps the state entering every chunk (or every K-th: triton_sparse_ckpt.py), all the backward
-recomputes from.
+the buffer keeps the state entering every chunk: the checkpoints the backward recomputes from.
 
-With a constexpr state count (NS, v4 at n = 16: 8 states per row) the state loop is unrolled instead: A and the
-carries stay in registers for the whole sequence (slots of a tile), the next state's B / C rows are loaded while
-one state scans, and the rows of u / delta / z two chunks ahead are prefetched into L2 (PREFETCH): H200, b4 d5120
-L8192 bf16 forward 3.76 -> 2.83 ms (VARIANTS.md). The carry buffer is then written only for checkpoints.
+With a constexpr state count (NS: two rows per channel, n / 2 <= 8 states per row) the state loop is unrolled
+instead: A and the carries stay in registers for the whole sequence (slots of a tile), the next state's B / C rows
+are loaded while one state scans, and the rows of u / delta / z two chunks ahead are prefetched into L2
+(PREFETCH): H200, b4 d5120 L8192 bf16 forward 3.76 -> 2.83 ms (docs/kernels/selective_scan.md). The carry buffer
+is then written only for checkpoints.
 """
 
 from __future__ import annotations
@@ -21,22 +21,23 @@ import triton
 import triton.language as tl
 
 from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, prefetch_l2, segment_flags
-from mamba_parallel.ops.selective_scan.triton_tiles import (_at, _put, delta_tile, last_token, load_tile, rows_sum,
-                                                            scan_forward, state_row, state_rows, store_tile)
+from mamba_parallel.ops.selective_scan.triton_tiles import (_at, _put, delta_tile, last_token, load_tile,
+                                                            paired_state_row, rows_sum, scan_forward, state_rows,
+                                                            store_tile)
 
 
 @triton.jit
 def selective_scan_fwd_kernel(
     u_ptr, dt_ptr, z_ptr, B_ptr, C_ptr, A_ptr, D_ptr, dtb_ptr, h0_ptr, sid_ptr,
-    y_ptr, ypre_ptr, hlast_ptr, st_ptr, ck_ptr,
-    L, dim, dstate, d_per_group, nchunks, nslots, ncks,
+    y_ptr, ypre_ptr, hlast_ptr, st_ptr, _pad_ptr,
+    L, dim, dstate, d_per_group, nchunks, nslots, _pad_n,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
     sB_b, sB_g, sB_n, sB_l, sC_b, sC_g, sC_n, sC_l, ssid_b,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_SID: tl.constexpr, VARLEN: tl.constexpr, SAVE_YPRE: tl.constexpr,
     FAST_EXP: tl.constexpr, BD: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
-    R: tl.constexpr = 1, LANES: tl.constexpr = False, UNROLL: tl.constexpr = 1, EMU: tl.constexpr = False,
-    KC: tl.constexpr = 1, NS: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, CKPT: tl.constexpr = True,
+    R: tl.constexpr = 1, LANES: tl.constexpr = False, UNROLL: tl.constexpr = 1, STAGES: tl.constexpr = 1,
+    EMU: tl.constexpr = False, NS: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, CKPT: tl.constexpr = True,
 ):
     """One program: channels [pid_d * BD, +BD) of sequence pid_b, chunks of S = P * V tokens; R (1 or 2, dividing
     n) rows per channel, row R c + h scanning states [h n / R, (h + 1) n / R). LANES: the row-per-thread layout is
@@ -45,9 +46,10 @@ def selective_scan_fwd_kernel(
 
     A (n, d) and st (b, nslots, n, d) fp32 are state-major, so that a warp's accesses to one state are one
     coalesced 128-byte access; slot c % nslots holds the state entering chunk c (slot 0 filled by the host).
-    KC > 1 (triton_sparse_ckpt.py): the checkpoints are every KC-th chunk's entering state, in ck (b, ncks, n, d)
-    (slot 0 filled by the host), st being a ping-pong pair.
     Writes y (b, d, L) contiguous, ypre (y before the z gate) when SAVE_YPRE, hlast (b or nseq, d, n) fp32.
+    _pad_ptr / _pad_n: unused (the host passes st and nchunks); they keep the argument list whose code was timed:
+    at the unrolled forward's 168-register cap ptxas allocates by it (without them: 24 B of spills on sm_90).
+    UNROLL states per iteration of the state loop, pipelined over STAGES stages.
     NS > 0 (LANES, no VARLEN, NS / R <= S): n = NS known, the row's states unrolled; st is then only written when
     CKPT (checkpoints for the backward). PREFETCH > 0: prefetch u / delta / z that many chunks ahead (GPU only).
     """
@@ -128,21 +130,18 @@ def selective_scan_fwd_kernel(
                 h_last = last_token(hs, v_idx, p_idx, P, V)
                 hc = _put(hc, h_last, k // V, k % V, P, V)
                 if CKPT:
-                    if KC == 1:
-                        if c + 1 < nchunks:
-                            tl.store(st_out + k * dim, h_last)
-                    elif ((c + 1) % KC == 0) & (c + 1 < nchunks):
-                        tl.store(ck_ptr + (pid_b * ncks + (c + 1) // KC) * dn + s_row + k * dim, h_last)
+                    if c + 1 < nchunks:
+                        tl.store(st_out + k * dim, h_last)
         else:
             # UNROLL states per iteration: independent work for the scheduler. With the row-per-thread layout the
             # loop is software-pipelined over 2 stages: the next states' A / carry / B / C rows are fetched (async
             # copies) while these are scanned (H200: b8 d4096 L4096 forward 2.67 -> 2.23 ms; 3 stages: 2.48).
-            for n0 in tl.range(0, nh, UNROLL, num_stages=2 if LANES else 1):
+            for n0 in tl.range(0, nh, UNROLL, num_stages=STAGES):
                 for k in tl.static_range(UNROLL):
                     n = n0 + k
                     A_n = (tl.load(A_ptr + s_row + n * dim).to(tl.float32) * LOG2E)[None, :, None]
-                    B_n = state_row(B_base, n, nh, sB_n, sB_l, t2, mt2, first_row, R)
-                    C_n = state_row(C_base, n, nh, sC_n, sC_l, t2, mt2, first_row, R)
+                    B_n = paired_state_row(B_base, n, nh, sB_n, sB_l, t2, mt2, first_row, R)
+                    C_n = paired_state_row(C_base, n, nh, sC_n, sC_l, t2, mt2, first_row, R)
                     a = exp2(dt * A_n, FAST_EXP)
                     bx = dtu * B_n
                     if HAS_SID:
@@ -158,10 +157,6 @@ def selective_scan_fwd_kernel(
                             tl.store(st_out + n * st_step, last_token(hs, v_idx, p_idx, P, V))
                     else:
                         tl.store(st_out + n * st_step, last_token(hs, v_idx, p_idx, P, V))
-                    if KC > 1:
-                        if ((c + 1) % KC == 0) & (c + 1 < nchunks):
-                            tl.store(ck_ptr + (pid_b * ncks + (c + 1) // KC) * dn + s_row + n * dim,
-                                     last_token(hs, v_idx, p_idx, P, V))
         y = rows_sum(y, R, LANES, EMU)
         if HAS_D:
             y += Dv * u

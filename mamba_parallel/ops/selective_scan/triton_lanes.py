@@ -5,8 +5,7 @@ levels per token, each result then replicated in all 32 lanes, plus a shared-mem
 instead: at level k a lane keeps the half of its tokens picked by bit k of its lane id, sends the other half to the
 lane that differs in that bit and adds what it receives. After log2(S) levels each lane holds one token summed
 over S lanes; the remaining levels are plain butterflies. That is S - 1 + 5 - log2(S) shuffles per thread instead
-of 5 S (16 vs 80 for S = 16), and no shared memory: each warp writes its own partial (b, d R / 32, n, L). With R
-rows per channel (v4), the low log2(R) lane bits select the state group and are left out of the sum.
+of 5 S (16 vs 80 for S = 16), and no shared memory: each warp writes its own partial (b, d / 32, n, L).
 
 Layout contract (checked by the host, which enables this path only then): the row-per-thread layout, lane l of
 warp w owning row 32 w + l of the program and all S tokens in registers. Token halves are taken with ``tl.reshape`` +
@@ -64,17 +63,16 @@ def rows_lane(ROWS: tl.constexpr, EMU: tl.constexpr):
 
 
 @triton.jit
-def warp_channel_sum(x, LP: tl.constexpr, LV: tl.constexpr, LR: tl.constexpr = 0, EMU: tl.constexpr = False):
+def warp_channel_sum(x, LP: tl.constexpr, LV: tl.constexpr, EMU: tl.constexpr = False):
     """x (P, BD, V) fp32 with P = 2^LP, V = 2^LV -> (BD,) where lane l holds the sum over the lanes of its warp
-    that agree with l in the low LR bits (the rows of one state group, v4) of token (l >> LR) mod (P V)
-    (token p V + v; lanes with (l >> LR) >= P V hold duplicates)."""
+    of token l mod (P V) (token p V + v; lanes l >= P V hold duplicates)."""
     lane = rows_lane(x.shape[1], EMU)[None, :, None]
     for k in tl.static_range(LV):  # the token's low bits: v
-        x = _halve_last(x, lane, LR + k, 1, EMU)
+        x = _halve_last(x, lane, k, 1, EMU)
     x = tl.permute(x, (1, 2, 0))  # (BD, 1, P)
     lane = tl.permute(lane, (1, 2, 0))
     for k in tl.static_range(LP):  # then p
-        x = _halve_last(x, lane, LR + LV + k, 0, EMU)
-    for k in tl.static_range(LR + LP + LV, 5):  # lanes still holding the same token: plain butterflies
+        x = _halve_last(x, lane, LV + k, 0, EMU)
+    for k in tl.static_range(LP + LV, 5):  # lanes still holding the same token: plain butterflies
         x += butterfly(x, 1 << k, 0, EMU)
     return tl.reshape(x, (x.shape[0],))

@@ -1,6 +1,6 @@
 """Tiles, loads and token scans of the Mamba-1 scan kernels, kept inside each thread.
 
-A tile is (P, R BD, V): row R c + h of the program (channel c; R = 2 rows per channel in v4), token p V + v of the
+A tile is (P, R BD, V): row R c + h of the program (channel c; R = 2 rows per channel or 1), token p V + v of the
 chunk (S = P V tokens). ``load_tile`` reads it through a (P R BD, V) pointer tile, so that with token-major inputs
 Triton gives each thread V contiguous tokens (one 16-byte vector) of one row, the rows spread over lanes and warps
 and P repeating in registers, under both Triton 3.6's and 3.9's tie-breaking between equally contiguous axes:
@@ -8,10 +8,10 @@ each thread owns every token of its row (the "row-per-thread layout"), so the sc
 tokens run in registers, without shuffles or shared memory. (Other strides still give correct results, through
 whatever layout Triton picks.)
 
-Where the layout is certain (v3 / v4 on a GPU, token-major aligned inputs) the scans are sequential chains over the
+Where the layout is certain (the row-per-thread paths, launch.py) the scans are sequential chains over the
 S tokens, one FMA each, written with ``_at`` (one token as a sum of ``where(i == k, x, -0.0)``) and ``_put``
 (``where(i == k, val, acc)``): with thread-local tokens the masks are constants per register, so both fold to
-register moves (x + -0.0 is x). In any other layout (v2, and the interpreter, where the unrolled chain is slow)
+register moves (x + -0.0 is x). In any other layout (the generic paths, where the unrolled chain is slow)
 they run as two-level ``tl.associative_scan``s: along V inside a vector, then an exclusive scan of the per-vector
 maps along P. ``pick`` extracts one position of an axis like ``_at``; a "take the last" reduction would rely on
 the reduction order.
@@ -216,12 +216,18 @@ def store_tile(ptr, x, c0, s_d, s_l, t0, L, P: tl.constexpr, ROWS: tl.constexpr,
 
 
 @triton.jit
-def state_row(base, n, nh, s_n, s_l, t2, mt2, first_row, R: tl.constexpr):
-    """B or C of state n at the chunk's tokens t2 as a (P, 1, V) tile; with R == 2 rows per channel the second
-    row takes state n + nh (each row scans half of the states)."""
-    v = tl.load(base + n * s_n + t2 * s_l, mask=mt2, other=0.0)[:, None, :]
+def state_row(base, n, s_n, s_l, t2, mt2):
+    """B or C of state n at the chunk's tokens t2 as a (P, 1, V) tile (the same for every row)."""
+    return tl.load(base + n * s_n + t2 * s_l, mask=mt2, other=0.0)[:, None, :]
+
+
+@triton.jit
+def paired_state_row(base, n, nh, s_n, s_l, t2, mt2, first_row, R: tl.constexpr):
+    """``state_row`` for R rows per channel: with R == 2 the second row of each channel takes state n + nh (each
+    row scans half of the states)."""
+    v = state_row(base, n, s_n, s_l, t2, mt2)
     if R == 2:
-        v = tl.where(first_row, v, tl.load(base + (n + nh) * s_n + t2 * s_l, mask=mt2, other=0.0)[:, None, :])
+        v = tl.where(first_row, v, state_row(base, n + nh, s_n, s_l, t2, mt2))
     return v
 
 

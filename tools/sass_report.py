@@ -1,13 +1,13 @@
-"""Offline code-quality report of the scan kernels: compile for sm_90 without a GPU and count what they run.
+"""Offline code-quality report of the Mamba-1 scan kernels: compile for sm_90 without a GPU and count what they run.
 
-    python -m mamba_parallel.ops.selective_scan.sass_report [--variant v2 v3 v4] [--cfg T,BDf,Wf,BDb,Wb]
-        [--ckpt-every K] [--dump DIR]
+    python tools/sass_report.py [--path row_per_thread two_rows_per_channel ...] [--shape B D L N] [--dump DIR]
 
-For each variant's forward and backward (bf16 inputs, the GPU tile config, D / z / delta_bias / softplus on, as the
-benchmark runs them) it prints the registers and spill bytes ptxas reports, and SASS instruction counts of the
-whole kernel and of its innermost loop (the per-state body that runs b * d * n * L / (tokens per thread) times):
-all instructions, shuffles (SHFL), barriers (BAR), shared-memory ops (LDS / STS), MUFU and global memory ops.
-Per-element figures divide the innermost loop by the elements one thread handles per iteration.
+For each kernel path's forward and backward (bf16 token-major inputs, D / z / delta_bias / softplus on, as the
+benchmark runs them; tiles and launch options from ops/selective_scan/launch.py for an H200) it prints the
+registers and spill bytes ptxas reports, and SASS instruction counts of the whole kernel and of its innermost loop
+(the per-state body that runs b * d * n * L / (tokens per thread) times): all instructions, shuffles (SHFL),
+barriers (BAR), shared-memory ops (LDS / STS), MUFU and global memory ops. Per-element figures divide the
+innermost loop by the elements one thread handles per iteration.
 
 The argument specialisation mirrors Triton's JIT (ints equal to 1 become constants, multiples of 16 and pointers
 get divisibility 16), so the code is what the benchmark would run; Triton's wheel bundles ptxas and cuobjdump.
@@ -136,20 +136,17 @@ def report(name: str, kernel, elems_per_iter: int, dump: str | None) -> dict:
     return dict(name=name, **use, kernel=tot, inner=inner, per_element=per)
 
 
-def variant_kernels(variant: str, cfg: str | None = None, ckpt_every: int = 1, b=8, d=4096, L=4096, n=16):
+def path_kernels(path: str, b=8, d=4096, L=4096, n=16, sm_count=132):
     """[(name, jit fn, args, constexprs, num_warps, elements per thread per inner iteration)] of the forward (with
-    checkpoints every ``ckpt_every`` chunks, as under autograd) and backward of ``variant`` at the first benchmark
-    shape, bf16, token-major."""
+    checkpoints, as under autograd) and backward of ``path`` at one shape, bf16, token-major."""
+    from mamba_parallel.ops.selective_scan import launch
     from mamba_parallel.ops.selective_scan.triton_bwd import selective_scan_bwd_kernel
-    from mamba_parallel.ops.selective_scan.triton_common import scan_config
     from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kernel
-    from mamba_parallel.ops.selective_scan.triton_impl import _rows_per_channel, _unroll, _unrolled_meta
 
-    if cfg:
-        os.environ["MAMBA_PARALLEL_SCAN_CFG"] = cfg
-    c = scan_config(d, L, interpret=False, impl=variant)
-    nchunks = triton.cdiv(L, c.chunk)
-    ncks = triton.cdiv(nchunks, ckpt_every)
+    plan = launch.plan(launch.ScanShape(batch=b, d=d, n=n, groups=1, seqlen=L, elem_size=2, row_layout=True,
+                                        varlen=False), sm_count, path)
+    fw, bw = plan.fwd, plan.bwd
+    nchunks = triton.cdiv(L, fw.chunk)
     strides = dict(su_b=d * L, su_d=L, su_l=TOKEN_STRIDE, sdt_b=d * L, sdt_d=L, sdt_l=TOKEN_STRIDE, sz_b=d * L,
                    sz_d=L, sz_l=TOKEN_STRIDE, sB_b=n * L, sB_g=n * L, sB_n=L, sB_l=1, sC_b=n * L, sC_g=n * L,
                    sC_n=L, sC_l=1, ssid_b=0)
@@ -157,54 +154,49 @@ def variant_kernels(variant: str, cfg: str | None = None, ckpt_every: int = 1, b
                  FAST_EXP=True)
     bf, f32 = "*bf16", "*fp32"
     fwd_ptrs = dict(u_ptr=bf, dt_ptr=bf, z_ptr=bf, B_ptr=f32, C_ptr=f32, A_ptr=f32, D_ptr=f32, dtb_ptr=f32,
-                    h0_ptr=bf, sid_ptr="*i32", y_ptr=bf, ypre_ptr=bf, hlast_ptr=f32, st_ptr=f32, ck_ptr=f32)
+                    h0_ptr=bf, sid_ptr="*i32", y_ptr=bf, ypre_ptr=bf, hlast_ptr=f32, st_ptr=f32, _pad_ptr=f32)
     bwd_ptrs = dict(fwd_ptrs, ckpt_ptr=f32, dy_ptr=bf, dlast_ptr=f32, du_ptr=bf, ddt_ptr=bf, dz_ptr=bf, dB_ptr=f32,
-                    dC_ptr=f32, dA_ptr=f32, dD_ptr=f32, ddtb_ptr=f32, dh0_ptr=f32, adj_ptr=f32, scr_ptr=f32)
-    v = min(c.chunk, 8)  # one 16-byte bf16 vector
-    tile = dict(P=c.chunk // v, V=v)
-    nblk = d // c.bwd_block_d
-    fwd_tile, bwd_tile = dict(tile, KC=ckpt_every), dict(tile, KC=ckpt_every)
-    if variant in ("v3", "v4"):  # the GPU path of token-major inputs, as triton_impl picks it
-        r = _rows_per_channel(variant, n)
-        nblk = d * r // 32
-        bwd_tile.update(LANE_SUM=True, LP=tile["P"].bit_length() - 1, LV=tile["V"].bit_length() - 1, R=r,
-                        UNROLL=_unroll(variant, n // r, True, r))
-        fwd_tile.update(LANES=True, R=r, UNROLL=_unroll(variant, n // r, False, r),
-                        **_unrolled_meta(variant, n, c.chunk, True, False, False))
-    fwd = (dict(fwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks,
-                nslots=nchunks if ckpt_every == 1 else 2, ncks=ncks,
+                    dC_ptr=f32, dA_ptr=f32, dD_ptr=f32, ddtb_ptr=f32, dh0_ptr=f32, adj_ptr=f32)
+
+    def tile(run):
+        meta = dict(BD=run.block_d, P=run.vectors, V=run.vec, UNROLL=run.unroll, STAGES=run.stages)
+        if run.maxnreg:
+            meta["maxnreg"] = run.maxnreg
+        return meta
+
+    fwd_meta = dict(tile(fw), R=fw.rows, LANES=fw.row_layout, CKPT=True, SAVE_YPRE=True, **flags)
+    if fw.unrolled_states:
+        fwd_meta.update(NS=fw.unrolled_states, PREFETCH=fw.prefetch)
+    bwd_meta = dict(tile(bw), LANE_SUM=bw.row_layout, HAS_DLAST=False, **flags)
+    if bw.row_layout:
+        bwd_meta.update(LP=bw.vectors.bit_length() - 1, LV=bw.vec.bit_length() - 1)
+    nblk = d // 32 if bw.row_layout else d // bw.block_d
+    per_iter = fw.unrolled_states // fw.rows if fw.unrolled_states else fw.unroll
+    fwd = (dict(fwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nslots=nchunks, _pad_n=nchunks,
                 **strides),
-           dict(flags, SAVE_YPRE=True, BD=c.fwd_block_d, **fwd_tile), c.fwd_warps,
-           c.chunk * (fwd_tile["NS"] // fwd_tile["R"] if fwd_tile.get("NS") else fwd_tile.get("UNROLL", 1)))
-    bwd = (dict(bwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nblk=nblk, ncks=ncks,
+           fwd_meta, fw.num_warps, fw.chunk * per_iter)
+    bwd = (dict(bwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nblk=nblk, _pad_n=nchunks,
                 **strides),
-           dict(flags, HAS_DLAST=False, BD=c.bwd_block_d, **bwd_tile), c.bwd_warps,
-           c.chunk * bwd_tile.get("UNROLL", 1))
-    return [("fwd", selective_scan_fwd_kernel, *fwd), ("bwd", selective_scan_bwd_kernel, *bwd)]
+           bwd_meta, bw.num_warps, bw.chunk * bw.unroll)
+    return [(f"{fw.path}-fwd", selective_scan_fwd_kernel, *fwd), (f"{bw.path}-bwd", selective_scan_bwd_kernel, *bwd)]
 
 
 def main(argv=None) -> None:
-    from mamba_parallel.ops.selective_scan.triton_common import IMPLS, parse_config
+    from mamba_parallel.ops.selective_scan import launch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", nargs="*", default=list(IMPLS), choices=IMPLS)
-    ap.add_argument("--cfg", help="tile config 'T,BDf,Wf,BDb,Wb' (MAMBA_PARALLEL_SCAN_CFG) instead of the default")
-    ap.add_argument("--ckpt-every", type=int, default=1, metavar="K",
-                    help="checkpoint every K-th chunk (MAMBA_PARALLEL_SCAN_CKPT_EVERY): the backward's recompute")
+    ap.add_argument("--path", nargs="*", default=[launch.ROW_PER_THREAD, launch.TWO_ROWS_PER_CHANNEL],
+                    choices=launch.FORWARD_PATHS, help="forward paths (each with its backward)")
+    ap.add_argument("--shape", nargs=4, type=int, default=[8, 4096, 4096, 16], metavar=("B", "D", "L", "N"))
     ap.add_argument("--dump", metavar="DIR", help="also write TTGIR / PTX / SASS of each kernel there")
     args = ap.parse_args(argv)
-    if args.cfg:
-        try:
-            parse_config(args.cfg)
-        except ValueError as e:
-            ap.error(f"--cfg: {e}")
-    if args.ckpt_every < 1:
-        ap.error(f"--ckpt-every {args.ckpt_every}: expected a positive int")
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    from mamba_parallel.ops.backend import interpret_mode
+    if interpret_mode():
         raise SystemExit("sass_report compiles for sm_90: unset TRITON_INTERPRET")
-    for v in args.variant:
-        for name, fn, fargs, consts, warps, epi in variant_kernels(v, args.cfg, args.ckpt_every):
-            report(f"{v}-{name}", compile_sm90(fn, fargs, consts, warps), epi, args.dump)
+    b, d, L, n = args.shape
+    for p in args.path:
+        for name, fn, fargs, consts, warps, epi in path_kernels(p, b, d, L, n):
+            report(name, compile_sm90(fn, fargs, consts, warps), epi, args.dump)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,196 @@
+"""Which kernel path and tiles the Mamba-1 selective scan launches, chosen from the shapes in ``plan``.
+
+Pure Python over the shapes, the inputs' layout and the GPU's SM count (``sm_count``; None: Triton's CPU
+interpreter), so the choice is testable anywhere. The reasons and timings are in docs/kernels/selective_scan.md.
+
+Both kernels give each channel one row of a tile (``rows`` = 2: two rows, each scanning half of the states) and
+keep a chunk of S tokens in each row's registers. Where the inputs are token-major with 16-byte-aligned rows
+(L % 16 == 0, no cu_seqlens), Triton gives every row its own thread (the row-per-thread layout) and the kernels
+rely on it: token scans as register chains, sums over channels by lane shuffles. Elsewhere they run generic code
+(associative scans, ``tl.reduce``) that is correct for any layout.
+
+Forward paths (the backward always runs one row per channel: "row_per_thread" where the layout allows, else
+"generic"):
+
+    row_per_thread        one row per channel, state loop (4 states per iteration, 2 pipeline stages)
+    two_rows_per_channel  two rows per channel, the row's n / 2 <= 8 states unrolled in registers, u / delta / z
+                          prefetched into L2 two chunks ahead, 168 registers (three 4-warp programs per SM)
+    two_rows_state_loop   two rows per channel, state loop (more than 8 states per row)
+    generic               one row per channel, any layout
+    generic_two_rows      two rows per channel, any layout
+
+The default takes two rows per channel where one row per channel would give each SM fewer than
+``TWO_ROWS_BELOW_WARPS_PER_SM`` warps (and n is even), else one row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROW_PER_THREAD = "row_per_thread"
+TWO_ROWS_PER_CHANNEL = "two_rows_per_channel"
+TWO_ROWS_STATE_LOOP = "two_rows_state_loop"
+GENERIC = "generic"
+GENERIC_TWO_ROWS = "generic_two_rows"
+FORWARD_PATHS = (ROW_PER_THREAD, TWO_ROWS_PER_CHANNEL, TWO_ROWS_STATE_LOOP, GENERIC, GENERIC_TWO_ROWS)
+ROW_LAYOUT_PATHS = frozenset({ROW_PER_THREAD, TWO_ROWS_PER_CHANNEL, TWO_ROWS_STATE_LOOP})
+
+# Two rows per channel where one row per channel (one warp per 32 channels) gives each SM fewer warps than this.
+# H200 (132 SMs), bf16, n 16: two rows win at b4 d5120 (4.8 warps per SM) and in the mamba-130m / 370m training
+# steps (2.9 / 3.9), one row at b8 d4096 (7.8) and so for mamba-1.4b / 2.8b.
+TWO_ROWS_BELOW_WARPS_PER_SM = 6
+UNROLLED_STATES_MAX = 8  # states per row that the unrolled forward holds in registers (token slots of a tile)
+PREFETCH_CHUNKS = 2
+UNROLLED_MAXNREG = 168
+
+
+@dataclass(frozen=True)
+class ScanShape:
+    """What the choice depends on."""
+
+    batch: int
+    d: int             # channels
+    n: int             # states per channel
+    groups: int        # B / C groups: d / groups channels share one
+    seqlen: int
+    elem_size: int     # bytes per element of u
+    row_layout: bool   # u / delta / z token-major (on a GPU also 16-byte-aligned rows and L % 16 == 0)
+    varlen: bool       # cu_seqlens: per-token gathers of initial / last states (other layouts)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel's path, tiles and launch options."""
+
+    path: str
+    rows: int             # R: rows per channel, each scanning n / R states
+    row_layout: bool      # relies on the row-per-thread layout
+    block_d: int          # BD: channels per program
+    num_warps: int
+    chunk: int            # S: tokens per chunk (the spacing of the forward's checkpoints)
+    vec: int              # V: tokens per 16-byte vector; a row holds P = S / V vectors
+    unroll: int           # states per state-loop iteration
+    stages: int           # software-pipeline stages of the state loop (1: none)
+    unrolled_states: int  # NS: n when the states are unrolled (no state loop), else 0
+    prefetch: int         # chunks ahead whose u / delta / z rows are prefetched into L2 (0: none)
+    maxnreg: int | None   # register cap per thread
+    emulate: bool         # interpreter only: the lane shuffles of the row-per-thread paths emulated (tests)
+
+    @property
+    def vectors(self) -> int:
+        return self.chunk // self.vec
+
+
+@dataclass(frozen=True)
+class ScanPlan:
+    fwd: Launch
+    bwd: Launch
+
+
+def _pow2_divisor(x: int, cap: int) -> int:
+    """Largest power of two <= cap dividing x."""
+    p = 1
+    while p * 2 <= cap and x % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def chunk_tokens(seqlen: int, interp: bool) -> int:
+    """S: 16 tokens (8 in the interpreter: short chunks exercise the carries), at most the sequence's."""
+    return min(8 if interp else 16, max(_next_pow2(seqlen), 2))
+
+
+def _chunk_and_vec(s: ScanShape, interp: bool) -> tuple[int, int]:
+    """The chunk, and one 16-byte vector of u per thread and vector (4 tokens in the interpreter, so that tests
+    cover both levels of the generic token scans)."""
+    chunk = chunk_tokens(s.seqlen, interp)
+    return chunk, min(chunk, 16 // s.elem_size, 4 if interp else 16)
+
+
+def _row_layout_ok(s: ScanShape, rows: int, block_d: int, warps: int, chunk: int) -> bool:
+    """The row-per-thread layout holds: row i of a program in lane i mod 32 of warp i / 32, a chunk's tokens in
+    its registers (Triton vectorises a row's tokens only for token-major, aligned rows; cu_seqlens' per-token
+    gathers of states pull the tiles into another layout)."""
+    return (s.row_layout and not s.varlen and block_d * rows == 32 * warps
+            and (s.d // s.groups) % (32 // rows) == 0 and chunk * rows <= 32)
+
+
+def _halved_to_divide(want: int, n: int) -> int:
+    while want > 1 and n % want:
+        want //= 2
+    return want
+
+
+def _forward(s: ScanShape, interp: bool, rows: int, row_layout: bool, unroll_states: bool) -> Launch:
+    chunk, vec = _chunk_and_vec(s, interp)
+    dpg = s.d // s.groups
+    if interp:  # one warp; the row-per-thread paths need its 32 rows, generic code takes tiny tiles
+        block_d, warps = _pow2_divisor(dpg, 32 // rows), 1
+        lanes = row_layout and _row_layout_ok(s, rows, block_d, warps, chunk)
+        block_d = block_d if lanes else _pow2_divisor(dpg, 4)
+    else:
+        block_d, warps = (_pow2_divisor(dpg, 64), 4) if rows == 2 else (_pow2_divisor(dpg, 32), 1)
+        lanes = row_layout and _row_layout_ok(s, rows, block_d, warps, chunk)
+    # states per iteration: independent work for the scheduler, as far as the registers allow (4 / 2 states with
+    # one / two rows per channel: ~175 registers, no spills); the generic code was only measured at 1
+    unroll = _halved_to_divide(4 if rows == 1 else 2, s.n // rows) if lanes else 1
+    unrolled = lanes and rows == 2 and unroll_states and s.n // 2 <= min(UNROLLED_STATES_MAX, chunk)
+    if unrolled:
+        path = TWO_ROWS_PER_CHANNEL
+    elif rows == 2:
+        path = TWO_ROWS_STATE_LOOP if lanes else GENERIC_TWO_ROWS
+    else:
+        path = ROW_PER_THREAD if lanes else GENERIC
+    return Launch(path=path, rows=rows, row_layout=lanes, block_d=block_d, num_warps=warps, chunk=chunk, vec=vec,
+                  unroll=unroll, stages=2 if lanes and not unrolled else 1, unrolled_states=s.n if unrolled else 0,
+                  prefetch=PREFETCH_CHUNKS if unrolled and not interp else 0,
+                  maxnreg=UNROLLED_MAXNREG if unrolled and not interp else None, emulate=interp and lanes)
+
+
+def _backward(s: ScanShape, interp: bool, row_layout: bool) -> Launch:
+    chunk, vec = _chunk_and_vec(s, interp)
+    block_d = _pow2_divisor(s.d // s.groups, 32)
+    lanes = row_layout and _row_layout_ok(s, 1, block_d, 1, chunk)
+    if interp and not lanes:
+        block_d = _pow2_divisor(s.d // s.groups, 4)
+    return Launch(path=ROW_PER_THREAD if lanes else GENERIC, rows=1, row_layout=lanes, block_d=block_d, num_warps=1,
+                  chunk=chunk, vec=vec, unroll=_halved_to_divide(2, s.n) if lanes else 1, stages=3 if lanes else 1,
+                  unrolled_states=0, prefetch=0, maxnreg=None, emulate=interp and lanes)
+
+
+def default_request(batch: int, d: int, n: int, varlen: bool, sm_count: int | None) -> str:
+    """Two rows per channel where one row (a warp per 32 channels) would leave the SMs short of warps (n even, no
+    cu_seqlens), else one row; the interpreter always runs one row of generic code. Shapes only: the layout then
+    decides, inside each op (``plan``)."""
+    if sm_count is None:
+        return GENERIC
+    warps = -(-batch * d // 32)
+    if not varlen and n % 2 == 0 and warps < TWO_ROWS_BELOW_WARPS_PER_SM * sm_count:
+        return TWO_ROWS_PER_CHANNEL
+    return ROW_PER_THREAD
+
+
+def plan(s: ScanShape, sm_count: int | None, path: str | None = None) -> ScanPlan:
+    """The forward and backward launches of a scan of shape ``s`` on a GPU with ``sm_count`` SMs (None: the
+    interpreter). ``path`` (one of FORWARD_PATHS; None: ``default_request``) is what to run; where the shape or
+    layout cannot take it, the nearest path that can runs instead (``plan(s, sm, p).fwd.path`` says which), in
+    this order: two_rows_per_channel -> two_rows_state_loop (more than 8 states per row) -> generic_two_rows
+    (no row-per-thread layout); row_per_thread -> generic; two rows -> one row for odd n or cu_seqlens. The
+    interpreter runs the row-per-thread paths only when asked by name (with emulated shuffles: tests).
+
+    The backward is determined by the forward's path: pass the forward's ``fwd.path`` to get the same plan."""
+    interp = sm_count is None
+    if path is None:
+        path = default_request(s.batch, s.d, s.n, s.varlen, sm_count)
+    elif path not in FORWARD_PATHS:
+        raise ValueError(f"selective_scan: path {path!r} is not one of {FORWARD_PATHS}")
+    row_layout = path in ROW_LAYOUT_PATHS  # asked for (the interpreter's default is generic)
+    rows = 2 if path not in (ROW_PER_THREAD, GENERIC) and s.n % 2 == 0 and not s.varlen else 1
+    fwd = _forward(s, interp, rows, row_layout, unroll_states=path == TWO_ROWS_PER_CHANNEL)
+    # the interpreter emulates the backward's lane sums only behind a forward that was asked to emulate its own
+    bwd = _backward(s, interp, row_layout=not interp or fwd.path in ROW_LAYOUT_PATHS)
+    return ScanPlan(fwd, bwd)

@@ -1,0 +1,92 @@
+"""The selective scan's launch choice (ops/selective_scan/launch.py) for the shapes the benchmarks, the training
+presets and generation use, on an H200 (132 SMs): each row is the launch these shapes ran with before the kernel
+paths were named (kept bit for bit: the same kernels, tiles, warps and pipeline stages). Pure Python, no kernel."""
+
+import pytest
+
+from mamba_parallel.ops.selective_scan import launch
+
+H200_SMS = 132
+RPT, TWO, LOOP, GEN, GEN2 = (launch.ROW_PER_THREAD, launch.TWO_ROWS_PER_CHANNEL, launch.TWO_ROWS_STATE_LOOP,
+                             launch.GENERIC, launch.GENERIC_TWO_ROWS)
+
+# one row per channel (row-per-thread layout, state loop of 4 states, 2 stages) / its backward (2 states, 3 stages)
+RPT_FWD = dict(path=RPT, rows=1, row_layout=True, block_d=32, num_warps=1, unroll=4, stages=2, unrolled_states=0,
+               prefetch=0, maxnreg=None)
+RPT_BWD = dict(path=RPT, rows=1, row_layout=True, block_d=32, num_warps=1, unroll=2, stages=3, unrolled_states=0,
+               prefetch=0, maxnreg=None)
+# two rows per channel, states unrolled, L2 prefetch two chunks ahead, 168 registers
+TWO_FWD = dict(path=TWO, rows=2, row_layout=True, block_d=64, num_warps=4, unrolled_states=16, prefetch=2,
+               maxnreg=168)
+GEN2_FWD = dict(path=GEN2, rows=2, row_layout=False, block_d=64, num_warps=4, unroll=1, stages=1, unrolled_states=0)
+GEN_FWD = dict(path=GEN, rows=1, row_layout=False, block_d=32, num_warps=1, unroll=1, stages=1, unrolled_states=0)
+GEN_BWD = dict(GEN_FWD)
+
+
+def shape(b, d, L, n=16, groups=1, elem=2, row_layout=True, varlen=False):
+    return launch.ScanShape(batch=b, d=d, n=n, groups=groups, seqlen=L, elem_size=elem, row_layout=row_layout,
+                            varlen=varlen)
+
+
+# (what, shape, expected forward, expected backward); chunk 16 tokens as bf16 vectors of 8 unless said
+CASES = [
+    ("bench b8 d4096 L4096", shape(8, 4096, 4096), RPT_FWD, RPT_BWD),
+    ("bench b4 d5120 L8192", shape(4, 5120, 8192), TWO_FWD, RPT_BWD),
+    ("bench b8 d4096 L4096 fp32", shape(8, 4096, 4096, elem=4), dict(RPT_FWD, vec=4), dict(RPT_BWD, vec=4)),
+    ("train mamba-130m b8 L2048", shape(8, 1536, 2048), TWO_FWD, RPT_BWD),
+    ("train mamba-370m", shape(8, 2048, 2048), TWO_FWD, RPT_BWD),
+    ("train mamba-790m", shape(8, 3072, 2048), TWO_FWD, RPT_BWD),
+    ("train mamba-1.4b", shape(8, 4096, 2048), RPT_FWD, RPT_BWD),
+    ("train mamba-2.8b", shape(8, 5120, 2048), RPT_FWD, RPT_BWD),
+    ("train mamba-1.4b tp2", shape(8, 2048, 2048), TWO_FWD, RPT_BWD),
+    ("train mamba-2.8b tp2", shape(8, 2560, 2048), TWO_FWD, RPT_BWD),
+    ("train mamba-130m tp8", shape(8, 192, 2048), TWO_FWD, RPT_BWD),
+    ("prefill b1 d1536 L256", shape(1, 1536, 256), TWO_FWD, RPT_BWD),
+    ("prefill b1 d5120 L37 (no row-per-thread layout)", shape(1, 5120, 37, row_layout=False), GEN2_FWD, GEN_BWD),
+    ("unaligned / channels-last b2 d1536", shape(2, 1536, 700, row_layout=False), GEN2_FWD, GEN_BWD),
+    ("channels-last b8 d4096", shape(8, 4096, 704, row_layout=False), GEN_FWD, GEN_BWD),
+    ("n 32 b1 d256", shape(1, 256, 704, n=32), dict(path=LOOP, rows=2, row_layout=True, block_d=64, num_warps=4,
+                                                     unroll=2, stages=2, unrolled_states=0), RPT_BWD),
+    ("d 96 b2 (d % 64 != 0)", shape(2, 96, 704), dict(GEN2_FWD, block_d=32), RPT_BWD),
+    ("cu_seqlens b1 d1536", shape(1, 1536, 704, varlen=True), GEN_FWD, GEN_BWD),
+    ("odd n 15 b2 d1536", shape(2, 1536, 704, n=15), dict(RPT_FWD, unroll=1), dict(RPT_BWD, unroll=1)),
+    ("short L5 b2 d1536", shape(2, 1536, 5, row_layout=False), dict(GEN2_FWD, chunk=8, vec=8),
+     dict(GEN_BWD, chunk=8, vec=8)),
+    ("groups 2 b2 d1536", shape(2, 1536, 704, groups=2), TWO_FWD, RPT_BWD),
+]
+
+
+@pytest.mark.parametrize("what,s,fwd,bwd", CASES, ids=[c[0] for c in CASES])
+def test_h200_launches(what, s, fwd, bwd):
+    p = launch.plan(s, H200_SMS)
+    for run, want in ((p.fwd, fwd), (p.bwd, bwd)):
+        want = dict(dict(chunk=16, vec=8, emulate=False), **want)
+        got = {k: getattr(run, k) for k in want}
+        assert got == want, (what, run)
+    # what the forward ran plans the same launches again: the backward's view of it
+    assert launch.plan(s, H200_SMS, p.fwd.path) == p
+
+
+def test_two_rows_below_six_warps_per_sm():
+    """The switch: one row per channel gives one warp per 32 channels x batch; two rows below 6 per SM."""
+    sms = H200_SMS
+    edge = 6 * sms * 32  # channels x batch at exactly 6 warps per SM
+    assert launch.default_request(1, edge - 32, 16, False, sms) == TWO
+    assert launch.default_request(1, edge, 16, False, sms) == RPT
+    assert launch.default_request(1, 64, 15, False, sms) == RPT  # odd n: the states do not split in two
+    assert launch.default_request(1, 64, 16, True, sms) == RPT  # cu_seqlens
+    assert launch.default_request(1, 64, 16, False, None) == GEN  # the interpreter
+
+
+def test_interpreter_tiles():
+    """The interpreter: tiny generic tiles (chunk 8, 4 channels, vectors of 4), the row-per-thread paths only
+    when asked for (one warp of 32 rows, shuffles emulated)."""
+    s = shape(2, 32, 19, n=4, elem=4)
+    p = launch.plan(s, None)
+    assert (p.fwd.path, p.fwd.block_d, p.fwd.chunk, p.fwd.vec, p.fwd.emulate) == (GEN, 4, 8, 4, False)
+    assert (p.bwd.path, p.bwd.block_d) == (GEN, 4)
+    p = launch.plan(s, None, TWO)
+    assert (p.fwd.path, p.fwd.rows, p.fwd.block_d, p.fwd.unrolled_states, p.fwd.prefetch, p.fwd.maxnreg,
+            p.fwd.emulate) == (TWO, 2, 16, 4, 0, None, True)
+    assert (p.bwd.path, p.bwd.block_d, p.bwd.stages, p.bwd.emulate) == (RPT, 32, 3, True)
+    assert launch.plan(shape(2, 32, 19, row_layout=False), None, RPT).fwd.path == GEN
