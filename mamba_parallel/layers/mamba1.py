@@ -328,8 +328,7 @@ def _delta(wdt: torch.Tensor, x_dbl: torch.Tensor, r: int) -> torch.Tensor:
 def _conv_token_major(conv, x, w2, conv_b, seq_idx):
     """silu(conv(x)) written token-major (x_proj and the scan stream along L): no layout copy."""
     xc = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    conv._launch_fwd(x, w2, conv_b, None, seq_idx, None, xc, True)
-    return xc
+    return conv.conv1d_into(xc, x, w2, conv_b, None, seq_idx, True)
 
 
 class _Mamba1Inner(torch.autograd.Function):
@@ -388,8 +387,8 @@ class _Mamba1Inner(torch.autograd.Function):
         dwx = torch.bmm(dx_dbl, xc.transpose(1, 2)).sum(0, dtype=torch.float32)  # (r + 2n, d)
         del ddt
         dxc = du.baddbmm_(_expand(wx.t(), b), dx_dbl)  # x's two gradients: the scan's and x_proj's
-        _, dw2, dcb, _ = conv._conv_bwd_impl(x, conv_w[:, 0, :], conv_b, None, seq_idx, dxc, None, True,
-                                             dxz[..., :d].transpose(1, 2))
+        _, dw2, dcb, _ = conv.conv1d_backward(x, conv_w[:, 0, :], conv_b, None, seq_idx, dxc, None, True,
+                                              dxz[..., :d].transpose(1, 2))
         need = ctx.needs_input_grad
         grads = (dxz, dw2.view_as(conv_w), dcb if conv_b is not None else None, dwx, dwdt, ddtb.to(dtb_dtype),
                  dA_log.to(alog_dtype), dD.to(d_dtype))

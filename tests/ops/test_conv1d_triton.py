@@ -1,25 +1,22 @@
 """Triton causal conv1d and its decode update vs the PyTorch reference (naive.py): outputs, final states and
-every gradient, in both memory layouts, with initial states, seq_idx and odd lengths, for both backward variants
-(MAMBA_PARALLEL_CONV_BWD: twopass, fused_scan); the gradient arena (dx written into the split's buffer)."""
+every gradient, in both memory layouts, with initial states, seq_idx and odd lengths, for both backward paths
+(one_pass, two_pass; the interpreter's tiny backward tiles cross tiles, programs and channel blocks on these
+shapes); the gradient arena (dx written into the split's buffer); the launch choice for the layers' shapes."""
 
 import pytest
 import torch
 
 from helpers import assert_close
-from mamba_parallel.ops.conv1d import naive
+from mamba_parallel.ops.conv1d import launch, naive
 from mamba_parallel.ops.conv1d import triton_impl as tri
 from mamba_parallel.ops.grad_arena import split_with_grad_arena, tag_view
 
 DTYPES = [torch.float32, torch.float16]
-VARIANTS = list(tri.BWD_VARIANTS)
 
 
-@pytest.fixture(params=VARIANTS)
-def variant(request, monkeypatch):
-    """Runs the test once per backward variant."""
-    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD", request.param)
-    monkeypatch.delenv("MAMBA_PARALLEL_CONV_BWD_TILES", raising=False)
-    monkeypatch.delenv("MAMBA_PARALLEL_CONV_TILES", raising=False)
+@pytest.fixture(params=launch.BACKWARD_PATHS)
+def variant(request):
+    """Runs the test once per backward path."""
     return request.param
 
 
@@ -57,7 +54,7 @@ def _run(fn, inputs, grads_out):
 
 
 def _check(b, d, L, w, dtype, channels_last=True, bias=True, act="silu", init=False, seq_cuts=None,
-           final=False, seed=0):
+           final=False, seed=0, path=None):
     x = _make_x(b, d, L, dtype, channels_last, seed)
     weight = _rand((d, w), dtype, seed + 1, 0.5)
     bias_t = _rand((d,), dtype, seed + 2) if bias else None
@@ -68,11 +65,14 @@ def _check(b, d, L, w, dtype, channels_last=True, bias=True, act="silu", init=Fa
     if final:
         grads_out.append(torch.randn((b, d, w - 1), generator=g).to(_dev()))
 
-    def call(mod):
-        return lambda x, wt, bs, it: mod.causal_conv1d(x, wt, bs, act, it, seq, final)
+    def ours(x, wt, bs, it):
+        return tri.causal_conv1d(x, wt, bs, act, it, seq, final, bwd_path=path)
 
-    outs_t, grads_t = _run(call(tri), [x, weight, bias_t, init_t], grads_out)
-    outs_r, grads_r = _run(call(naive), [x, weight, bias_t, init_t], grads_out)
+    def reference(x, wt, bs, it):
+        return naive.causal_conv1d(x, wt, bs, act, it, seq, final)
+
+    outs_t, grads_t = _run(ours, [x, weight, bias_t, init_t], grads_out)
+    outs_r, grads_r = _run(reference, [x, weight, bias_t, init_t], grads_out)
     if channels_last and L > 1:
         assert outs_t[0].stride(1) == 1, "channels-last input must give a channels-last output"
     for name, a, r in zip(["y", "final_state"], outs_t, outs_r):
@@ -88,85 +88,89 @@ def _check(b, d, L, w, dtype, channels_last=True, bias=True, act="silu", init=Fa
 @pytest.mark.parametrize("channels_last", [True, False])
 @pytest.mark.parametrize("act", [None, "silu"])
 def test_conv1d_layouts(dtype, channels_last, act, variant):
-    _check(2, 12, 23, 4, dtype, channels_last=channels_last, act=act)
+    _check(2, 12, 23, 4, dtype, channels_last=channels_last, act=act, path=variant)
 
 
 @pytest.mark.parametrize("w", [2, 3, 4])
 @pytest.mark.parametrize("L", [1, 29])  # L = 1 < w - 1: the final state keeps initial-state inputs
 def test_conv1d_init_and_final_state(w, L, variant):
-    _check(2, 12, L, w, torch.float32, init=True, final=True, seed=w + L)
+    _check(2, 12, L, w, torch.float32, init=True, final=True, seed=w + L, path=variant)
 
 
 def test_conv1d_no_bias_final_without_init(variant):
-    _check(1, 8, 2, 4, torch.float32, bias=False, final=True)
+    _check(1, 8, 2, 4, torch.float32, bias=False, final=True, path=variant)
 
 
 @pytest.mark.parametrize("channels_last, dtype", [(True, torch.float32), (True, torch.float16),
                                                   (False, torch.float32)])
 def test_conv1d_seq_idx(channels_last, dtype, variant):
     # sequence boundaries at 1, 2 (a length-1 sequence) and 20; the initial state feeds only the first sequence
-    _check(2, 10, 26, 4, dtype, channels_last=channels_last, init=True, seq_cuts=[1, 2, 20], final=True)
+    _check(2, 10, 26, 4, dtype, channels_last=channels_last, init=True, seq_cuts=[1, 2, 20], final=True,
+           path=variant)
 
 
 @pytest.mark.parametrize("channels_last", [True, False])
-def test_conv1d_long_backward_tiles(channels_last, variant, monkeypatch):
-    """Several tiles per program, several programs and channel blocks: weight-gradient partials are summed, tile
-    edges fall inside sequences and at a sequence boundary."""
-    L = 2 * 3 * 4 - 3  # two programs of three 4-position tiles
-    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "4,4,1,3")
-    _check(1, 6, L, 4, torch.float32, channels_last=channels_last, init=True, seq_cuts=[L // 2, 13])
-    if variant == "twopass" or not channels_last:
-        return
-    # fused_scan with the next step's rows prefetched (p) at 2 rows per step, width 3 (a zero-padded tap)
-    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "2,4,1,3,p,64")  # maxnreg: a GPU-only cap
-    _check(1, 5, L, 3, torch.float16, init=True, seq_cuts=[9], final=True)
+def test_conv1d_long_backward_tiles(channels_last, variant):
+    """Several tiles per program, several programs and channel blocks (the interpreter's 4-channel tiles of 2 / 4
+    positions, 3 per program): weight-gradient partials are summed, tile edges fall inside sequences and at a
+    sequence boundary; width 3 (a zero-padded tap of the one-pass backward)."""
+    L = 2 * 3 * 4 - 3
+    _check(1, 6, L, 4, torch.float32, channels_last=channels_last, init=True, seq_cuts=[L // 2, 13], path=variant)
+    _check(1, 5, L, 3, torch.float16, channels_last=channels_last, init=True, seq_cuts=[9], final=True,
+           path=variant)
 
 
 @pytest.mark.parametrize("w", [1, 5])
-def test_conv1d_width_outside_fused_taps(w, variant):
-    """w = 1 (no neighbours) and w = 5 (wider than fused_scan's taps: falls back to the two-pass path)."""
+def test_conv1d_width_outside_one_pass_taps(w, variant):
+    """w = 1 (no neighbours) and w = 5 (wider than the one-pass backward's taps: the two-pass path runs)."""
     x = _make_x(1, 4, 5, torch.float32, True)
-    assert tri.bwd_variant(x, w) == ("twopass" if w > tri.MAX_WIDTH else variant)
-    _check(2, 6, 13, w, torch.float32, init=w > 1, final=w > 1, seq_cuts=[6])
+    assert tri.backward_path(x, w, variant) == (launch.TWO_PASS if w > launch.ONE_PASS_MAX_WIDTH else variant)
+    _check(2, 6, 13, w, torch.float32, init=w > 1, final=w > 1, seq_cuts=[6], path=variant)
 
 
-def test_conv1d_bwd_default_variant(monkeypatch):
-    """Without MAMBA_PARALLEL_CONV_BWD: fused_scan for channels-last inputs (timed fastest), twopass otherwise."""
-    monkeypatch.delenv("MAMBA_PARALLEL_CONV_BWD", raising=False)
-    assert tri.bwd_variant(_make_x(1, 4, 5, torch.float32, True), 4) == "fused_scan"
-    assert tri.bwd_variant(_make_x(1, 4, 5, torch.float32, False), 4) == "twopass"
-    assert tri.bwd_variant(_make_x(1, 4, 5, torch.float32, True), 5) == "twopass"
+def test_conv1d_backward_default_path():
+    """One pass for channels-last inputs (the layers'; timed fastest), two passes otherwise and for w > 4; an
+    unknown path is refused."""
+    assert tri.backward_path(_make_x(1, 4, 5, torch.float32, True), 4) == launch.ONE_PASS
+    assert tri.backward_path(_make_x(1, 4, 5, torch.float32, False), 4) == launch.TWO_PASS
+    assert tri.backward_path(_make_x(1, 4, 5, torch.float32, True), 5) == launch.TWO_PASS
+    with pytest.raises(ValueError, match="backward path 'fused_scan' is not one of"):
+        tri.backward_path(_make_x(1, 4, 5, torch.float32, True), 4, "fused_scan")
 
 
-def test_conv1d_bwd_env_errors(monkeypatch):
-    x = _make_x(1, 4, 5, torch.float32, True)
-    for removed in ("fast", "fused", "fused_gather"):  # fused / fused_gather: variants removed after GPU timing
-        monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD", removed)
-        with pytest.raises(ValueError, match=f"MAMBA_PARALLEL_CONV_BWD='{removed}'"):
-            tri.bwd_variant(x, 4)
-    monkeypatch.delenv("MAMBA_PARALLEL_CONV_BWD")
-    # "d" was the removed variants' flag
-    for bad in ("16,64,4", "16,64,3,2", "16,64,4,0", "a,b,c,d", "16,64,4,2,1", "16,64,4,2,pp", "16,64,4,2,p,f",
-                "16,64,4,2,p,8", "16,64,4,2,p,128,1", "16,64,4,2,d"):
-        monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", bad)
-        with pytest.raises(ValueError, match="MAMBA_PARALLEL_CONV_BWD_TILES"):
-            tri._bwd_tiles(x, "twopass")
-    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "32,256,8,5")
-    assert tri._bwd_tiles(x, "twopass") == (8, 4, 8, 5, "", 0)  # clipped to next_power_of_2 of L and d
-    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "8,256,2,5,fp")
-    assert tri._bwd_tiles(x, "fused_scan") == (8, 4, 2, 5, "fp", 0)
-    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "8,256,2,5,,96")
-    assert tri._bwd_tiles(x, "fused_scan") == (8, 4, 2, 5, "", 96)
-    monkeypatch.setenv("MAMBA_PARALLEL_CONV_BWD_TILES", "16,64,2,4")
-    with pytest.raises(ValueError, match="fused_scan.*at most 8"):
-        tri._bwd_tiles(_make_x(1, 4, 40, torch.float32, True), "fused_scan")
-    monkeypatch.delenv("MAMBA_PARALLEL_CONV_BWD_TILES")
-    monkeypatch.setenv("MAMBA_PARALLEL_CONV_TILES", "16,64,4,2,2,2,2")
-    with pytest.raises(ValueError, match="MAMBA_PARALLEL_CONV_TILES"):
-        tri._bwd_tiles(x, "twopass")
+def test_conv1d_forward_choice_reaches_backward(monkeypatch):
+    """The forward picks the backward path once and its backward runs that one."""
+    seen = []
+    real = tri._launch_bwd_two_pass
+    monkeypatch.setattr(tri, "_launch_bwd_two_pass", lambda run, *a: seen.append(run.path) or real(run, *a))
+    x = _make_x(1, 6, 9, torch.float32, True).requires_grad_()
+    tri.causal_conv1d(x, _rand((6, 4), torch.float32, 1), None, "silu", bwd_path=launch.TWO_PASS).sum().backward()
+    assert seen == [launch.TWO_PASS]
 
 
-def _arena_chain(arena: bool, final: bool, dtype, seed=0):
+# (what, channels_last, d, L, w) -> (forward BLOCK_L, BLOCK_D, warps), backward (path, BLOCK_L, BLOCK_D, warps,
+# tiles per program): the launches of the layers' shapes on a GPU (before the paths were named: fused_scan ->
+# one_pass, twopass -> two_pass; kept bit for bit)
+GPU_LAUNCHES = [
+    ("mamba-130m (b8 L2048)", True, 1536, 2048, 4, (16, 128, 4), (launch.ONE_PASS, 4, 256, 2, 32)),
+    ("mamba-2.8b", True, 5120, 2048, 4, (16, 128, 4), (launch.ONE_PASS, 4, 256, 2, 32)),
+    ("mamba2-2.7b x | B | C", True, 5376, 2048, 4, (16, 128, 4), (launch.ONE_PASS, 4, 256, 2, 32)),
+    ("contiguous", False, 1536, 2048, 4, (128, 16, 4), (launch.TWO_PASS, 64, 8, 4, 16)),
+    ("width 6", True, 512, 300, 6, (16, 128, 4), (launch.TWO_PASS, 8, 64, 4, 16)),
+    ("small d / L", True, 100, 37, 4, (16, 128, 4), (launch.ONE_PASS, 4, 128, 2, 10)),
+]
+
+
+@pytest.mark.parametrize("what,cl,d,L,w,fwd,bwd", GPU_LAUNCHES, ids=[c[0] for c in GPU_LAUNCHES])
+def test_gpu_launch_choice(what, cl, d, L, w, fwd, bwd):
+    t = launch.forward_tiles(cl, d, L)
+    assert (t.block_l, t.block_d, t.num_warps) == fwd
+    run = launch.backward_launch(cl, d, L, launch.backward_path(cl, w), on_gpu=True)
+    assert (run.path, run.block_l, run.block_d, run.num_warps, run.tiles_per_program) == bwd
+    assert run.fast_sigmoid == (run.path == launch.ONE_PASS)
+
+
+def _arena_chain(arena: bool, final: bool, dtype, seed=0, path=None):
     """A Mamba-2-like chain: h = u (b, L, 5 + d + 3) * 1 -> split -> transpose -> conv (+ final state) and two
     side pieces. -> (loss, h, [the conv's dx, captured by a hook])."""
     b, L, d, w = 2, 11, 6, 4
@@ -184,7 +188,7 @@ def _arena_chain(arena: bool, final: bool, dtype, seed=0):
         xt = xbc.transpose(1, 2)
     seen = []
     xt.register_hook(lambda gr: seen.append(gr))
-    y, fs = tri.causal_conv1d(xt, weight, bias, "silu", return_final_state=True)
+    y, fs = tri.causal_conv1d(xt, weight, bias, "silu", return_final_state=True, bwd_path=path)
     loss = (y.float() * gy).sum() + (z.float() * gz).sum() + dt.float().square().sum()
     if final:
         loss = loss + (fs.float() * gf).sum()
@@ -193,9 +197,9 @@ def _arena_chain(arena: bool, final: bool, dtype, seed=0):
 
 @pytest.mark.parametrize("final", [False, True])
 def test_conv1d_writes_dx_into_grad_arena(final, variant):
-    ref_loss, ref_h, _ = _arena_chain(False, final, torch.float32)
+    ref_loss, ref_h, _ = _arena_chain(False, final, torch.float32, path=variant)
     (ref_grad,) = torch.autograd.grad(ref_loss, [ref_h])
-    loss, h, seen = _arena_chain(True, final, torch.float32)
+    loss, h, seen = _arena_chain(True, final, torch.float32, path=variant)
     (grad,) = torch.autograd.grad(loss, [h])
     assert torch.equal(grad, ref_grad), "arena gradient differs from the plain split's"
     (dx,) = seen
@@ -251,7 +255,7 @@ def test_compile_keeps_custom_op():
 @pytest.mark.parametrize("channels_last", [True, False])
 def test_conv1d_gpu(dtype, channels_last, variant, nan_poison):
     _check(4, 2 * 768 + 2 * 128, 1000, 4, dtype, channels_last=channels_last, init=True, seq_cuts=[300, 301],
-           final=True)
+           final=True, path=variant)
 
 
 @pytest.mark.gpu
@@ -259,7 +263,7 @@ def test_conv1d_gpu(dtype, channels_last, variant, nan_poison):
 def test_conv1d_gpu_mamba2_shape(extras, variant, nan_poison):
     """mamba2-1.3b's conv (d 4352 = x | B | C) at L 2048, bf16, channels-last; with initial state and seq_idx."""
     _check(2, 4352, 2048, 4, torch.bfloat16, channels_last=True, init=extras, final=extras,
-           seq_cuts=[700, 701, 1500] if extras else None)
+           seq_cuts=[700, 701, 1500] if extras else None, path=variant)
 
 
 @pytest.mark.gpu

@@ -10,11 +10,11 @@ the initial state's gradient. W < 4 is handled as W = 4 with leading zero taps.
 
 Rows go BLOCK_L (1, 2, 4 or 8) per step, in three phases: load every row, compute, store every dx row. Loads may
 not move above a store (dx could alias x or dy as far as the compiler knows), so loading row by row between stores
-would leave one row of loads in flight per thread. With PREFETCH the next step's rows are loaded before the
-current step is computed. The chunk is BLOCK_L x tiles_per_program rows.
+would leave one row of loads in flight per thread; instead the next step's rows are loaded before the current
+step is computed. The chunk is BLOCK_L x tiles_per_program rows.
 
 One row's loads are contiguous over channels in the channels-last layout (the Mamba-2 layer's); in the contiguous
-layout every channel is its own cache line, so this variant suits channels-last inputs.
+layout every channel is its own cache line, so this path suits channels-last inputs (launch.py).
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ import triton
 import triton.language as tl
 
 from mamba_parallel.ops.conv1d.triton_conv1d_fwd import row_bases, seq_at
-
-MAX_WIDTH = 4  # the taps are written out below; wider filters take the two-pass backward
-
 
 @triton.jit
 def _tap(k: tl.constexpr, v0, v1, v2, v3):
@@ -212,9 +209,9 @@ def conv1d_bwd_scan_kernel(
     stride_dx_b, stride_dx_d, stride_dx_l,
     stride_di_b, stride_di_d, stride_di_k,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
-    FAST_SIGMOID: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_L <= 8, "fused_scan: BLOCK_L (rows per step) must be 1, 2, 4 or 8")
+    tl.static_assert(BLOCK_L <= 8, "one-pass conv backward: BLOCK_L (rows per step) must be 1, 2, 4 or 8")
     pid_l = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -270,20 +267,15 @@ def conv1d_bwd_scan_kernel(
     da2 = da0
     da3 = da0
     db = da0
-    if PREFETCH:
-        nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7 = _ld_rows(
-            x_cb, dy_cb, t0, cl, n_c, L, stride_x_d, stride_x_l, stride_dy_d, stride_dy_l, BLOCK_L)
+    nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7 = _ld_rows(
+        x_cb, dy_cb, t0, cl, n_c, L, stride_x_d, stride_x_l, stride_dy_d, stride_dy_l, BLOCK_L)
     for it in range(tiles_per_program):
         p0 = t0 + it * BLOCK_L
-        if PREFETCH:
-            x0, x1, x2, x3, x4, x5, x6, x7 = nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7
-            y0, y1, y2, y3, y4, y5, y6, y7 = ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7
-            # the next step's rows (past the chunk after the last step: the tail below reuses them)
-            nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7 = _ld_rows(
-                x_cb, dy_cb, p0 + BLOCK_L, cl, n_c, L, stride_x_d, stride_x_l, stride_dy_d, stride_dy_l, BLOCK_L)
-        else:
-            x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = _ld_rows(
-                x_cb, dy_cb, p0, cl, n_c, L, stride_x_d, stride_x_l, stride_dy_d, stride_dy_l, BLOCK_L)
+        x0, x1, x2, x3, x4, x5, x6, x7 = nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7
+        y0, y1, y2, y3, y4, y5, y6, y7 = ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7
+        # the next step's rows (past the chunk after the last step: the tail below reuses them)
+        nx0, nx1, nx2, nx3, nx4, nx5, nx6, nx7, ny0, ny1, ny2, ny3, ny4, ny5, ny6, ny7 = _ld_rows(
+            x_cb, dy_cb, p0 + BLOCK_L, cl, n_c, L, stride_x_d, stride_x_l, stride_dy_d, stride_dy_l, BLOCK_L)
         d0, d1, d2, d3, d4, d5, d6, d7 = dpm3, dpm3, dpm3, dpm3, dpm3, dpm3, dpm3, dpm3
         for r in tl.static_range(BLOCK_L):
             xm3, xm2, xm1, dpm3, dpm2, dpm1, sm3, sm2, sm1, da0, da1, da2, da3, db, dxq = _scan_step(
@@ -297,7 +289,7 @@ def conv1d_bwd_scan_kernel(
                       n_c, stride_dx_d, stride_dx_l, stride_di_d, stride_di_k, W, HAS_INIT)
 
     # three rows past the chunk: dpre only, to complete dx of its last rows
-    if PREFETCH and BLOCK_L >= 4:
+    if BLOCK_L >= 4:
         x0, x1, x2, x3, y0, y1, y2, y3 = nx0, nx1, nx2, nx3, ny0, ny1, ny2, ny3
     else:
         x0, x1, x2, x3, x4, x5, x6, x7, y0, y1, y2, y3, y4, y5, y6, y7 = _ld_rows(
