@@ -1,8 +1,7 @@
 """Benchmark: Triton causal conv1d, RMSNorm family and chunked linear cross-entropy vs the naive PyTorch path.
 
     python -m mamba_parallel.bench.bench_ops [--json PATH] [--dtype bf16] [--impls triton,naive,compiled]
-        [--only conv,norm,ce] [--conv-sweep 'BLf,BDf,NWf,BLb,BDb,NWb' ...]
-        [--conv-bwd-sweep 'VARIANT[:BL,BD,NW,TILES_PER_PROGRAM[,FLAGS[,MAXNREG]]]' ...]
+        [--only conv,norm,ce] [--conv-bwd-paths one_pass two_pass]
 
 Forward and forward+backward times at mamba2-2.7b training shapes (b8 L2048 = 16384 tokens): conv over
 d = 2*2560 + 2*128 channels (x | B | C), width 4, channels-last input; norms on (16384, 2560) and (16384, 5120);
@@ -16,10 +15,9 @@ F.cross_entropy on full logits (what an unfused model does). Achieved bandwidth 
 fewest bytes a pass must move, against this GPU's copy rate measured at the start of the run (a device-to-device
 copy of 2 GiB, bytes read + written; in the JSON as copy_TBps).
 
-The conv backward alone (op causal_conv1d_bwd) is timed per variant (MAMBA_PARALLEL_CONV_BWD: fused_scan, twopass)
-and tile (MAMBA_PARALLEL_CONV_BWD_TILES) at mamba2-1.3b's profiled shape
-(b8 L2048 d4352 w4 silu, channels-last), one row each, with its error against the twopass result (max_rel_err:
-the largest |difference| of dx, dweight, dbias over that tensor's largest |value|).
+The conv backward alone (op causal_conv1d_bwd) is timed per backward path (one_pass, two_pass: ops/conv1d/launch.py)
+at mamba2-1.3b's profiled shape (b8 L2048 d4352 w4 silu, channels-last), one row each, with its error against the
+two-pass result (max_rel_err: the largest |difference| of dx, dweight, dbias over that tensor's largest |value|).
 """
 
 from __future__ import annotations
@@ -137,7 +135,7 @@ def _record(rec, op, shape, impl, fn, inputs, grads_out, nbytes_fwd, nbytes_fb):
     torch.cuda.empty_cache()
 
 
-def bench_conv(rec, dtype, impls, sweep, bwd_sweep):
+def bench_conv(rec, dtype, impls, bwd_paths):
     from mamba_parallel.ops.conv1d import naive
     from mamba_parallel.ops.conv1d import triton_impl as tri
 
@@ -152,14 +150,9 @@ def bench_conv(rec, dtype, impls, sweep, bwd_sweep):
     for impl, mod_fn in _variants(tri.causal_conv1d, naive.causal_conv1d, impls):
         _record(rec, "causal_conv1d", shape, impl, lambda x, wt, bs, f=mod_fn: f(x, wt, bs, "silu"),
                 [x, weight, bias], [dy], 2 * bdl, 5 * bdl)
-    for cfg in sweep:  # other tiles of the Triton kernels (MAMBA_PARALLEL_CONV_TILES)
-        os.environ["MAMBA_PARALLEL_CONV_TILES"] = cfg
-        _record(rec, "causal_conv1d", shape, f"triton[{cfg}]",
-                lambda x, wt, bs: tri.causal_conv1d(x, wt, bs, "silu"), [x, weight, bias], [dy], 2 * bdl, 5 * bdl)
-        os.environ.pop("MAMBA_PARALLEL_CONV_TILES")
     if "triton" not in impls:
         return
-    bench_conv_bwd(rec, dtype, bwd_sweep)
+    bench_conv_bwd(rec, dtype, bwd_paths)
     # decode step: mamba2-2.7b, batch 64
     xs = torch.randn(64, d, device="cuda", dtype=dtype)
     state = torch.randn(64, d, w - 1, device="cuda", dtype=dtype)
@@ -171,41 +164,9 @@ def bench_conv(rec, dtype, impls, sweep, bwd_sweep):
                     fwd_TBps=nbytes / ms / 1e9)
 
 
-CONV_BWD_ENV = ("MAMBA_PARALLEL_CONV_BWD", "MAMBA_PARALLEL_CONV_BWD_TILES")
-# Default --conv-bwd-sweep: both variants at their default tiles, then fused_scan around its tiles (rows per step,
-# channels per program and per thread, chunk length, prefetch, fast sigmoid, register cap).
-CONV_BWD_SWEEP = [
-    "twopass", "fused_scan",
-    "fused_scan:8,256,2,16,f", "fused_scan:8,256,2,16,pf", "fused_scan:4,256,2,16,pf", "fused_scan:4,256,2,32,f",
-    "fused_scan:4,256,2,64,pf", "fused_scan:4,128,1,32,pf", "fused_scan:4,512,4,32,pf", "fused_scan:8,128,1,16,f",
-    "fused_scan:8,512,4,16,f", "fused_scan:2,256,2,64,pf", "fused_scan:4,256,2,32,pf,128",
-]
-
-
-def _parse_bwd_sweep(items: list[str]) -> list[tuple[str, str | None]]:
-    """'VARIANT[:BL,BD,NW,TILES_PER_PROGRAM]' -> (variant, tiles or None); checked before any GPU work."""
-    from mamba_parallel.ops.conv1d import triton_impl as tri
-
-    out = []
-    for item in items:
-        variant, _, tiles = item.partition(":")
-        if variant not in tri.BWD_VARIANTS:
-            raise SystemExit(f"bench_ops: --conv-bwd-sweep {item!r}: variant must be one of {tri.BWD_VARIANTS}")
-        if tiles:
-            os.environ["MAMBA_PARALLEL_CONV_BWD_TILES"] = tiles
-            try:
-                tri._bwd_tile_override()
-            except ValueError as e:
-                raise SystemExit(f"bench_ops: --conv-bwd-sweep {item!r}: {e}") from None
-            finally:
-                os.environ.pop("MAMBA_PARALLEL_CONV_BWD_TILES")
-        out.append((variant, tiles or None))
-    return out
-
-
-def bench_conv_bwd(rec, dtype, sweep: list[tuple[str, str | None]], b=8, L=2048, d=2 * 2048 + 2 * 128,
-                   device="cuda"):
-    """The conv backward alone, one row per (variant, tiles), at mamba2-1.3b's shape (the profiled step)."""
+def bench_conv_bwd(rec, dtype, paths: list[str], b=8, L=2048, d=2 * 2048 + 2 * 128, device="cuda"):
+    """The conv backward alone, one row per backward path, at mamba2-1.3b's shape (the profiled step)."""
+    from mamba_parallel.ops.conv1d import launch
     from mamba_parallel.ops.conv1d import triton_impl as tri
 
     w = 4
@@ -216,35 +177,24 @@ def bench_conv_bwd(rec, dtype, sweep: list[tuple[str, str | None]], b=8, L=2048,
     dy = torch.randn(b, L, d, device=device, dtype=dtype).transpose(1, 2)
     nbytes = 3 * b * d * L * es  # read x and dy, write dx
     shape = f"b{b} d{d} L{L} w{w} silu ch-last"
-    saved = {k: os.environ.pop(k, None) for k in CONV_BWD_ENV}
 
-    def call():
-        return tri._conv_bwd(x, weight, bias, None, None, dy, None, True, None)
+    def call(path):
+        return tri.conv1d_backward(x, weight, bias, None, None, dy, None, True, None, path)
 
-    try:
-        os.environ["MAMBA_PARALLEL_CONV_BWD"] = "twopass"
-        ref = [t.float() for t in call()[:3]]
-        for variant, tiles in sweep:
-            os.environ["MAMBA_PARALLEL_CONV_BWD"] = variant
-            if tiles:
-                os.environ["MAMBA_PARALLEL_CONV_BWD_TILES"] = tiles
-            impl = f"{variant}[{tiles or 'default ' + ','.join(map(str, tri._bwd_tiles(x, variant)))}]"
-            try:
-                err = max((a.float() - r).abs().max().item() / r.abs().max().clamp_min(1e-30).item()
-                          for a, r in zip(call()[:3], ref))
-                ms, launches = _kernel_ms(call)
-                wall = _median_ms(call, rep_ms=50.0)
-                rec.add(op="causal_conv1d_bwd", shape=shape, impl=impl, bwd_ms=ms, bwd_launches=launches,
-                        bwd_wall_ms=wall, bwd_TBps=nbytes / ms / 1e9, bwd_bw_frac=nbytes / ms / 1e9 / rec.copy_rate,
-                        max_rel_err=err)
-            except Exception as e:  # one failing variant (a compile error, out of resources) must not lose the others
-                rec.add(op="causal_conv1d_bwd", shape=shape, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
-            os.environ.pop("MAMBA_PARALLEL_CONV_BWD_TILES", None)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
+    ref = [t.float() for t in call(launch.TWO_PASS)[:3]]
+    for path in paths:
+        run = launch.backward_launch(True, d, L, tri.backward_path(x, w, path), on_gpu=True)
+        impl = f"{run.path}[{run.block_l},{run.block_d},{run.num_warps},{run.tiles_per_program}]"
+        try:
+            err = max((a.float() - r).abs().max().item() / r.abs().max().clamp_min(1e-30).item()
+                      for a, r in zip(call(path)[:3], ref))
+            ms, launches = _kernel_ms(lambda: call(path))
+            wall = _median_ms(lambda: call(path), rep_ms=50.0)
+            rec.add(op="causal_conv1d_bwd", shape=shape, impl=impl, bwd_ms=ms, bwd_launches=launches,
+                    bwd_wall_ms=wall, bwd_TBps=nbytes / ms / 1e9, bwd_bw_frac=nbytes / ms / 1e9 / rec.copy_rate,
+                    max_rel_err=err)
+        except Exception as e:  # one failing path (a compile error, out of resources) must not lose the others
+            rec.add(op="causal_conv1d_bwd", shape=shape, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
     torch.cuda.empty_cache()
 
 
@@ -311,12 +261,8 @@ def main(argv=None) -> None:
     ap.add_argument("--impls", default="triton,naive",
                     help="comma-separated implementations of conv and norms to time: triton, naive, compiled "
                          "(torch.compile of naive); the loss always times triton, naive and plain")
-    ap.add_argument("--conv-sweep", nargs="*", default=[], metavar="CFG",
-                    help="extra conv tiles 'BLf,BDf,NWf,BLb,BDb,NWb' (forward then backward) to time")
-    ap.add_argument("--conv-bwd-sweep", nargs="*", metavar="VARIANT[:TILES]", default=CONV_BWD_SWEEP,
-                    help="conv backward rows: a variant (fused_scan, twopass), optionally with tiles "
-                         "':BLOCK_L,BLOCK_D,num_warps,tiles_per_program[,flags[,maxnreg]]' "
-                         "(MAMBA_PARALLEL_CONV_BWD_TILES); default: each variant's tiles and a sweep around them")
+    ap.add_argument("--conv-bwd-paths", nargs="*", default=["one_pass", "two_pass"], choices=["one_pass", "two_pass"],
+                    help="conv backward paths to time alone (default: both)")
     ap.add_argument("--only", default="conv,norm,ce", help="comma-separated subset of conv, norm, ce")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -330,10 +276,9 @@ def main(argv=None) -> None:
     bad = set(impls) - {"triton", "naive", "compiled"}
     if bad:
         raise SystemExit(f"bench_ops: --impls got unknown implementations {sorted(bad)}")
-    bwd_sweep = _parse_bwd_sweep(args.conv_bwd_sweep)
     rec = Recorder(args.json, copy_tbps())
     if "conv" in only:
-        bench_conv(rec, dtype, impls, args.conv_sweep, bwd_sweep)
+        bench_conv(rec, dtype, impls, args.conv_bwd_paths)
     if "norm" in only:
         bench_norm(rec, dtype, impls)
     if "ce" in only:

@@ -149,8 +149,7 @@ def test_conv1d_forward_choice_reaches_backward(monkeypatch):
 
 
 # (what, channels_last, d, L, w) -> (forward BLOCK_L, BLOCK_D, warps), backward (path, BLOCK_L, BLOCK_D, warps,
-# tiles per program): the launches of the layers' shapes on a GPU (before the paths were named: fused_scan ->
-# one_pass, twopass -> two_pass; kept bit for bit)
+# tiles per program): the launches the layers' shapes are timed with on a GPU (docs/kernels/conv1d.md), pinned
 GPU_LAUNCHES = [
     ("mamba-130m (b8 L2048)", True, 1536, 2048, 4, (16, 128, 4), (launch.ONE_PASS, 4, 256, 2, 32)),
     ("mamba-2.8b", True, 5120, 2048, 4, (16, 128, 4), (launch.ONE_PASS, 4, 256, 2, 32)),

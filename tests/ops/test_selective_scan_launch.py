@@ -1,6 +1,6 @@
 """The selective scan's launch choice (ops/selective_scan/launch.py) for the shapes the benchmarks, the training
-presets and generation use, on an H200 (132 SMs): each row is the launch these shapes ran with before the kernel
-paths were named (kept bit for bit: the same kernels, tiles, warps and pipeline stages). Pure Python, no kernel."""
+presets and generation use, on an H200 (132 SMs): each row pins the launch these shapes are timed with
+(docs/kernels/selective_scan.md: kernel path, tiles, warps, pipeline stages). Pure Python, no kernel."""
 
 import pytest
 
