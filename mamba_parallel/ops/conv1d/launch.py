@@ -19,6 +19,7 @@ test shapes cross tiles, programs and channel blocks.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 ONE_PASS = "one_pass"
@@ -48,6 +49,7 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=1024)
 def forward_tiles(channels_last: bool, d: int, L: int) -> Tiles:
     """(BLOCK_L, BLOCK_D, num_warps) of the forward kernel (also the two-pass backward's dpre step), clipped to the
     shape."""
@@ -65,6 +67,7 @@ def backward_path(channels_last: bool, w: int, path: str | None = None) -> str:
     return TWO_PASS if w > ONE_PASS_MAX_WIDTH else path
 
 
+@functools.lru_cache(maxsize=1024)
 def backward_launch(channels_last: bool, d: int, L: int, path: str, on_gpu: bool) -> BackwardLaunch:
     """Tiles of backward ``path`` (from ``backward_path``). H200 (bf16, b8 d4352 L2048 w4 silu, channels-last):
     one_pass 4 rows x 256 channels, 2 warps, 32 steps per program, the next step's rows loaded before the current

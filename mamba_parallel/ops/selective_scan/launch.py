@@ -25,7 +25,9 @@ The default takes two rows per channel where one row per channel would give each
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 ROW_PER_THREAD = "row_per_thread"
 TWO_ROWS_PER_CHANNEL = "two_rows_per_channel"
@@ -44,9 +46,8 @@ PREFETCH_CHUNKS = 2
 UNROLLED_MAXNREG = 168
 
 
-@dataclass(frozen=True)
-class ScanShape:
-    """What the choice depends on."""
+class ScanShape(NamedTuple):
+    """What the choice depends on (a tuple: built on every call, cheap to hash)."""
 
     batch: int
     d: int             # channels
@@ -174,6 +175,7 @@ def default_request(batch: int, d: int, n: int, varlen: bool, sm_count: int | No
     return ROW_PER_THREAD
 
 
+@functools.lru_cache(maxsize=4096)
 def plan(s: ScanShape, sm_count: int | None, path: str | None = None) -> ScanPlan:
     """The forward and backward launches of a scan of shape ``s`` on a GPU with ``sm_count`` SMs (None: the
     interpreter). ``path`` (one of FORWARD_PATHS; None: ``default_request``) is what to run; where the shape or
@@ -182,7 +184,8 @@ def plan(s: ScanShape, sm_count: int | None, path: str | None = None) -> ScanPla
     (no row-per-thread layout); row_per_thread -> generic; two rows -> one row for odd n or cu_seqlens. The
     interpreter runs the row-per-thread paths only when asked by name (with emulated shuffles: tests).
 
-    The backward is determined by the forward's path: pass the forward's ``fwd.path`` to get the same plan."""
+    The backward is determined by the forward's path: pass the forward's ``fwd.path`` to get the same plan.
+    Cached: a training step asks for the same few shapes every layer."""
     interp = sm_count is None
     if path is None:
         path = default_request(s.batch, s.d, s.n, s.varlen, sm_count)
