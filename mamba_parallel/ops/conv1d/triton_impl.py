@@ -6,7 +6,7 @@ Mamba-2 layer never copies to transpose. Tiles and the backward path (one_pass /
 the forward picks the backward path once and saves it for its backward. When the input x carries a
 gradient-arena slot (ops/grad_arena.py), the backward writes dx into it.
 
-Layer-facing API (stable; layers/mamba1_fused.py runs the conv inside its own autograd node):
+Layer-facing API (stable; the fused training path in layers/mamba1.py runs the conv inside its own autograd node):
 ``conv1d_into(out, x, weight, ...)`` writes act(conv(x)) into a tensor of any strides, ``conv1d_backward(...)``
 is the backward.
 """

@@ -14,7 +14,7 @@ The backward kernel leaves partial sums (dB / dC per channel block or warp, dA /
 ``triton_finish.finish_bwd`` reduces them all in one launch (a small model's step is bound by host launch cost),
 casting into the outputs.
 
-Layer-facing API (stable; layers/mamba1_fused.py runs the scan inside its own autograd node):
+Layer-facing API (stable; the fused training path in layers/mamba1.py runs the scan inside its own autograd node):
 ``scan_path(u, delta, z, A, B, varlen=False)`` -> path; ``scan_forward(...)`` (the forward op's body) and
 ``scan_backward(...)`` (the backward's, which can write dB / dC straight into a caller's buffer, e.g. slices of the
 x_proj output's gradient, and return dA times a scale: A for d A_log).
