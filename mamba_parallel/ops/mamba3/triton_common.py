@@ -8,11 +8,12 @@ every product over n is the sum of two half-size dots. Pairs j >= a have zero an
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.backend import interpret_mode
+from mamba_parallel.ops.tuning import Tuner, dot_precision  # noqa: F401  (the kernels' imports)
+from mamba_parallel.ops.tuning import block_pow2 as block  # noqa: F401
+from mamba_parallel.ops.tuning import config as _c
 
 TWO_PI = 6.283185307179586
 
@@ -88,10 +89,6 @@ def per_rank(v, T: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     return tl.sum(tl.reshape(v, (T, R, C)), axis=0)
 
 
-def _c(num_warps=4, num_stages=2, **blocks):
-    return triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)
-
-
 # name -> (GPU candidates, interpreter config, autotune key). BLOCK_P: headdim columns per program (the sweeps
 # and the forward outputs are independent per headdim column).
 _CONFIGS = {
@@ -104,26 +101,4 @@ _CONFIGS = {
     # the backward holds ~20 chunk-sized tiles: more warps spread its registers
     "chunk_bwd": ([_c(8, 1), _c(16, 1), _c(8, 2), _c(4, 1)], _c(1, 1), ["P", "BH", "T", "R", "HAS_Z"]),
 }
-_CACHE: dict = {}
-
-
-def tuned(kernel, name: str):
-    """The kernel wrapped in its autotuner (GPU) or bound to the interpreter config (CPU)."""
-    key = (id(kernel), name, interpret_mode())
-    fn = _CACHE.get(key)
-    if fn is None:
-        gpu, interp, keys = _CONFIGS[name]
-        configs = [interp] if interpret_mode() else gpu
-        fn = triton.autotune(configs=configs, key=keys)(kernel)
-        _CACHE[key] = fn
-    return fn
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get full-precision dots (Triton would use tf32 otherwise); half types use the tensor cores."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def block(n: int) -> int:
-    """A power-of-two block covering n, at least 16 (the smallest tl.dot)."""
-    return max(16, triton.next_power_of_2(n))
+tuned = Tuner(_CONFIGS)

@@ -1,21 +1,12 @@
-"""Launch configurations of the SSD kernels: a few autotuned candidates on the GPU, one small config in the
-CPU interpreter (small blocks there also exercise the multi-block loops on tiny test shapes).
-Inside ``ops.use_autotune(False)`` the first GPU candidate runs without tuning (fast compiles: the GPU tests).
+"""Launch configurations of the SSD kernels (the candidates; ops/tuning.py picks among them).
 
 No SSD kernel reads what it writes, so re-running a launch while autotuning is safe.
 """
 
 from __future__ import annotations
 
-import torch
-import triton
-
-from mamba_parallel.ops.backend import autotune_enabled, interpret_mode
-
-
-def _c(num_warps=4, num_stages=2, **blocks):
-    return triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)
-
+from mamba_parallel.ops.tuning import Tuner, block_pow2, dot_precision  # noqa: F401  (the SSD kernels' imports)
+from mamba_parallel.ops.tuning import config as _c
 
 # name -> (GPU candidates, interpreter config, autotune key)
 _CONFIGS = {
@@ -36,27 +27,4 @@ _CONFIGS = {
 }
 
 
-def tuned(kernel, name: str):
-    """The kernel wrapped in its autotuner (GPU) or bound to the interpreter config (CPU)."""
-    autotune = autotune_enabled()
-    key = (id(kernel), name, interpret_mode(), autotune)
-    fn = _CACHE.get(key)
-    if fn is None:
-        gpu, interp, keys = _CONFIGS[name]
-        configs = [interp] if interpret_mode() else (gpu if autotune else gpu[:1])
-        fn = triton.autotune(configs=configs, key=keys)(kernel)
-        _CACHE[key] = fn
-    return fn
-
-
-_CACHE: dict = {}
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs get full-precision dots (Triton would use tf32 otherwise); half types use the tensor cores."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def block_pow2(n: int, least: int = 16) -> int:
-    """A block covering ``n`` whole (tl.dot needs every block dim >= 16)."""
-    return max(least, triton.next_power_of_2(n))
+tuned = Tuner(_CONFIGS)
