@@ -98,6 +98,8 @@ class TrainConfig:
                             "SSD chunk states. Default: keep everything. Eager only: under --compile only states "
                             "applies", metavar="ITEMS")
     compile: bool = _f(False, "torch.compile each block")
+    deterministic: bool = _f(False, "bitwise-repeatable steps: torch's deterministic algorithms and one fixed "
+                                    "kernel configuration (no autotuning); a little slower")
     dist_timeout: int = _f(1800, "seconds a collective may wait for the other ranks before the run fails "
                                  "(the process group's timeout)")
     cuda_graph: bool = _f(False, "capture the whole training step (forward + backward of every micro-batch, "
@@ -232,7 +234,7 @@ MACHINE_FIELDS = frozenset({"device", "dp_mode", "dp_replicate", "tp", "cp", "tp
                             "activation_checkpointing",
                             "recompute", "compile", "cuda_graph", "fsdp_param_dtype", "reshard_after_forward",
                             "fsdp_blocks_per_unit", "ddp_bucket_mb", "ddp_bf16_grads", "progress", "resume",
-                            "dist_timeout"})
+                            "deterministic", "dist_timeout"})
 
 
 # ---- flags and TOML --------------------------------------------------------------------------------------------

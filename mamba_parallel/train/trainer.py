@@ -34,6 +34,7 @@ from mamba_parallel.train.config import TrainConfig
 from mamba_parallel.train.cuda_graph import GraphedTrainStep, check_graph_layout
 from mamba_parallel.train.data import DataError, RankBatches, TokenWindows, check_token_folder, folder_tokenizer, \
     is_prepared, open_docs, open_split, prepare_data, read_header
+from mamba_parallel.train.determinism import deterministic_mode
 from mamba_parallel.train.disk import OutputError, check_space, human, output_errors
 from mamba_parallel.train.flops import peak_flops, train_flops_per_token
 from mamba_parallel.train.metrics import GpuMonitor, MetricsLogger, Progress, Throughput, peak_memory_gib
@@ -404,12 +405,13 @@ def train(cfg: TrainConfig) -> dict:
     """Run training as configured; return ``{"losses": {step: loss}, "eval": {step: loss}, "step", "stopped"}``.
 
     Raises TrainingError on a non-finite loss / grad norm (before that step's optimizer update).
-    The output folder is locked for the run (released however it ends).
+    ``--deterministic`` holds for the run only (restored when it returns); the output folder is locked for the run
+    (released however it ends).
     """
     resolve_recompute(cfg.recompute, cfg.compile)  # a bad --recompute fails before any work
     had_group = dist.is_initialized()
     try:
-        with contextlib.ExitStack() as at_exit:
+        with deterministic_mode(cfg.deterministic), contextlib.ExitStack() as at_exit:
             return _train(cfg, at_exit)
     finally:  # the one-rank group of --cpu-offload is this run's own: leave the process as it was
         if not had_group and dist.is_initialized() and dist.get_world_size() == 1:
