@@ -148,7 +148,7 @@ def mlp_plan(m: GatedMLP | MLP, tp: int) -> LayerPlan:
     one), fc2 by rows."""
     hid = m.hidden_features
     _divides(tp, hid, "MLP hidden_features")
-    fc1 = [split(hid), split(hid)] if isinstance(m, GatedMLP) else [split(hid)]
+    fc1 = [split(hid)] * m.fc1_parts  # GatedMLP: [value | gate], each split alike
     return LayerPlan({"fc1": Entry(fc1), "fc2": Rowwise()}, local={"hidden_features": hid // tp})
 
 

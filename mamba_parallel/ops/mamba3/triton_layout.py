@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from mamba_parallel.ops.chunk_segments import chunk_segments
+
 
 @dataclass
 class Layout:
@@ -64,39 +66,12 @@ def make_layout(b: int, L: int, chunk: int, seq_idx: torch.Tensor | None, cu_seq
         seqs = torch.arange(b, device=device)
         return Layout(b, L, nc, init, final, seqs.repeat_interleave(nc), seqs, seqs, b)
 
-    n_tok = b * L
-    pos = torch.arange(n_tok, device=device)
-    if cu_seqlens is not None:
-        cu = cu_seqlens.to(device=device, dtype=torch.int64)
-        tok_seq = torch.searchsorted(cu[1:], pos, right=True)
-        new = torch.ones(n_tok, dtype=torch.bool, device=device)
-        new[1:] = tok_seq[1:] != tok_seq[:-1]
-    else:
-        s = seq_idx.to(device)
-        new = torch.ones(b, L, dtype=torch.bool, device=device)
-        new[:, 1:] = s[:, 1:] != s[:, :-1]
-        new = new.reshape(-1)
-    starts = new.nonzero().squeeze(-1)  # first token of each sequence
-    seq_of_tok = torch.cumsum(new.to(torch.int64), 0) - 1
-    lengths = torch.diff(starts, append=torch.tensor([n_tok], device=device))
-    nchunks_seq = (lengths + chunk - 1) // chunk
-    chunk_end = torch.cumsum(nchunks_seq, 0)
-    chunk_first = chunk_end - nchunks_seq
-    nc = int(chunk_end[-1])
-    dst = chunk_first[seq_of_tok] * chunk + (pos - starts[seq_of_tok])
-    if cu_seqlens is not None:
-        init_id = final_id = tok_seq[starts]
-        counts = torch.bincount(tok_seq, minlength=cu.numel() - 1)
-        empty = (counts == 0).nonzero().squeeze(-1)
-        nstates = cu.numel() - 1
-    else:
-        row = starts // L
-        init_id = torch.where(starts % L == 0, row, torch.full_like(row, -1))
-        final_id = torch.where((starts + lengths) % L == 0, row, torch.full_like(row, -1))
-        empty, nstates = None, b
+    segs = chunk_segments(b, L, chunk, seq_idx, cu_seqlens, device)
+    nc = segs.n_chunks
     init = torch.full((nc,), -2, **i32)
     final = torch.full((nc,), -2, **i32)
-    init[chunk_first] = init_id.to(torch.int32)
-    final[chunk_end - 1] = final_id.to(torch.int32)
-    chunk_seq = torch.repeat_interleave(torch.arange(starts.numel(), device=device), nchunks_seq)
-    return Layout(1, nc * chunk, nc, init[None], final[None], chunk_seq, final_id, init_id, nstates, dst, empty)
+    init[segs.chunk_first] = segs.init_id.to(torch.int32)
+    final[segs.chunk_last] = segs.final_id.to(torch.int32)
+    chunk_seq = torch.repeat_interleave(torch.arange(segs.init_id.numel(), device=device), segs.nchunks_seg)
+    return Layout(1, nc * chunk, nc, init[None], final[None], chunk_seq, segs.final_id, segs.init_id, segs.nstates,
+                  segs.dst, segs.empty)

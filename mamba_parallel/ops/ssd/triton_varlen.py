@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mamba_parallel.ops.chunk_segments import chunk_segments
+
 
 @dataclass
 class Packing:
@@ -49,41 +51,10 @@ def make_packing(batch: int, L: int, chunk: int, seq_idx: torch.Tensor | None, c
     """seq_idx (b, L) or cu_seqlens (nseq + 1,) with b == 1 -> Packing.
 
     Syncs with the host once: the packed size is data-dependent."""
-    n_tok = batch * L
-    pos = torch.arange(n_tok, device=device)
-    if cu_seqlens is not None:
-        cu = cu_seqlens.to(device=device, dtype=torch.int64)
-        tok_seq = torch.searchsorted(cu[1:], pos, right=True)
-        new = torch.ones(n_tok, dtype=torch.bool, device=device)
-        new[1:] = tok_seq[1:] != tok_seq[:-1]
-    else:
-        s = seq_idx.to(device)
-        new_rows = torch.ones(batch, L, dtype=torch.bool, device=device)
-        new_rows[:, 1:] = s[:, 1:] != s[:, :-1]
-        new = new_rows.reshape(-1)
-    starts = new.nonzero().squeeze(-1)  # (nseg,) first token of each segment
-    seg_of_tok = torch.cumsum(new.to(torch.int64), 0) - 1
-    lengths = torch.diff(starts, append=torch.tensor([n_tok], device=device))
-    nchunks_seg = (lengths + chunk - 1) // chunk
-    chunk_end = torch.cumsum(nchunks_seg, 0)
-    chunk_first = chunk_end - nchunks_seg
-    n_chunks = int(chunk_end[-1])  # host sync: the packed size decides the launch grids
-    dst = chunk_first[seg_of_tok] * chunk + (pos - starts[seg_of_tok])
-    valid = torch.zeros(1, n_chunks * chunk, dtype=torch.int8, device=device)
-    valid[0, dst] = 1
-
-    if cu_seqlens is not None:
-        init_id = final_id = tok_seq[starts]
-        counts = torch.bincount(tok_seq, minlength=cu.numel() - 1)
-        empty = (counts == 0).nonzero().squeeze(-1)
-    else:
-        row_start = starts % L == 0
-        row_end = (starts + lengths) % L == 0
-        row = starts // L
-        init_id = torch.where(row_start, row, torch.full_like(row, -1))
-        final_id = torch.where(row_end, row, torch.full_like(row, -1))
-        empty = None
-    seg = torch.full((n_chunks, 2), -2, dtype=torch.int32, device=device)
-    seg[chunk_first, 0] = init_id.to(torch.int32)
-    seg[chunk_end - 1, 1] = final_id.to(torch.int32)
-    return Packing(dst=dst, valid=valid, seg=seg.unsqueeze(0), empty=empty)
+    segs = chunk_segments(batch, L, chunk, seq_idx, cu_seqlens, device)
+    valid = torch.zeros(1, segs.n_chunks * chunk, dtype=torch.int8, device=device)
+    valid[0, segs.dst] = 1
+    seg = torch.full((segs.n_chunks, 2), -2, dtype=torch.int32, device=device)
+    seg[segs.chunk_first, 0] = segs.init_id.to(torch.int32)
+    seg[segs.chunk_last, 1] = segs.final_id.to(torch.int32)
+    return Packing(dst=segs.dst, valid=valid, seg=seg.unsqueeze(0), empty=segs.empty)
