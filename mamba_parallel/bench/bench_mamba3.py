@@ -63,19 +63,8 @@ def case_name(shape) -> str:
 
 
 def run_scan(shapes, sides, dtype, device, warmup, reps, log=say) -> list[dict]:
-    rows = []
-    for shape in shapes:
-        inputs = scan_inputs(*shape, DTYPES[dtype], device)
-        dy = torch.randn_like(inputs["x"])
-        timed = kernels.time_sides(sides, inputs, grad_names(inputs), device, dy, warmup=warmup, reps=reps)
-        new = kernels.rows_for_case(case_name(shape), timed, section="scan")
-        for r in new:
-            log(f"mamba3 {r['case']} {r['metric']}: " + ", ".join(f"{s} {r.get(s)}" for s in sides))
-        rows += new
-        del inputs, dy
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
-    return rows
+    return kernels.time_shapes("mamba3", shapes, lambda shape: scan_inputs(*shape, DTYPES[dtype], device), case_name,
+                               sides, grad_names, device, warmup, reps, log, extra=lambda shape: {"section": "scan"})
 
 
 def per_call_ms(fn, device, warmup: int, reps: int, calls: int = 20) -> float:

@@ -49,18 +49,9 @@ def sides_for(peer) -> dict:
 
 def run(shapes, dtype: str, device, peer, warmup: int = 3, reps: int = 10, log=say) -> dict:
     sides = sides_for(peer)
-    rows = []
-    for shape in shapes:
-        inputs = make_inputs(*shape, DTYPES[dtype], device)
-        dy = torch.randn_like(inputs["u"])
-        timed = kernels.time_sides(sides, inputs, GRADS, device, dy, warmup=warmup, reps=reps)
-        new = kernels.rows_for_case(case_name(shape), timed, shape=dict(zip("b d L n".split(), shape)))
-        for r in new:
-            log(f"selective_scan {r['case']} {r['metric']}: " + ", ".join(f"{s} {r.get(s)}" for s in sides))
-        rows += new
-        del inputs, dy
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
+    rows = kernels.time_shapes("selective_scan", shapes, lambda shape: make_inputs(*shape, DTYPES[dtype], device),
+                               case_name, sides, GRADS, device, warmup, reps, log, out_like="u",
+                               extra=lambda shape: {"shape": dict(zip("b d L n".split(), shape))})
     return {"bench": "selective_scan", "title": "Mamba-1 selective scan",
             "settings": {"dtype": dtype, "warmup": warmup, "reps": reps,
                          "arguments": "u, delta, A, B, C, D, z, delta_bias, delta_softplus=True", "sides": list(sides)},

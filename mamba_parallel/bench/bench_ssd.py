@@ -61,18 +61,9 @@ def run(shapes, dtype: str, device, peer, fla_fn, chunk: int = CHUNK, warmup: in
         log=say) -> dict:
     """Every shape x mode x side -> the result's settings and rows (see results.py)."""
     sides = sides_for(peer, fla_fn)
-    rows = []
-    for shape in shapes:
-        inputs = make_inputs(*shape, DTYPES[dtype], device, chunk)
-        dy = torch.randn_like(inputs["x"])
-        timed = kernels.time_sides(sides, inputs, GRADS, device, dy, warmup=warmup, reps=reps)
-        new = kernels.rows_for_case(case_name(shape), timed, shape=dict(zip("b L h p n g".split(), shape)))
-        for r in new:
-            log(f"ssd {r['case']} {r['metric']}: " + ", ".join(f"{s} {r.get(s)}" for s in sides))
-        rows += new
-        del inputs, dy
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
+    rows = kernels.time_shapes("ssd", shapes, lambda shape: make_inputs(*shape, DTYPES[dtype], device, chunk),
+                               case_name, sides, GRADS, device, warmup, reps, log,
+                               extra=lambda shape: {"shape": dict(zip("b L h p n g".split(), shape))})
     return {"bench": "ssd", "title": "Mamba-2 SSD chunked scan",
             "settings": {"dtype": dtype, "chunk_size": chunk, "warmup": warmup, "reps": reps,
                          "arguments": "x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus=True (no z)",

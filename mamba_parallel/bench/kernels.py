@@ -66,6 +66,27 @@ def rows_for_case(case: str, timed: dict, **extra) -> list[dict]:
             for mode, (times, errors) in timed.items()]
 
 
+def time_shapes(bench: str, shapes, make_inputs, case, sides: dict, grad_names, device, warmup: int, reps: int,
+                log, out_like: str = "x", extra=lambda shape: {}) -> list[dict]:
+    """Every shape x mode x side -> rows. ``make_inputs(shape)`` builds one case's inputs and ``case(shape)`` names
+    it; ``grad_names``: the inputs differentiated (or a function of the inputs giving them); the backward's output
+    gradient is shaped like ``inputs[out_like]``; ``extra(shape)``: more fields for the case's rows."""
+    rows = []
+    for shape in shapes:
+        inputs = make_inputs(shape)
+        dy = torch.randn_like(inputs[out_like])
+        names = grad_names(inputs) if callable(grad_names) else grad_names
+        timed = time_sides(sides, inputs, names, device, dy, warmup=warmup, reps=reps)
+        new = rows_for_case(case(shape), timed, **extra(shape))
+        for r in new:
+            log(f"{bench} {r['case']} {r['metric']}: " + ", ".join(f"{s} {r.get(s)}" for s in sides))
+        rows += new
+        del inputs, dy
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def add_device_flags(ap) -> None:
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="input dtype (default bf16)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
