@@ -6,6 +6,10 @@
 # installed already; without it the run times ours alone. Writes $OUT/<date>-<device>/<bench>.json,
 # $OUT/performance.md, $OUT/plots.tar (the ratio PNGs) and $OUT/log.txt: eight files at most. Merge several runs
 # into the repository's report with: mamba-parallel bench report --results benchmarks/results
+# One 10-minute call does not hold every benchmark on a fresh machine (compiling and autotuning three
+# implementations takes most of it: ~8 min for the SSD section alone on an H200). Run it in parts, e.g.
+#   --only ssd | --only selective_scan,generate | --only train --train-presets mamba2-130m mamba2-370m mamba2-1.3b ...
+# each part's files land beside the others' and the report combines the rows of runs with the same settings.
 set -u -o pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"

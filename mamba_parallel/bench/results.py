@@ -143,12 +143,20 @@ def result_dir(root: str | os.PathLike, meta: dict) -> Path:
 
 
 def write_result(result: dict, path: str | os.PathLike | None) -> Path | None:
-    """Write ``result`` as JSON to ``path``: a file, or a folder (then ``<date>-<device>/<bench>.json`` in it)."""
+    """Write ``result`` as JSON to ``path``: a file, or a folder (then ``<date>-<device>/<bench>.json`` in it, or
+    ``<bench>-<HHMMSS>.json`` beside an earlier run's)."""
     if not path:
         return None
     path = Path(path)
-    if path.suffix != ".json":
-        path = result_dir(path, result["meta"]) / f"{result['bench']}.json"
+    if path.suffix != ".json":  # a results folder: never over an earlier run (the report combines them)
+        folder, bench = result_dir(path, result["meta"]), result["bench"]
+        path = folder / f"{bench}.json"
+        if path.exists():
+            stamp = result["meta"]["timestamp"][11:19].replace(":", "")
+            path = folder / f"{bench}-{stamp}.json"
+            n = 2
+            while path.exists():
+                path, n = folder / f"{bench}-{stamp}-{n}.json", n + 1
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
     return path

@@ -236,6 +236,36 @@ def test_bench_all_only_and_budget(tmp_path, capsys):
     assert "not completed: train" in capsys.readouterr().out
 
 
+def test_a_table_split_over_runs_is_combined_and_no_run_overwrites_another(tmp_path):
+    """Two calls of one benchmark on one device, the first out of time after one preset: both files are kept, and
+    the report's table takes the second run's rows and the first run's measured one (each a same-process row)."""
+    from mamba_parallel.bench.results import write_result
+
+    def result(stamp, rows, settings):
+        return {"bench": "train", "title": "train", "settings": settings, "rows": rows,
+                "meta": {"timestamp": stamp, "device": "GPU", "command": f"run at {stamp}"}}
+
+    skipped = make_row("big", "tokens/s", "tokens/s", "higher", {"ours": None}, {"ours": "skipped: time budget spent"})
+    first = result("2026-01-01T10:00:00", [make_row("small", "tokens/s", "tokens/s", "higher", {"ours": 3.0, "peer": 1.0}),
+                                           skipped], {"seq_len": 2048})
+    second = result("2026-01-01T11:00:00", [make_row("small", "tokens/s", "tokens/s", "higher", {"ours": None},
+                                                     {"ours": "skipped: not asked"}),
+                                            make_row("big", "tokens/s", "tokens/s", "higher", {"ours": 2.0, "peer": 1.0})],
+                    {"seq_len": 2048})
+    other = result("2026-01-01T09:00:00", [make_row("extra", "tokens/s", "tokens/s", "higher", {"ours": 9.0})],
+                   {"seq_len": 512})  # other settings: never mixed in
+    root = tmp_path / "results"
+    paths = [write_result(r, root) for r in (first, second, other)]
+    assert len({p.name for p in paths}) == 3 and all(p.is_file() for p in paths)
+    assert paths[0].name == "train.json" and paths[1].name == "train-110000.json"
+    out = tmp_path / "perf.md"
+    assert report.main(["--results", str(root), "--out", str(out), "--no-plots"]) == 0
+    text = out.read_text()
+    assert "| small | tokens/s | 3.00 | 1.00 | 3.00x |" in text and "| big | tokens/s | 2.00 | 1.00 | 2.00x |" in text
+    assert "Rows from 2 runs" in text and "run at 2026-01-01T10:00:00" in text and "run at 2026-01-01T11:00:00" in text
+    assert "extra" not in text and "skipped" not in text
+
+
 def test_report_keeps_the_newest_run_of_each_benchmark(tmp_path):
     def result(bench, stamp, value):
         return {"bench": bench, "title": bench, "meta": {"timestamp": stamp, "device": "GPU", "command": "c"},
