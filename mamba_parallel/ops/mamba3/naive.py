@@ -198,23 +198,33 @@ def _zero_state(N, h, p, n, a, R, mimo, like, ct) -> Mamba3State:
     return Mamba3State(z(N, h, a), z(N, h, p, n), z(N, R, h, n) if mimo else z(N, h, n), z(N, h, p))
 
 
-@fp32_math
-def mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D=None, z=None, B_bias=None, C_bias=None,
-                      mimo_x=None, mimo_z=None, mimo_o=None, rope="interleaved", initial_states=None, seq_idx=None,
-                      cu_seqlens=None, return_final_states=False):
-    """See ``mamba_parallel.ops.mamba3.mamba3_chunk_scan`` (same contract)."""
+def _setup(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rope, initial_states,
+           seq_idx, cu_seqlens):
+    """What both full-sequence forms start from: the compute dtype, the scan inputs (``_inputs``), the rotary pairs,
+    the sequences (``segments``), their count N and their initial states (zeros when none are given)."""
     ct = compute_dtype(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
                        *(initial_states or ()))
     b, L, h, p = x.shape
     n, a = B.shape[-1], angles.shape[-1]
     mimo, q0, k0, u = _inputs(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, ct)
-    R = q0.shape[2]
     first, second = rope_pairs(n, a, rope, x.device)
     packed = cu_seqlens is not None
     segs = segments(b, L, seq_idx, cu_seqlens)
     N = len(segs) if packed else b
-    init = initial_states if initial_states is not None else _zero_state(N, h, p, n, a, R, mimo, x, ct)
-    init = Mamba3State(*(s.to(ct) for s in init))
+    init = initial_states if initial_states is not None else _zero_state(N, h, p, n, a, q0.shape[2], mimo, x, ct)
+    return ct, mimo, q0, k0, u, first, second, segs, N, packed, Mamba3State(*(s.to(ct) for s in init))
+
+
+@fp32_math
+def mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D=None, z=None, B_bias=None, C_bias=None,
+                      mimo_x=None, mimo_z=None, mimo_o=None, rope="interleaved", initial_states=None, seq_idx=None,
+                      cu_seqlens=None, return_final_states=False):
+    """See ``mamba_parallel.ops.mamba3.mamba3_chunk_scan`` (same contract)."""
+    ct, mimo, q0, k0, u, first, second, segs, N, packed, init = _setup(
+        x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rope, initial_states, seq_idx,
+        cu_seqlens)
+    b, L, h, p = x.shape
+    n, a, R = B.shape[-1], angles.shape[-1], q0.shape[2]
     zero = _zero_state(1, h, p, n, a, R, mimo, x, ct)
 
     # gather every sequence into its own zero-padded row
@@ -258,18 +268,11 @@ def mamba3_sequential(x, dt, A, B, C, trap, angles, chunk_size=None, D=None, z=N
                       mimo_x=None, mimo_z=None, mimo_o=None, rope="interleaved", initial_states=None, seq_idx=None,
                       cu_seqlens=None, return_final_states=False):
     """Same contract as ``mamba3_chunk_scan`` (chunk_size ignored); the recurrence token by token. For tests."""
-    ct = compute_dtype(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
-                       *(initial_states or ()))
+    ct, mimo, q0, k0, u, first, second, segs, N, packed, init = _setup(
+        x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rope, initial_states, seq_idx,
+        cu_seqlens)
     b, L, h, p = x.shape
-    n, a = B.shape[-1], angles.shape[-1]
-    mimo, q0, k0, u = _inputs(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, ct)
-    R = q0.shape[2]
-    first, second = rope_pairs(n, a, rope, x.device)
-    packed = cu_seqlens is not None
-    segs = segments(b, L, seq_idx, cu_seqlens)
-    N = len(segs) if packed else b
-    init = initial_states if initial_states is not None else _zero_state(N, h, p, n, a, R, mimo, x, ct)
-    init = Mamba3State(*(s.to(ct) for s in init))
+    n, a, R = B.shape[-1], angles.shape[-1], q0.shape[2]
     dtf, Af, lam, om = dt.to(ct), A.to(ct), trap.to(ct), angles.to(ct)
     mx = mimo_x.to(ct).transpose(0, 1) if mimo_x is not None else None
     rows = [[None] * L for _ in range(b)]
