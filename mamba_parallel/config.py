@@ -271,6 +271,17 @@ class MambaConfig:
              f"must be an integer >= 1, got {c['mimo_rank']!r}")
         need(c["A_floor"] >= 0, "ssm_cfg.A_floor", f"must be >= 0, got {c['A_floor']}")
 
+    def with_layers(self, n_layer: int) -> "MambaConfig":
+        """The same stack cut to its first ``n_layer`` layers (every layer kind and width kept): smoke runs, and the
+        benchmarks' compile warm-up, which needs each kernel shape once, not each layer."""
+        if not (isinstance(n_layer, int) and 1 <= n_layer):
+            raise ConfigError(f"MambaConfig.with_layers: n_layer must be an integer >= 1, got {n_layer!r}")
+        d = self.to_dict()
+        d["n_layer"] = min(n_layer, self.n_layer)
+        for name in ("attn_layer_idx", "mlp_layer_idx"):
+            d[name] = [i for i in d[name] if i < d["n_layer"]]
+        return type(self).from_dict(d)
+
     # ---- (de)serialisation ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return asdict(self)

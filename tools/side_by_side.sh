@@ -6,8 +6,9 @@
 # installed already; without it the run times ours alone. Writes $OUT/<date>-<device>/<bench>.json,
 # $OUT/performance.md, $OUT/plots.tar (the ratio PNGs) and $OUT/log.txt: eight files at most. Merge several runs
 # into the repository's report with: mamba-parallel bench report --results benchmarks/results
-# One 10-minute call does not hold every benchmark on a fresh machine (compiling and autotuning three
-# implementations takes most of it: ~8 min for the SSD section alone on an H200). Run it in parts, e.g.
+# On a fresh machine compiling is most of the time (~8 min for the SSD section alone on an H200, three
+# implementations' autotune candidates), so every kernel is first compiled in 8 warm-up processes at once
+# (--precompile-workers; their timings are thrown away). What still does not fit in one call runs in parts, e.g.
 #   --only ssd | --only selective_scan,generate | --only train --train-presets mamba2-130m mamba2-370m mamba2-1.3b ...
 # each part's files land beside the others' and the report combines the rows of runs with the same settings.
 set -u -o pipefail
@@ -23,7 +24,7 @@ python3 -c "import mamba_ssm, causal_conv1d; print('peer: mamba_ssm', mamba_ssm.
   || echo "side_by_side: mamba_ssm does not import here"
 # Budget: one device command may run 10 minutes; what has not started after --budget-s is listed as skipped.
 python3 -m mamba_parallel.cli bench all --out "$OUT" --report "$OUT/performance.md" --plots "$OUT/plots" \
-  --budget-s 420 --generate-repeats 1 "$@" 2>&1 | tee "$OUT/log.txt"
+  --budget-s 480 --precompile-workers 8 --precompile-s 200 --generate-repeats 1 "$@" 2>&1 | tee "$OUT/log.txt"
 status=$?
 if [ -d "$OUT/plots" ]; then tar cf "$OUT/plots.tar" -C "$OUT" plots && rm -rf "$OUT/plots"; fi
 exit $status

@@ -9,6 +9,8 @@ batch 1 and 64, and the longest mamba2-1.3b sequence one GPU trains; ``--only ma
 and layer (bench_mamba3.py). Each section writes its JSON as soon as it
 ends (``<out>/<date>-<device>/<bench>.json``); a failing row keeps its error and the run goes on. ``--budget-s``:
 presets / models not started by then are listed as skipped (the run then still writes the report).
+``--precompile-workers N`` first compiles every kernel the run will time in N parallel warm-up processes
+(precompile.py), their timings thrown away: on a fresh machine that takes the compile time off the budget.
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start no new preset / model after S seconds (default: no limit)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     ap.add_argument("--no-fla", action="store_true", help="leave fla out of the SSD table")
+    ap.add_argument("--precompile-workers", type=int, default=0, metavar="N",
+                    help="first compile every kernel the run times in N parallel warm-up processes (their timings "
+                         "are thrown away): on a fresh machine compiling, not timing, is most of the run "
+                         "(default 0: no warm-up)")
+    ap.add_argument("--precompile-s", type=float, default=240.0, metavar="S",
+                    help="stop the warm-up processes after S seconds (default 240)")
     ap.add_argument("--git-commit", default=None, metavar="SHA",
                     help="the commit to record in the results (default: the checkout's, when it has .git)")
     g = ap.add_argument_group("sizes (defaults: the published set)")
@@ -80,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--long-preset", default="mamba2-1.3b")
     g.add_argument("--long-start", type=int, default=16384)
     g.add_argument("--long-max", type=int, default=262144)
+    g.add_argument("--n-layer", type=int, default=None, metavar="K",
+                   help="cut every train / generate / long-context model to its first K layers (smoke runs; "
+                        "the figures are then not the preset's)")
     return ap
 
 
@@ -92,20 +103,33 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     peer = peer_mod.resolve_peer(a.peer, a.peer_impl, log=say)
     fla_fn = None if a.no_fla or "ssd" not in sections else peer_mod.load_fla()
+    if a.n_layer is not None and a.n_layer < 1:
+        raise SystemExit(f"bench all: --n-layer must be >= 1, got {a.n_layer}")
+    ssd_shapes = [tuple(s) for s in a.ssd_shape] if a.ssd_shape else bench_ssd.SHAPES
+    scan_shapes = [tuple(s) for s in a.scan_shape] if a.scan_shape else bench_selective_scan.SHAPES
     deadline = Deadline(a.budget_s)
     say(f"bench all: {', '.join(sections)} on {device} with peer {peer.name if peer else 'none'}"
         f"{' and fla' if fla_fn else ''}{f', budget {a.budget_s:.0f} s' if a.budget_s else ''}")
+    if a.precompile_workers:
+        import tempfile
+
+        from mamba_parallel.bench import precompile
+
+        scratch = tempfile.mkdtemp(prefix="mamba-parallel-precompile-")
+        jobs = precompile.jobs_for(a, sections, ssd_shapes, scan_shapes, out=f"{scratch}/results")
+        precompile.run(jobs, a.precompile_workers, a.precompile_s, scratch, say)
     runs = {
-        "ssd": lambda: bench_ssd.run([tuple(s) for s in a.ssd_shape] if a.ssd_shape else bench_ssd.SHAPES,
-                                     "bf16", device, peer, fla_fn, a.ssd_chunk, a.kernel_warmup, a.kernel_reps),
-        "selective_scan": lambda: bench_selective_scan.run(
-            [tuple(s) for s in a.scan_shape] if a.scan_shape else bench_selective_scan.SHAPES, "bf16", device, peer,
-            a.kernel_warmup, a.kernel_reps),
+        "ssd": lambda: bench_ssd.run(ssd_shapes, "bf16", device, peer, fla_fn, a.ssd_chunk, a.kernel_warmup,
+                                     a.kernel_reps),
+        "selective_scan": lambda: bench_selective_scan.run(scan_shapes, "bf16", device, peer, a.kernel_warmup,
+                                                           a.kernel_reps),
         "train": lambda: train_side_by_side.run(a.train_presets, peer, device, a.train_seq_len, a.train_batch,
-                                                a.train_warmup, a.train_steps, deadline=deadline),
+                                                a.train_warmup, a.train_steps, deadline=deadline, n_layer=a.n_layer),
         "generate": lambda: bench_generate.run(a.generate_models, peer, device, a.generate_batches, a.prompt_len,
-                                               a.new_tokens, a.generate_repeats, deadline=deadline),
-        "long_context": lambda: long_context_probe.run(a.long_preset, peer, device, a.long_start, a.long_max),
+                                               a.new_tokens, a.generate_repeats, deadline=deadline,
+                                               n_layer=a.n_layer),
+        "long_context": lambda: long_context_probe.run(a.long_preset, peer, device, a.long_start, a.long_max,
+                                                       n_layer=a.n_layer),
         "mamba3": lambda: bench_mamba3.run(peer, device, "bf16", warmup=a.kernel_warmup, reps=a.kernel_reps),
     }
     failed = []

@@ -58,12 +58,16 @@ def time_generate(gen, prompt: torch.Tensor, new_tokens: int, repeats: int, devi
 
 
 def run_model(preset: str, peer, device, batch_sizes=(1, 64), prompt_len: int = 256, new_tokens: int = 256,
-              repeats: int = 2, dtype: str = "bf16", seed: int = 0, log=say) -> list[dict]:
-    """Every batch size of one model -> rows (decode ms/step, prefill ms), both sides on the same weights."""
+              repeats: int = 2, dtype: str = "bf16", seed: int = 0, log=say, n_layer: int | None = None
+              ) -> list[dict]:
+    """Every batch size of one model -> rows (decode ms/step, prefill ms), both sides on the same weights.
+    ``n_layer``: the preset cut to that many layers (the compile warm-up)."""
     from mamba_parallel.config import get_preset
     from mamba_parallel.models.lm import MambaLMHeadModel
 
     config = get_preset(preset)
+    if n_layer is not None:
+        config = config.with_layers(n_layer)
     device = torch.device(device)
     cuda_graph = device.type == "cuda"
     models, gens, errors = {}, {}, {}
@@ -124,7 +128,7 @@ def run_model(preset: str, peer, device, batch_sizes=(1, 64), prompt_len: int = 
 
 
 def run(models, peer, device, batch_sizes=(1, 64), prompt_len=256, new_tokens=256, repeats=2, dtype="bf16",
-        seed=0, deadline=None, log=say) -> dict:
+        seed=0, deadline=None, log=say, n_layer=None) -> dict:
     if prompt_len < 1 or new_tokens < 2 or repeats < 1:
         raise ValueError(f"bench generate: need --prompt-len >= 1, --new-tokens >= 2, --repeats >= 1, got "
                          f"{prompt_len}, {new_tokens}, {repeats}")
@@ -134,10 +138,12 @@ def run(models, peer, device, batch_sizes=(1, 64), prompt_len=256, new_tokens=25
             rows.append(make_row(f"{preset}", "decode", "ms/step", "lower", {"ours": None},
                                  {"ours": "skipped: time budget spent"}, preset=preset))
             continue
-        rows += run_model(preset, peer, device, batch_sizes, prompt_len, new_tokens, repeats, dtype, seed, log)
+        rows += run_model(preset, peer, device, batch_sizes, prompt_len, new_tokens, repeats, dtype, seed, log,
+                          n_layer=n_layer)
     return {"bench": "generate", "title": "Generation (public generate, CUDA graphs, greedy)",
             "settings": {"dtype": dtype, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
                          "batch_sizes": list(batch_sizes), "cuda_graph": torch.device(device).type == "cuda",
+                         **({"n_layer": n_layer} if n_layer else {}),
                          "peer": "generate(input_ids, max_length, top_k=1, cg=True)",
                          "ours": "generate(input_ids, new_tokens, top_k=1, cuda_graph=True)",
                          "sides": ["ours"] + (["peer"] if peer is not None else [])},

@@ -81,13 +81,17 @@ def probe(build, loss_of, device, lengths, vocab: int, log=say, name: str = "") 
     return out
 
 
-def run(preset: str, peer, device, start: int = 16384, max_len: int = 262144, log=say) -> dict:
+def run(preset: str, peer, device, start: int = 16384, max_len: int = 262144, log=say,
+        n_layer: int | None = None) -> dict:
+    """``n_layer``: the preset cut to that many layers (the compile warm-up)."""
     from mamba_parallel.config import get_preset
     from mamba_parallel.models.lm import MambaLMHeadModel
 
     if start < 1 or max_len < start:
         raise ValueError(f"bench long_context: need 1 <= --start <= --max-len, got {start}, {max_len}")
     config = get_preset(preset)
+    if n_layer is not None:
+        config = config.with_layers(n_layer)
     lengths = []
     while start <= max_len:
         lengths.append(start)
@@ -122,5 +126,6 @@ def run(preset: str, peer, device, start: int = 16384, max_len: int = 262144, lo
                                  {s: found[s].get(n, {}).get(key) for s in sides}, errs, preset=preset, seq_len=n))
     return {"bench": "long_context", "title": "Longest trainable sequence on one GPU, batch 1",
             "settings": {"preset": preset, "lengths": lengths, "activation_checkpointing": False,
+                         **({"n_layer": n_layer} if n_layer else {}),
                          "steps_per_length": "1 untimed + 1 timed", "sides": sides},
             "rows": rows}

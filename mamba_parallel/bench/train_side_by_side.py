@@ -102,12 +102,16 @@ def _optimizer_groups(model) -> list[dict]:
 
 
 def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, warmup: int = 2, steps: int = 5,
-               seed: int = 0, loss_rtol: float = LOSS_RTOL, log=say) -> tuple[list[dict], dict]:
-    """-> (rows: tokens/s, step ms, peak GiB; check: both step-1 losses and whether they agree)."""
+               seed: int = 0, loss_rtol: float = LOSS_RTOL, log=say, n_layer: int | None = None
+               ) -> tuple[list[dict], dict]:
+    """-> (rows: tokens/s, step ms, peak GiB; check: both step-1 losses and whether they agree). ``n_layer``: the
+    preset cut to that many layers (the compile warm-up)."""
     from mamba_parallel.config import get_preset
     from mamba_parallel.models.lm import MambaLMHeadModel
 
     config = get_preset(preset)
+    if n_layer is not None:
+        config = config.with_layers(n_layer)
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, config.vocab_size, (batch, seq_len + 1), generator=gen)
@@ -175,7 +179,8 @@ def _loss_check(preset: str, ours: dict | None, peer: dict | None, loss_rtol: fl
     return check
 
 
-def run(presets, peer, device, seq_len=2048, batch=8, warmup=2, steps=5, seed=0, deadline=None, log=say) -> dict:
+def run(presets, peer, device, seq_len=2048, batch=8, warmup=2, steps=5, seed=0, deadline=None, log=say,
+        n_layer=None) -> dict:
     """Every preset (skipped with a note once ``deadline`` has passed) -> the result's settings, rows, checks."""
     rows, checks = [], []
     for preset in presets:
@@ -183,11 +188,13 @@ def run(presets, peer, device, seq_len=2048, batch=8, warmup=2, steps=5, seed=0,
             rows.append(make_row(f"{preset} b{batch} L{seq_len}", "tokens/s", "tokens/s", "higher", {"ours": None},
                                  {"ours": "skipped: time budget spent"}, preset=preset))
             continue
-        new_rows, check = run_preset(preset, peer, device, seq_len, batch, warmup, steps, seed, log=log)
+        new_rows, check = run_preset(preset, peer, device, seq_len, batch, warmup, steps, seed, log=log,
+                                     n_layer=n_layer)
         rows += new_rows
         checks.append(check)
     return {"bench": "train", "title": "One training step (fp32 params, bf16 autocast, fused AdamW)",
             "settings": {"seq_len": seq_len, "batch": batch, "warmup_steps": warmup, "timed_steps": steps,
+                         **({"n_layer": n_layer} if n_layer else {}),
                          "optimizer": f"AdamW fused, lr {LR}, weight decay {WEIGHT_DECAY}, betas {BETAS}, no clipping",
                          "peer": "MambaLMHeadModel + F.cross_entropy on its logits",
                          "ours": "MambaLMHeadModel.from_pretrained(peer's save_pretrained) + its fused loss",

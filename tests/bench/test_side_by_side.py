@@ -284,3 +284,59 @@ def test_report_keeps_the_newest_run_of_each_benchmark(tmp_path):
     empty.mkdir()
     report.main(["--results", str(empty), "--out", str(out)])
     assert "No results yet" in out.read_text()
+
+
+# ---- the compile warm-up -------------------------------------------------------------------------------------------
+def test_precompile_jobs_cover_every_shape_preset_and_model():
+    from mamba_parallel.bench import precompile
+
+    a = bench_all.build_parser().parse_args(TINY_ALL + ["--train-presets", "tiny-mamba2", "tiny-mamba",
+                                                        "--no-fla"])
+    sections = bench_all.parse_only("ssd,selective_scan,train,generate,long_context,mamba3")
+    jobs = precompile.jobs_for(a, sections, [TINY_SSD, TINY_SSD], [TINY_SCAN], out="/scratch")
+    names = [j.name for j in jobs]
+    assert names[:3] == ["ssd 1 37 2 8 8 1", "ssd 1 37 2 8 8 1", "mamba3"]  # the slowest compiles first
+    assert names[3:] == ["train tiny-mamba2", "train tiny-mamba", "selective_scan 1 6 19 4", "generate tiny-mamba",
+                         "long_context tiny-mamba2"]
+    for j in jobs:  # every warm-up writes to the scratch folder, writes no report, times one repeat
+        args = bench_all.build_parser().parse_args(j.argv)
+        assert args.out == "/scratch" and args.report == "" and args.kernel_reps == 1 and args.no_fla
+        assert args.peer_impl == "reference" and args.device == "cpu"
+        if "--n-layer" in j.argv:
+            assert args.n_layer == precompile.WARM_LAYERS
+    assert bench_all.build_parser().parse_args(jobs[3].argv).train_steps == 1
+    env = precompile.child_env()
+    assert env["FLA_CACHE_RESULTS"] == "0" and "TRITON_CACHE_AUTOTUNING" not in env
+
+
+def test_bench_all_precompiles_then_times_and_keeps_only_the_timed_results(tmp_path, capsys):
+    results = tmp_path / "r"
+    argv = TINY_ALL + ["--only", "ssd,train", "--out", str(results), "--report", "", "--precompile-workers", "2"]
+    assert bench_all.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "precompile: 2 warm-ups in 2 processes" in out and "[failed" not in out and "[stopped" not in out
+    assert sorted(p.name for p in results.glob("*/*.json")) == ["ssd.json", "train.json"]
+    assert "n_layer" not in json.loads(next(results.glob("*/train.json")).read_text())["settings"]
+
+
+def test_precompile_stops_what_the_budget_does_not_hold(tmp_path):
+    from mamba_parallel.bench import precompile
+
+    jobs = [precompile.Job("sleep", ["--only", "nope"]), precompile.Job("never", ["--only", "nope"])]
+    lines = []
+    precompile.run(jobs, 1, 0.0, str(tmp_path), lines.append)
+    assert [j.status for j in jobs] == ["stopped", "stopped"] and "[stopped]" in lines[0]
+    with pytest.raises(ValueError, match="--precompile-workers"):
+        precompile.run(jobs, 0, 1.0, str(tmp_path), lines.append)
+
+
+def test_n_layer_cuts_the_models_and_is_recorded(ref):
+    from mamba_parallel.config import get_preset
+
+    cut = get_preset("tiny-mamba2").with_layers(1)
+    assert cut.n_layer == 1 and cut.d_model == get_preset("tiny-mamba2").d_model
+    result = train_side_by_side.run(["tiny-mamba2"], ref, "cpu", seq_len=16, batch=2, warmup=0, steps=1,
+                                    log=lambda s: None, n_layer=1)
+    assert result["settings"]["n_layer"] == 1
+    with pytest.raises(Exception, match="n_layer must be an integer >= 1"):
+        cut.with_layers(0)

@@ -1,0 +1,135 @@
+"""Compile every kernel a ``bench all`` run will time, in parallel processes, before the timed run starts.
+
+Triton compiles each autotune candidate on the host, one after another: on a fresh GPU machine the side-by-side SSD
+section spends minutes compiling the candidates of three implementations and under a second timing them. The
+warm-up runs the same sections on the same kernel shapes in ``workers`` processes at once (models cut to two layers,
+one timed repeat, two new tokens), so the compiled binaries land in Triton's on-disk cache. The timed run then
+compiles nothing, autotunes again on an idle GPU and times exactly as it would have: nothing measured by the
+warm-up is kept (its results go to a scratch folder, and fla's on-disk autotune results are switched off in it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+WARM_LAYERS = 2  # every layer of a stack runs the same kernels: two layers compile what the whole model needs
+
+
+@dataclass
+class Job:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    seconds: float = 0.0
+    status: str = "waiting"  # waiting | running | done | failed (exit code) | stopped (budget spent)
+    log_file: object = None
+
+
+def _common(a, out: str) -> list[str]:
+    argv = ["--out", out, "--report", "", "--kernel-warmup", "1", "--kernel-reps", "1", "--peer-impl", a.peer_impl]
+    if a.peer is not None:
+        argv.append("--peer" if a.peer else "--no-peer")
+    if a.device:
+        argv += ["--device", a.device]
+    if a.no_fla:
+        argv.append("--no-fla")
+    return argv
+
+
+def jobs_for(a, sections, ssd_shapes, scan_shapes, out: str) -> list[Job]:
+    """One warm-up job per kernel shape / preset / model of the sections a ``bench all`` run times (``a``: its
+    parsed arguments), the slowest to compile first."""
+    common = _common(a, out)
+    layers = str(min(WARM_LAYERS, a.n_layer) if a.n_layer else WARM_LAYERS)
+    jobs = []
+    if "ssd" in sections:
+        jobs += [Job(f"ssd {' '.join(map(str, s))}",
+                     ["--only", "ssd", "--ssd-shape", *map(str, s), "--ssd-chunk", str(a.ssd_chunk)]) for s in ssd_shapes]
+    if "mamba3" in sections:
+        jobs.append(Job("mamba3", ["--only", "mamba3"]))
+    if "train" in sections:
+        jobs += [Job(f"train {p}", ["--only", "train", "--train-presets", p, "--train-seq-len", str(a.train_seq_len),
+                                    "--train-batch", str(a.train_batch), "--train-warmup", "1", "--train-steps", "1",
+                                    "--n-layer", layers]) for p in a.train_presets]
+    if "selective_scan" in sections:
+        jobs += [Job(f"selective_scan {' '.join(map(str, s))}", ["--only", "selective_scan", "--scan-shape",
+                                                                *map(str, s)]) for s in scan_shapes]
+    if "generate" in sections:
+        jobs += [Job(f"generate {m}", ["--only", "generate", "--generate-models", m, "--generate-batches",
+                                       *map(str, a.generate_batches), "--prompt-len", str(a.prompt_len),
+                                       "--new-tokens", "2", "--generate-repeats", "1", "--n-layer", layers])
+                 for m in a.generate_models]
+    if "long_context" in sections:
+        jobs.append(Job(f"long_context {a.long_preset}", ["--only", "long_context", "--long-preset", a.long_preset,
+                                                          "--long-start", str(a.long_start), "--long-max",
+                                                          str(a.long_start), "--n-layer", layers]))
+    for j in jobs:
+        j.argv = j.argv + common
+    return jobs
+
+
+def child_env() -> dict:
+    """The warm-up's environment: no autotune result is written to disk for the timed run to pick up."""
+    env = dict(os.environ)
+    env["FLA_CACHE_RESULTS"] = "0"  # fla keeps autotune results on disk by default; these were timed on a busy GPU
+    env.pop("TRITON_CACHE_AUTOTUNING", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _stop(job: Job) -> None:
+    try:
+        os.killpg(job.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    job.proc.wait()
+
+
+def run(jobs: list[Job], workers: int, budget_s: float, log_dir: str, log, poll_s: float = 0.5) -> list[Job]:
+    """Run the jobs, ``workers`` at a time, each one's output in ``log_dir``; what has not finished after
+    ``budget_s`` seconds is stopped. -> the jobs with their status and seconds (a failed or stopped warm-up only
+    means the timed run compiles that part itself)."""
+    if workers < 1:
+        raise ValueError(f"bench all: --precompile-workers must be >= 1 to warm up, got {workers}")
+    env, t0 = child_env(), time.monotonic()
+    waiting, running = list(jobs), []
+    while waiting or running:
+        now = time.monotonic()
+        for job in list(running):
+            code = job.proc.poll()
+            if code is None and now - t0 < budget_s:
+                continue
+            if code is None:
+                _stop(job)
+                job.status = "stopped"
+            else:
+                job.status = "done" if code == 0 else f"failed (exit {code})"
+            job.seconds = time.monotonic() - job.started
+            job.log_file.close()
+            running.remove(job)
+        if now - t0 >= budget_s:
+            for job in waiting:
+                job.status = "stopped"
+            waiting = []
+        while waiting and len(running) < workers:
+            job = waiting.pop(0)
+            job.log_file = open(os.path.join(log_dir, f"{len(jobs) - len(waiting):02d}.log"), "w")
+            job.started = time.monotonic()
+            job.proc = subprocess.Popen([sys.executable, "-m", "mamba_parallel.bench.bench_all", *job.argv],
+                                        stdout=job.log_file, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+            job.status = "running"
+            running.append(job)
+        if running:
+            time.sleep(poll_s)
+    summary = ", ".join(f"{j.name} {j.seconds:.0f} s" + ("" if j.status == "done" else f" [{j.status}]")
+                        for j in jobs)
+    log(f"precompile: {len(jobs)} warm-ups in {workers} processes, {time.monotonic() - t0:.0f} s: {summary}"
+        f" (logs in {log_dir})")
+    return jobs
