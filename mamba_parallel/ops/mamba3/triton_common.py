@@ -15,7 +15,12 @@ from mamba_parallel.ops.tuning import Tuner, dot_precision  # noqa: F401  (the k
 from mamba_parallel.ops.tuning import block_pow2 as block  # noqa: F401
 from mamba_parallel.ops.tuning import config as _c
 
-TWO_PI = 6.283185307179586
+
+
+@triton.jit
+def wrap_angle(th):
+    """th reduced to [0, 2 pi): rotary angles accumulate over the whole sequence, their fp32 sum would lose digits."""
+    return th - 6.283185307179586 * tl.floor(th * 0.15915494309189535)
 
 
 @triton.jit

@@ -16,8 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.mamba3.triton_common import (TWO_PI, load_pairs, load_rank_rows, pair_columns, per_token,
-                                                      rotate_pairs, rows, token_scalars)
+from mamba_parallel.ops.mamba3.triton_common import (load_pairs, load_rank_rows, pair_columns, per_token, rotate_pairs,
+                                                      rows, token_scalars, wrap_angle)
 
 
 @triton.jit
@@ -94,7 +94,7 @@ def states_kernel(X, DT, AA, TRAP, Bm, BIAS, ANG, MX, INIT_SSM, INIT_ANG, CINIT,
         H1 = H1 * decay + tl.dot(tl.trans(uw), k1.to(dtype), input_precision=PREC)
         H2 = H2 * decay + tl.dot(tl.trans(uw), k2.to(dtype), input_precision=PREC)
         th = th + tl.sum(dphi, 0)
-        th = th - TWO_PI * tl.floor(th / TWO_PI)
+        th = wrap_angle(th)
         ok = (offs_j * 0 + cf) >= 0  # the sequence ends here with final state cf
         idx = tl.maximum(cf, 0).to(tl.int64)
         fin = FIN_SSM + (idx * H + h) * P * N + offs_p[:, None] * N

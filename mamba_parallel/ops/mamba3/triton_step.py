@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.mamba3.triton_common import TWO_PI, pair_columns, rotate_pairs
+from mamba_parallel.ops.mamba3.triton_common import pair_columns, rotate_pairs, wrap_angle
 
 
 @triton.jit
@@ -96,4 +96,4 @@ def step_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, MX, MZ, MO, 
     tl.store(k_ptr + col1[None, :] * skn, k1.to(S_K.dtype.element_ty), mask=jm2)
     tl.store(k_ptr + col2[None, :] * skn, k2.to(S_K.dtype.element_ty), mask=jm2)
     tl.store(v_ptr, xr.to(S_V.dtype.element_ty), mask=pm)
-    tl.store(a_ptr, th - TWO_PI * tl.floor(th / TWO_PI), mask=am)
+    tl.store(a_ptr, wrap_angle(th), mask=am)
