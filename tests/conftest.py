@@ -43,6 +43,25 @@ def ops_backend():
     stack.close()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--failure-log", metavar="PATH", default=None,
+                     help="append each failure (test id and traceback) to PATH the moment it happens, so a run cut "
+                          "short by a time limit still leaves every failure seen so far")
+
+
+def pytest_runtest_logreport(report):
+    path = getattr(pytest_runtest_logreport, "path", None)
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
+def pytest_configure(config):
+    # the controller of an xdist run receives every worker's reports, so it alone writes the file
+    if config.getoption("--failure-log") and not hasattr(config, "workerinput"):
+        pytest_runtest_logreport.path = config.getoption("--failure-log")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

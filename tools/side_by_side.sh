@@ -8,7 +8,9 @@
 # into the repository's report with: mamba-parallel bench report --results benchmarks/results
 # On a fresh machine compiling is most of the time (~8 min for the SSD section alone on an H200, three
 # implementations' autotune candidates), so every kernel is first compiled in 8 warm-up processes at once
-# (--precompile-workers; their timings are thrown away). What still does not fit in one call runs in parts, e.g.
+# (--precompile-workers; their timings are thrown away). Triton's cache outlives the call while the machine stays
+# held, so a fresh machine takes two calls back to back: `tools/side_by_side.sh --precompile-only --precompile-s 540`
+# (compiles only), then the timed run. What still does not fit in one call runs in parts, e.g.
 #   --only ssd | --only selective_scan,generate | --only train --train-presets mamba2-130m mamba2-370m mamba2-1.3b ...
 # each part's files land beside the others' and the report combines the rows of runs with the same settings.
 set -u -o pipefail

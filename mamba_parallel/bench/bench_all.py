@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default 0: no warm-up)")
     ap.add_argument("--precompile-s", type=float, default=240.0, metavar="S",
                     help="stop the warm-up processes after S seconds (default 240)")
+    ap.add_argument("--precompile-only", action="store_true",
+                    help="warm up and stop: fills Triton's on-disk cache for a timed run that follows on the same "
+                         "machine (with --precompile-workers)"),
     ap.add_argument("--git-commit", default=None, metavar="SHA",
                     help="the commit to record in the results (default: the checkout's, when it has .git)")
     g = ap.add_argument_group("sizes (defaults: the published set)")
@@ -118,11 +121,16 @@ def main(argv: list[str] | None = None) -> int:
         scratch = tempfile.mkdtemp(prefix="mamba-parallel-precompile-")
         jobs = precompile.jobs_for(a, sections, ssd_shapes, scan_shapes, out=f"{scratch}/results")
         precompile.run(jobs, a.precompile_workers, a.precompile_s, scratch, say)
+    if a.precompile_only:
+        if not a.precompile_workers:
+            raise SystemExit("bench all: --precompile-only needs --precompile-workers N (N >= 1)")
+        say("bench all: warm-up done (--precompile-only: nothing timed)")
+        return 0
     runs = {
         "ssd": lambda: bench_ssd.run(ssd_shapes, "bf16", device, peer, fla_fn, a.ssd_chunk, a.kernel_warmup,
-                                     a.kernel_reps),
+                                     a.kernel_reps, deadline=deadline),
         "selective_scan": lambda: bench_selective_scan.run(scan_shapes, "bf16", device, peer, a.kernel_warmup,
-                                                           a.kernel_reps),
+                                                           a.kernel_reps, deadline=deadline),
         "train": lambda: train_side_by_side.run(a.train_presets, peer, device, a.train_seq_len, a.train_batch,
                                                 a.train_warmup, a.train_steps, deadline=deadline, n_layer=a.n_layer),
         "generate": lambda: bench_generate.run(a.generate_models, peer, device, a.generate_batches, a.prompt_len,
@@ -130,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                                                n_layer=a.n_layer),
         "long_context": lambda: long_context_probe.run(a.long_preset, peer, device, a.long_start, a.long_max,
                                                        n_layer=a.n_layer),
-        "mamba3": lambda: bench_mamba3.run(peer, device, "bf16", warmup=a.kernel_warmup, reps=a.kernel_reps),
+        "mamba3": lambda: bench_mamba3.run(peer, device, "bf16", warmup=a.kernel_warmup, reps=a.kernel_reps,
+                                           deadline=deadline),
     }
     failed = []
     for name in sections:

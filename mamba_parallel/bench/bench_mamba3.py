@@ -24,7 +24,7 @@ from mamba_parallel.bench import kernels, peer as peer_mod
 from mamba_parallel.bench.peer import PeerUnavailable
 from mamba_parallel.bench.peer_mamba3 import mamba3_side, ours_scan, ours_step
 from mamba_parallel.bench.results import error_text, make_row, publish, say
-from mamba_parallel.bench.timing import DTYPES, median_ms, time_calls
+from mamba_parallel.bench.timing import DTYPES, Deadline, median_ms, time_calls
 
 # (b, L, h, p, n, R): h = 24 / 32 / 64 are the heads of the 180m / 440m / 1.5b presets' layers (d_inner / 64)
 SCAN_SHAPES = [(8, 2048, 24, 64, 128, 1), (8, 4096, 32, 64, 128, 1), (4, 8192, 64, 64, 128, 1),
@@ -62,9 +62,10 @@ def case_name(shape) -> str:
     return ("MIMO R{} ".format(R) if R > 1 else "") + f"b{b} L{L} h{h} p{p} n{n}"
 
 
-def run_scan(shapes, sides, dtype, device, warmup, reps, log=say) -> list[dict]:
+def run_scan(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None) -> list[dict]:
     return kernels.time_shapes("mamba3", shapes, lambda shape: scan_inputs(*shape, DTYPES[dtype], device), case_name,
-                               sides, grad_names, device, warmup, reps, log, extra=lambda shape: {"section": "scan"})
+                               sides, grad_names, device, warmup, reps, log, extra=lambda shape: {"section": "scan"},
+                               deadline=deadline)
 
 
 def per_call_ms(fn, device, warmup: int, reps: int, calls: int = 20) -> float:
@@ -84,11 +85,15 @@ def per_call_ms(fn, device, warmup: int, reps: int, calls: int = 20) -> float:
     return statistics.median(time_calls(graph.replay, device, 2, reps)) / calls
 
 
-def run_step(shapes, sides, dtype, device, warmup, reps, log=say) -> list[dict]:
+def run_step(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None) -> list[dict]:
     from mamba_parallel.ops.mamba3 import Mamba3State
 
     rows = []
     for b, h, p, n in shapes:
+        if deadline is not None and deadline.passed():
+            rows.append(make_row(f"b{b} h{h} p{p} n{n}", "decode step", "us", "lower", {s: None for s in sides},
+                                 {s: kernels.SKIPPED for s in sides}, section="step"))
+            continue
         tok = {k: (v[:, 0] if k in ("x", "z", "B", "C", "dt", "A", "trap", "angles") else v)
                for k, v in scan_inputs(b, 1, h, p, n, 1, DTYPES[dtype], device).items() if k != "chunk_size"}
         times, errors = {}, {}
@@ -108,13 +113,17 @@ def run_step(shapes, sides, dtype, device, warmup, reps, log=say) -> list[dict]:
     return rows
 
 
-def run_layer(shapes, layers, dtype, device, warmup, reps, log=say) -> list[dict]:
+def run_layer(shapes, layers, dtype, device, warmup, reps, log=say, deadline=None) -> list[dict]:
     """Both sides' Mamba3 mixer with the same weights (ours' state dict loaded into the peer's)."""
     from mamba_parallel.layers.mamba3 import Mamba3
 
     cuda = torch.device(device).type == "cuda"
     rows = []
     for d_model, b, L in shapes:
+        if deadline is not None and deadline.passed():
+            rows += kernels.skipped_rows(f"layer d_model {d_model} b{b} L{L}", layers, ("fwd", "fwd+bwd"),
+                                         section="layer")
+            continue
         x = torch.randn(b, L, d_model, device=device)
         torch.manual_seed(0)
         ours = Mamba3(d_model, layer_idx=0, device=device)
@@ -148,8 +157,9 @@ def run_layer(shapes, layers, dtype, device, warmup, reps, log=say) -> list[dict
 
 
 def run(peer, device, dtype="bf16", sections=SECTIONS, scan_shapes=SCAN_SHAPES, step_shapes=STEP_SHAPES,
-        layer_shapes=LAYER_SHAPES, warmup=3, reps=10, log=say) -> dict:
-    """The chosen sections -> the result's settings and rows (see results.py)."""
+        layer_shapes=LAYER_SHAPES, warmup=3, reps=10, log=say, deadline=None) -> dict:
+    """The chosen sections -> the result's settings and rows (see results.py); what is not started before
+    ``deadline`` (timing.Deadline) passed is listed as skipped."""
     from mamba_parallel.layers.mamba3 import Mamba3
 
     theirs = None
@@ -161,11 +171,11 @@ def run(peer, device, dtype="bf16", sections=SECTIONS, scan_shapes=SCAN_SHAPES, 
     with_peer = lambda ours, attr: {"ours": ours, **({"peer": getattr(theirs, attr)} if theirs else {})}  # noqa
     rows = []
     if "scan" in sections:
-        rows += run_scan(scan_shapes, with_peer(ours_scan, "scan"), dtype, device, warmup, reps, log)
+        rows += run_scan(scan_shapes, with_peer(ours_scan, "scan"), dtype, device, warmup, reps, log, deadline)
     if "step" in sections:
-        rows += run_step(step_shapes, with_peer(ours_step, "step"), dtype, device, warmup, reps, log)
+        rows += run_step(step_shapes, with_peer(ours_step, "step"), dtype, device, warmup, reps, log, deadline)
     if "layer" in sections:
-        rows += run_layer(layer_shapes, with_peer(Mamba3, "layer"), dtype, device, warmup, reps, log)
+        rows += run_layer(layer_shapes, with_peer(Mamba3, "layer"), dtype, device, warmup, reps, log, deadline)
     return {"bench": "mamba3", "title": "Mamba-3 scan, decode step and layer",
             "settings": {"dtype": dtype, "chunk_size": CHUNK, "mimo_chunk_size": MIMO_CHUNK, "warmup": warmup,
                          "reps": reps, "sections": list(sections),
@@ -187,7 +197,7 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     peer = peer_mod.resolve_peer(a.peer, a.peer_impl)
-    result = run(peer, device, a.dtype, a.sections, warmup=a.warmup, reps=a.reps)
+    result = run(peer, device, a.dtype, a.sections, warmup=a.warmup, reps=a.reps, deadline=Deadline(a.budget_s))
     publish(result, device, peer, None, a.json)
     return 0
 

@@ -16,7 +16,7 @@ import torch
 
 from mamba_parallel.bench import kernels, peer as peer_mod
 from mamba_parallel.bench.results import publish, say
-from mamba_parallel.bench.timing import DTYPES
+from mamba_parallel.bench.timing import DTYPES, Deadline
 
 SHAPES = [(8, 4096, 4096, 16), (4, 5120, 8192, 16)]  # (b, d, L, n): mamba-1.4b-like and mamba-2.8b-like widths
 GRADS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
@@ -47,11 +47,12 @@ def sides_for(peer) -> dict:
     return {"ours": ours, **({"peer": peer.selective_scan} if peer is not None else {})}
 
 
-def run(shapes, dtype: str, device, peer, warmup: int = 3, reps: int = 10, log=say) -> dict:
+def run(shapes, dtype: str, device, peer, warmup: int = 3, reps: int = 10, log=say, deadline=None) -> dict:
     sides = sides_for(peer)
     rows = kernels.time_shapes("selective_scan", shapes, lambda shape: make_inputs(*shape, DTYPES[dtype], device),
                                case_name, sides, GRADS, device, warmup, reps, log, out_like="u",
-                               extra=lambda shape: {"shape": dict(zip("b d L n".split(), shape))})
+                               extra=lambda shape: {"shape": dict(zip("b d L n".split(), shape))},
+                               deadline=deadline)
     return {"bench": "selective_scan", "title": "Mamba-1 selective scan",
             "settings": {"dtype": dtype, "warmup": warmup, "reps": reps,
                          "arguments": "u, delta, A, B, C, D, z, delta_bias, delta_softplus=True", "sides": list(sides)},
@@ -71,7 +72,8 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     peer = peer_mod.resolve_peer(a.peer, a.peer_impl)
-    result = run([tuple(s) for s in a.shape] if a.shape else SHAPES, a.dtype, device, peer, a.warmup, a.reps)
+    result = run([tuple(s) for s in a.shape] if a.shape else SHAPES, a.dtype, device, peer, a.warmup, a.reps,
+                 deadline=Deadline(a.budget_s))
     publish(result, device, peer, None, a.json)
     return 0
 

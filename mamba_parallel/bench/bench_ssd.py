@@ -18,7 +18,7 @@ import torch
 
 from mamba_parallel.bench import kernels, peer as peer_mod
 from mamba_parallel.bench.results import publish, say
-from mamba_parallel.bench.timing import DTYPES
+from mamba_parallel.bench.timing import DTYPES, Deadline
 
 # (b, L, h, p, n, g): Mamba-2 2.7b-like heads at two lengths, and a half-width model with a smaller state.
 SHAPES = [(8, 4096, 64, 64, 128, 1), (4, 16384, 64, 64, 128, 1), (8, 4096, 32, 64, 64, 1)]
@@ -58,12 +58,13 @@ def sides_for(peer, fla_fn) -> dict:
 
 
 def run(shapes, dtype: str, device, peer, fla_fn, chunk: int = CHUNK, warmup: int = 3, reps: int = 10,
-        log=say) -> dict:
+        log=say, deadline=None) -> dict:
     """Every shape x mode x side -> the result's settings and rows (see results.py)."""
     sides = sides_for(peer, fla_fn)
     rows = kernels.time_shapes("ssd", shapes, lambda shape: make_inputs(*shape, DTYPES[dtype], device, chunk),
                                case_name, sides, GRADS, device, warmup, reps, log,
-                               extra=lambda shape: {"shape": dict(zip("b L h p n g".split(), shape))})
+                               extra=lambda shape: {"shape": dict(zip("b L h p n g".split(), shape))},
+                               deadline=deadline)
     return {"bench": "ssd", "title": "Mamba-2 SSD chunked scan",
             "settings": {"dtype": dtype, "chunk_size": chunk, "warmup": warmup, "reps": reps,
                          "arguments": "x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus=True (no z)",
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     peer = peer_mod.resolve_peer(a.peer, a.peer_impl)
     fla_fn = None if a.no_fla else peer_mod.load_fla()
     result = run([tuple(s) for s in a.shape] if a.shape else SHAPES, a.dtype, device, peer, fla_fn, a.chunk,
-                 a.warmup, a.reps)
+                 a.warmup, a.reps, deadline=Deadline(a.budget_s))
     publish(result, device, peer, fla_fn, a.json)
     return 0
 

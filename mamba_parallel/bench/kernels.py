@@ -66,13 +66,27 @@ def rows_for_case(case: str, timed: dict, **extra) -> list[dict]:
             for mode, (times, errors) in timed.items()]
 
 
+SKIPPED = "skipped: time budget spent"
+
+
+def skipped_rows(case: str, sides, modes=MODES, **extra) -> list[dict]:
+    """The rows of a case not started because the run's time budget was spent (the table says so)."""
+    return [make_row(case, MODE_LABELS[m], "ms", "lower", {s: None for s in sides}, {s: SKIPPED for s in sides},
+                     mode=m, **extra) for m in modes]
+
+
 def time_shapes(bench: str, shapes, make_inputs, case, sides: dict, grad_names, device, warmup: int, reps: int,
-                log, out_like: str = "x", extra=lambda shape: {}) -> list[dict]:
+                log, out_like: str = "x", extra=lambda shape: {}, deadline=None) -> list[dict]:
     """Every shape x mode x side -> rows. ``make_inputs(shape)`` builds one case's inputs and ``case(shape)`` names
     it; ``grad_names``: the inputs differentiated (or a function of the inputs giving them); the backward's output
-    gradient is shaped like ``inputs[out_like]``; ``extra(shape)``: more fields for the case's rows."""
+    gradient is shaped like ``inputs[out_like]``; ``extra(shape)``: more fields for the case's rows; shapes not
+    started before ``deadline`` (timing.Deadline) passed get skipped rows."""
     rows = []
     for shape in shapes:
+        if deadline is not None and deadline.passed():
+            rows += skipped_rows(case(shape), sides, **extra(shape))
+            log(f"{bench} {case(shape)}: {SKIPPED}")
+            continue
         inputs = make_inputs(shape)
         dy = torch.randn_like(inputs[out_like])
         names = grad_names(inputs) if callable(grad_names) else grad_names
@@ -92,5 +106,8 @@ def add_device_flags(ap) -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls per side and mode first (default 3)")
     ap.add_argument("--reps", type=int, default=10, help="timed calls per side and mode, median (default 10)")
+    ap.add_argument("--budget-s", type=float, default=None, metavar="S",
+                    help="start no new shape after S seconds; the rest are listed as skipped and the result is "
+                         "still written (default: no limit)")
     ap.add_argument("--json", metavar="PATH", default=None,
                     help="write the result: a .json file, or a folder (then <date>-<device>/<bench>.json in it)")

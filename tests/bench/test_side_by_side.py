@@ -340,3 +340,22 @@ def test_n_layer_cuts_the_models_and_is_recorded(ref):
     assert result["settings"]["n_layer"] == 1
     with pytest.raises(Exception, match="n_layer must be an integer >= 1"):
         cut.with_layers(0)
+
+
+def test_kernel_benchmarks_list_the_shapes_a_spent_budget_skipped(ref):
+    from mamba_parallel.bench.timing import Deadline
+
+    result = bench_ssd.run([TINY_SSD, TINY_SSD], "fp32", "cpu", ref, None, chunk=16, warmup=0, reps=1,
+                           log=lambda s: None, deadline=Deadline(-1))
+    assert len(result["rows"]) == 6 and all(r["errors"]["ours"] == "skipped: time budget spent"
+                                            for r in result["rows"])
+    assert "skipped: time budget spent" in format_table(result["rows"], {"ours": "ours", "peer": "reference"})
+
+
+def test_precompile_only_times_nothing(tmp_path, capsys):
+    results = tmp_path / "r"
+    argv = TINY_ALL + ["--only", "selective_scan", "--out", str(results), "--report", ""]
+    with pytest.raises(SystemExit, match="--precompile-only needs --precompile-workers"):
+        bench_all.main(argv + ["--precompile-only"])
+    assert bench_all.main(argv + ["--precompile-only", "--precompile-workers", "1"]) == 0
+    assert "nothing timed" in capsys.readouterr().out and not list(results.glob("*/*.json"))
