@@ -1,7 +1,7 @@
 """Compile every Triton kernel an op launches for sm_90 on a machine without a GPU: catches what the CPU interpreter
 lets through (globals that are not constexpr, dot shapes, type mismatches) before a GPU run.
 
-    python tools/compile_check.py [--ops mamba3 ssd selective_scan] [--arch 90]
+    python tools/compile_check.py [--ops mamba3] [--arch 90]
 
 Step one runs each op's forward and backward (and its decode step) on realistic shapes in the CPU interpreter and
 records every kernel launch: the kernel, its argument types and values, its constexprs. Step two, in a fresh process
@@ -203,7 +203,8 @@ def compile_all(path, arch) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", nargs="+", default=["mamba3"])
+    ap.add_argument("--ops", nargs="+", default=["mamba3"], choices=["mamba3"],
+                    help="the ops whose launches to record and compile (those with a workload here)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--record-only", metavar="PATH", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
