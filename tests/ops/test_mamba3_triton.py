@@ -99,6 +99,19 @@ def test_strided_inputs_as_the_layer_passes_them():
     check_against_reference(args, dict(chunk_size=16), torch.float32)
 
 
+@pytest.mark.parametrize("mk", [dict(), dict(R=2), dict(R=2, z=False)], ids=["siso", "mimo", "mimo_no_gate"])
+def test_inference_matches_reference(mk):
+    """Without gradients the forward keeps nothing for a backward (no y before the gate / the fold)."""
+    args = make_inputs(1, 21, 2, 8, 16, **mk, dtype=torch.float32, device=DEV)
+    kw = dict(chunk_size=16 // mk.get("R", 1), rope="halved", return_final_states=True)
+    with torch.no_grad():
+        y, final = triton_impl.mamba3_chunk_scan(**args, **kw)
+    y_ref, final_ref = naive.mamba3_chunk_scan(**as_double(args), **kw)
+    assert_close(y, y_ref, torch.float32, name="y")
+    for name, a, b in zip(Mamba3State._fields, final, final_ref):
+        assert_close(a, b.to(a.dtype), torch.float32, name=f"final {name}")
+
+
 def test_steep_decay_no_nan():
     """The decay across a chunk underflows fp32; the padded tail must not turn exp(+big) * 0 into NaN. (The
     decay's log is a difference of large cumulative sums there: fp32 keeps ~1e-5 of it, hence the factor.)"""
@@ -182,6 +195,20 @@ def test_gpu_mimo(dtype, nan_poison):
     """Mamba-3's MIMO defaults: rank 4, chunk 16 (64 rows), headdim 64, d_state 128, halved rotary."""
     args = make_inputs(2, 700, 8, 64, 128, R=4, dtype=dtype, device="cuda", expand_angles=True)
     check_against_reference(args, dict(chunk_size=16, rope="halved"), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [None, 4])
+def test_gpu_inference(R, nan_poison):
+    """Without gradients (the forward keeps nothing for a backward), bf16, the default chunks, with final states."""
+    args = make_inputs(2, 700, 8, 64, 128, R=R, dtype=torch.bfloat16, device="cuda", expand_angles=True)
+    kw = dict(chunk_size=16 if R else 64, rope="halved" if R else "interleaved", return_final_states=True)
+    with torch.no_grad():
+        y, final = triton_impl.mamba3_chunk_scan(**args, **kw)
+    y_ref, final_ref = naive.mamba3_chunk_scan(**as_double(args), **kw)
+    assert_close(y, y_ref, torch.bfloat16, name="y")
+    for name, a, b in zip(Mamba3State._fields, final, final_ref):
+        assert_close(a, b.to(a.dtype), torch.bfloat16, name=f"final {name}")
 
 
 @pytest.mark.gpu

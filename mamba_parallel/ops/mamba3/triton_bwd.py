@@ -6,8 +6,8 @@ q_i^T over the chunk's rows. At a sequence start it writes the gradient of the i
 ``chunk_bwd``: one program per (batch row, head, chunk) with the whole headdim: with H entering the chunk and dH
 at its end, every gradient of the chunk's inputs: dx, dz, dB / dC (per head, before the rotation), and per token
 the gradients of the decay's log (da), of w and gamma (the trapezoid weights) and of the phase (summed from the end
-of the chunk: the rest comes from later chunks, added by the caller), and the chunk's shares of dD and of the
-MIMO scales' gradients.
+of the chunk: the rest comes from later chunks, added by the caller), and the chunk's shares of dD, of the biases'
+and of the MIMO scales' gradients.
 """
 
 from __future__ import annotations
@@ -41,6 +41,15 @@ def _gate_back(DY, Z, YPRE, MZ, MO, row_off, tok_off, zoff, rank, offs_p, h, P, 
     if HAS_MO:
         return dy, dy, dy_tok, tl.load(YPRE + row_off, mask=m, other=0.0).to(tl.float32)
     return dy, dy, dy_tok, dy
+
+
+@triton.jit
+def _store_rank_sums(ptr, v, cols, N, jm, T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr):
+    """(T * R, BH) per row -> summed over the chunk's tokens per rank, stored at ptr + rank * N + cols."""
+    if R == 1:
+        tl.store(ptr + cols, tl.sum(v, 0), mask=jm)
+    else:
+        tl.store(ptr + tl.arange(0, R)[:, None] * N + cols[None, :], per_rank(v, T, R, BH), mask=jm[None, :])
 
 
 @triton.jit
@@ -120,7 +129,7 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFIN
 
 @triton.jit
 def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, MX, MZ, MO, CFINAL, HS, THS,
-                     DHS, DX, DZ, DBH, DCH, DW, DG, DA, DPHI, DTH_TOT, DD, DMX, DMZ, DMO,
+                     DHS, DX, DZ, DBH, DCH, DBB, DCB, DW, DG, DA, DPHI, DTH_TOT, DD, DMX, DMZ, DMO,
                      L, NC, H, HPG, P, NH, NA,
                      sxb, sxt, sxh, sxp, sdb, sdt, sdh, sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn,
                      sab, sat, sah, saa, srb, srt, srr, srh, srp, sob, sot, soh, sop, szb, szt, szh, szp,
@@ -208,15 +217,17 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
 
     hs = ((b * H + h) * NC + c) * P * N + offs_p[:, None] * N
     hm = pm[:, None] & jm[None, :]
-    H1 = tl.load(HS + hs + col1[None, :], mask=hm, other=0.0).to(tl.float32)
-    H2 = tl.load(HS + hs + col2[None, :], mask=hm, other=0.0).to(tl.float32)
-    dH1 = tl.load(DHS + hs + col1[None, :], mask=hm, other=0.0).to(tl.float32)
-    dH2 = tl.load(DHS + hs + col2[None, :], mask=hm, other=0.0).to(tl.float32)
+    # H, dH stay in their stored dtype (x.dtype): half the registers of fp32, the same values
+    H1 = tl.load(HS + hs + col1[None, :], mask=hm, other=0.0).to(dtype)
+    H2 = tl.load(HS + hs + col2[None, :], mask=hm, other=0.0).to(dtype)
+    dH1 = tl.load(DHS + hs + col1[None, :], mask=hm, other=0.0).to(dtype)
+    dH2 = tl.load(DHS + hs + col2[None, :], mask=hm, other=0.0).to(dtype)
+    dHH = tl.sum(tl.sum(dH1.to(tl.float32) * H1.to(tl.float32) + dH2.to(tl.float32) * H2.to(tl.float32), 1), 0)
 
     # du (per row): through the chunk's outputs, D, and the state leaving the chunk; then dx (per token)
     du = tl.dot(tl.trans(S * W).to(dtype), dyd, input_precision=PREC)
-    du += coef[:, None] * (tl.dot(k1d, tl.trans(dH1.to(dtype)), input_precision=PREC)
-                           + tl.dot(k2d, tl.trans(dH2.to(dtype)), input_precision=PREC))
+    du += coef[:, None] * (tl.dot(k1d, tl.trans(dH1), input_precision=PREC)
+                           + tl.dot(k2d, tl.trans(dH2), input_precision=PREC))
     if HAS_D:
         du += tl.load(D + h).to(tl.float32) * dy
         tl.store(DD + (b * H + h) * NC + c, tl.sum(tl.sum(dy * u, 1), 0))
@@ -227,13 +238,13 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
 
     # dq, dk (of the rotated vectors)
     PW = (G * W).to(dtype)
-    dyH1 = tl.dot(dyd, H1.to(dtype), input_precision=PREC)  # (rows, BH)
-    dyH2 = tl.dot(dyd, H2.to(dtype), input_precision=PREC)
+    dyH1 = tl.dot(dyd, H1, input_precision=PREC)  # (rows, BH)
+    dyH2 = tl.dot(dyd, H2, input_precision=PREC)
     ecs = tl.exp(cs)
     dq1 = tl.dot(PW, k1d, input_precision=PREC) + ecs[:, None] * dyH1
     dq2 = tl.dot(PW, k2d, input_precision=PREC) + ecs[:, None] * dyH2
-    udH1 = tl.dot(ud, dH1.to(dtype), input_precision=PREC)
-    udH2 = tl.dot(ud, dH2.to(dtype), input_precision=PREC)
+    udH1 = tl.dot(ud, dH1, input_precision=PREC)
+    udH2 = tl.dot(ud, dH2, input_precision=PREC)
     dk1 = tl.dot(tl.trans(PW), q1d, input_precision=PREC) + coef[:, None] * udH1
     dk2 = tl.dot(tl.trans(PW), q2d, input_precision=PREC) + coef[:, None] * udH2
 
@@ -244,7 +255,7 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
     dg = tl.sum(tl.where(same, V, 0.0), 1)
     Rm = EV * w[None, :]
     dcs = tl.sum(Rm, 1) - tl.sum(Rm, 0) + ecs * tl.sum(q1 * dyH1 + q2 * dyH2, 1) - coef * Zs
-    dtot = tl.exp(tot) * tl.sum(tl.sum(dH1 * H1 + dH2 * H2, 1), 0) + tl.sum(coef * Zs, 0)
+    dtot = tl.exp(tot) * dHH + tl.sum(coef * Zs, 0)
     dcs = per_token_vec(dcs, T, R)
     dcs += tl.where(tl.arange(0, T) == T - 1, dtot, 0.0)
     da = tl.sum(dcs, 0) - tl.cumsum(dcs, 0) + dcs  # d(dt A)_t = sum_{i >= t} dcs_i
@@ -260,7 +271,17 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
     tl.store(DTH_TOT + ((b * H + h) * NC + c) * NA + offs_j, tl.sum(dth, 0), mask=am)
     nm = valid[:, None] & jm[None, :]
     noff = b * sgb + h * sgh + t[:, None] * sgt + rank[:, None] * sgr  # DBH / DCH: per head, fp32
-    tl.store(DCH + noff + col1[None, :], dq1 * cos + dq2 * sin, mask=nm)
-    tl.store(DCH + noff + col2[None, :], dq2 * cos - dq1 * sin, mask=nm)
-    tl.store(DBH + noff + col1[None, :], dk1 * cos + dk2 * sin, mask=nm)
-    tl.store(DBH + noff + col2[None, :], dk2 * cos - dk1 * sin, mask=nm)
+    dc1 = tl.where(nm, dq1 * cos + dq2 * sin, 0.0)
+    dc2 = tl.where(nm, dq2 * cos - dq1 * sin, 0.0)
+    db1 = tl.where(nm, dk1 * cos + dk2 * sin, 0.0)
+    db2 = tl.where(nm, dk2 * cos - dk1 * sin, 0.0)
+    tl.store(DCH + noff + col1[None, :], dc1, mask=nm)
+    tl.store(DCH + noff + col2[None, :], dc2, mask=nm)
+    tl.store(DBH + noff + col1[None, :], db1, mask=nm)
+    tl.store(DBH + noff + col2[None, :], db2, mask=nm)
+    if HAS_BIAS:  # the chunk's share of the biases' gradients (rows, h, nc, R, n): the caller sums a small tensor
+        boff = ((b * H + h) * NC + c) * R * N
+        _store_rank_sums(DCB + boff, dc1, col1, N, jm, T, R, BH)
+        _store_rank_sums(DCB + boff, dc2, col2, N, jm, T, R, BH)
+        _store_rank_sums(DBB + boff, db1, col1, N, jm, T, R, BH)
+        _store_rank_sums(DBB + boff, db2, col2, N, jm, T, R, BH)

@@ -99,8 +99,10 @@ def per_rank(v, T: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
 _CONFIGS = {
     "states": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
                _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R"]),
-    "chunk_fwd": ([_c(4, 2, BLOCK_P=64), _c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 1, BLOCK_P=64)],
-                  _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z"]),
+    # the fused forward holds the state (BLOCK_P, n) in registers beside a chunk's tiles: more warps spread them;
+    # BLOCK_P = 32 doubles the programs (for small batch x heads) at the price of rotating B / C twice
+    "scan_fwd": ([_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=64), _c(8, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=32)],
+                 _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z", "HAS_MO", "KEEP_YPRE"]),
     "dstates": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
                 _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z"]),
     # the backward holds ~20 chunk-sized tiles: more warps spread its registers

@@ -1,8 +1,8 @@
 """Triton path of the Mamba-3 scan (SISO and MIMO): one autograd node around the kernels of triton_fwd / triton_bwd.
 
-Forward: the state sweep (states entering every chunk, in x.dtype, and the final ones, fp32) then the chunk
-outputs, all chunks at once. Backward: the sweep again (the states are not kept: they are larger than x), the
-reverse state-gradient sweep, the per-chunk gradients, then a few torch ops for what is a per-token chain rule
+Forward: one fused sweep per (batch row, head) over the chunks, the state in registers: the outputs and the final
+states (fp32). Backward: the state sweep (the states entering every chunk; not kept by the forward: they are larger
+than x), the reverse state-gradient sweep, the per-chunk gradients, then a few torch ops for what is a per-token chain rule
 (dt, A, trap from the decay's log and the trapezoid weights; the phase's suffix sums across chunks) and the sums
 over heads (dB / dC per group) and chunks (dD, the MIMO scales).
 Outside the node, in plain differentiable torch: the initial state's trapezoid half step (the token before the
@@ -22,7 +22,7 @@ from mamba_parallel.ops.mamba3 import naive
 from mamba_parallel.ops.mamba3.naive import Mamba3State
 from mamba_parallel.ops.mamba3.triton_bwd import chunk_bwd_kernel, dstates_kernel
 from mamba_parallel.ops.mamba3.triton_common import block, dot_precision, tuned
-from mamba_parallel.ops.mamba3.triton_fwd import chunk_fwd_kernel, states_kernel
+from mamba_parallel.ops.mamba3.triton_fwd import scan_fwd_kernel, states_kernel
 from mamba_parallel.ops.mamba3.triton_layout import Layout, make_layout
 
 
@@ -61,19 +61,17 @@ def _row_strides(t):
     return sb, st, 0, sh, sp
 
 
-def _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, lay: Layout, T, halved, nstates,
-            keep_final: bool):
-    """The state sweep -> states entering every chunk (rows, h, nc, p, n) in x.dtype, phases (rows, h, nc, a),
-    final state (nstates, h, p, n) and phase (nstates, h, a) fp32."""
+def _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, lay: Layout, T, halved):
+    """The state sweep -> states entering every chunk (rows, h, nc, p, n) in x.dtype, phases (rows, h, nc, a)."""
     rows, Lk, H, P = xs.shape
     R, G, N, NA = _rank(Bs), Bs.shape[-2], Bs.shape[-1], angs.shape[3]
     dev = xs.device
     HS = torch.empty(rows, H, lay.nchunks, P, N, device=dev, dtype=xs.dtype)
     THS = torch.empty(rows, H, lay.nchunks, NA, device=dev, dtype=torch.float32)
-    fin_ssm = torch.empty(nstates if keep_final else 0, H, P, N, device=dev, dtype=torch.float32)
-    fin_ang = torch.empty(nstates if keep_final else 0, H, NA, device=dev, dtype=torch.float32)
-    # without final states, the codes keep only where sequences end (the trapezoid must not cross there)
-    final = lay.final if keep_final else torch.full_like(lay.final, -2).masked_fill(lay.final != -2, -1)
+    fin_ssm = torch.empty(0, H, P, N, device=dev, dtype=torch.float32)
+    fin_ang = torch.empty(0, H, NA, device=dev, dtype=torch.float32)
+    # no final states here: the codes keep only where sequences end (the trapezoid must not cross there)
+    final = torch.full_like(lay.final, -2).masked_fill(lay.final != -2, -1)
     kernel = tuned(states_kernel, "states")
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
     kernel[grid](xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_ssm, init_angle, lay.init, final, HS, THS,
@@ -81,7 +79,7 @@ def _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, 
                  *_strides(xs), *_strides(dts, 3), *_bc_strides(Bs), *_strides(angs),
                  T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_MX=mimo_x is not None,
                  HAS_INIT=init_ssm is not None, PREC=dot_precision(xs.dtype))
-    return HS, THS, fin_ssm, fin_ang
+    return HS, THS
 
 
 def _pack_all(lay: Layout, *ts):
@@ -93,28 +91,30 @@ def _scalars(dt, A, trap):
 
 
 def _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle, init_ssm, lay,
-             T, halved):
+             T, halved, keep_ypre):
+    """-> y, y before the gate and the fold (when kept, for the backward), final phase and state (fp32)."""
     dt, A, trap = _scalars(dt, A, trap)
     xs, dts, As, traps, Bs, Cs, angs, zs = _pack_all(lay, x, dt, A, trap, B, C, angles, z)
     rows, Lk, H, P = xs.shape
     R, G, N, NA = _rank(B), B.shape[-2], B.shape[-1], angs.shape[3]
-    HS, THS, fin_ssm, fin_ang = _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, lay, T,
-                                        halved, lay.nstates, True)
+    dev = x.device
     rank_axis = (R,) if R > 1 else ()
     fold = mimo_o is not None
-    y = torch.empty(rows, Lk, *(() if fold else rank_axis), H, P, device=x.device, dtype=x.dtype)
-    ypre = torch.empty(rows, Lk, *rank_axis, H, P, device=x.device, dtype=x.dtype) if (z is not None or fold) \
-        else None
-    row_t = ypre if ypre is not None else y  # the per-row layout (y itself when nothing is folded)
-    kernel = tuned(chunk_fwd_kernel, "chunk_fwd")
-    grid = lambda meta: (rows * H, lay.nchunks, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
-    kernel[grid](xs, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, zs, mimo_x, mimo_z, mimo_o, lay.final, HS, THS,
-                 y, ypre, Lk, lay.nchunks, H, H // G, P, N // 2, NA,
+    y = torch.empty(rows, Lk, *(() if fold else rank_axis), H, P, device=dev, dtype=x.dtype)
+    keep_ypre = keep_ypre and (z is not None or fold)  # the backward of the gate / the fold reads y before them
+    ypre = torch.empty(rows, Lk, *rank_axis, H, P, device=dev, dtype=x.dtype) if keep_ypre else None
+    row_t = ypre if ypre is not None else (y if not fold else None)  # the per-row layout (None: none written)
+    fin_ssm = torch.empty(lay.nstates, H, P, N, device=dev, dtype=torch.float32)
+    fin_ang = torch.empty(lay.nstates, H, NA, device=dev, dtype=torch.float32)
+    kernel = tuned(scan_fwd_kernel, "scan_fwd")
+    grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
+    kernel[grid](xs, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, zs, mimo_x, mimo_z, mimo_o, init_ssm,
+                 init_angle, lay.init, lay.final, y, ypre, fin_ssm, fin_ang, Lk, lay.nchunks, H, H // G, P, N // 2, NA,
                  *_strides(xs), *_strides(dts, 3), *_bc_strides(Bs), *_bc_strides(Cs), *_strides(angs),
                  *_strides(zs), *_row_strides(row_t), *(_strides(y) if fold else (0,) * 4),
                  T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_D=D is not None,
                  HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
-                 PREC=dot_precision(x.dtype))
+                 HAS_INIT=init_ssm is not None, KEEP_YPRE=ypre is not None, PREC=dot_precision(x.dtype))
     if lay.empty is not None and lay.empty.numel():  # a sequence without tokens hands its initial state through
         fin_ssm[lay.empty] = init_ssm[lay.empty] if init_ssm is not None else 0.0
         fin_ang[lay.empty] = init_angle[lay.empty] if init_angle is not None else 0.0
@@ -133,8 +133,7 @@ def _phase_carry(lay: Layout, tot, dfin_angle, T, Lk):
         ok = lay.seq_final >= 0
         dfin[ok] = dfin_angle.float()[lay.seq_final[ok]]
     suffix = torch.cat([flat.flip(0).cumsum(0).flip(0), flat.new_zeros(1, H, NA)])  # inclusive, over all chunks
-    last = torch.cumsum(torch.bincount(seq, minlength=nseq), 0) - 1
-    first = torch.cat([last.new_zeros(1), last[:-1] + 1])
+    first, last = lay.seq_chunks
     after = suffix[last + 1]  # what the chunks after each sequence add
     carry = suffix[:-1] - flat - after[seq] + dfin[seq]
     carry = carry.view(rows, nc, 1, H, NA).expand(rows, nc, T, H, NA).reshape(rows, nc * T, H, NA)[:, :Lk]
@@ -155,8 +154,7 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     rows, Lk, H, P = xs.shape
     G, N, NA = B.shape[-2], B.shape[-1], angs.shape[3]
     dev, f32 = x.device, torch.float32
-    HS, THS, _, _ = _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, lay, T, halved,
-                            lay.nstates, False)
+    HS, THS = _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, lay, T, halved)
     dHS = torch.empty_like(HS)
     need_dinit = init_ssm is not None and ctx.needs_input_grad[15]
     dinit = torch.zeros(lay.nstates, H, P, N, device=dev, dtype=f32) if need_dinit else None
@@ -175,18 +173,21 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
 
     dz = torch.empty_like(dx) if z is not None else None
     rank_axis = (R,) if R > 1 else ()
-    dBh = torch.zeros(rows, Lk, *rank_axis, H, N, device=dev, dtype=f32)
-    dCh = torch.zeros_like(dBh)
-    dw, dg, da = (torch.zeros_like(dts) for _ in range(3))
-    dphi = torch.zeros(rows, Lk, H, NA, device=dev, dtype=f32)
+    # every element of these is written by chunk_bwd (no zero fill)
+    dBh = torch.empty(rows, Lk, *rank_axis, H, N, device=dev, dtype=f32)
+    dCh = torch.empty_like(dBh)
+    dw, dg, da = (torch.empty_like(dts) for _ in range(3))
+    dphi = torch.empty(rows, Lk, H, NA, device=dev, dtype=f32)
     dth_tot = torch.empty(rows, H, lay.nchunks, NA, device=dev, dtype=f32)
     dD = torch.empty(rows, H, lay.nchunks, device=dev, dtype=f32) if D is not None else None
     part = lambda t: torch.empty(rows, H, lay.nchunks, R, P, device=dev, dtype=f32) if t is not None else None  # noqa
     dmx, dmz, dmo = part(mimo_x), part(mimo_z), part(mimo_o)
+    bias_part = lambda t: torch.empty(rows, H, lay.nchunks, R, N, device=dev, dtype=f32) if t is not None else None  # noqa
+    dbb, dcb = bias_part(B_bias), bias_part(C_bias)
     kernel = tuned(chunk_bwd_kernel, "chunk_bwd")
     kernel[(rows * H, lay.nchunks)](
         xs, dys, zs, ypres, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
-        THS, dHS, dx, dz, dBh, dCh, dw, dg, da, dphi, dth_tot, dD, dmx, dmz, dmo,
+        THS, dHS, dx, dz, dBh, dCh, dbb, dcb, dw, dg, da, dphi, dth_tot, dD, dmx, dmz, dmo,
         Lk, lay.nchunks, H, H // G, P, N // 2, NA,
         *_strides(xs), *_strides(dts, 3), *_bc_strides(Bs), *_bc_strides(Cs), *_strides(angs), *_row_strides(row_t),
         *_strides(dx), *_strides(zs), *_bc_strides(dBh)[:4], *dphi.stride()[:3],
@@ -205,7 +206,6 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     unpack = lambda t: lay.unpack(t, x)  # noqa: E731
     hpg = H // G
     per_group = lambda t: t.view(*t.shape[:-2], G, hpg, N).sum(-2)  # noqa: E731  sum over each group's heads
-    head_first = lambda t: t.transpose(0, 1) if R > 1 else t  # noqa: E731  (R, h, ..) -> (h, R, ..)
     dinit_angle = None
     if init_angle is not None and ctx.needs_input_grad[14]:
         dinit_angle = torch.zeros_like(init_angle, dtype=f32)
@@ -220,18 +220,18 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     return (unpack(dx), unpack(ddt), unpack(da * dts), unpack(per_group(dBh).to(B.dtype)),
             unpack(per_group(dCh).to(C.dtype)), unpack(dts * (dgt - dbeta)), unpack(dphi * dts[..., None]).to(
                 angles.dtype), dD.sum((0, 2)).to(D.dtype) if D is not None else None, unpack(dz),
-            head_first(dBh.sum((0, 1))).to(B_bias.dtype) if B_bias is not None else None,
-            head_first(dCh.sum((0, 1))).to(C_bias.dtype) if C_bias is not None else None,
+            dbb.sum((0, 2)).reshape(B_bias.shape).to(B_bias.dtype) if B_bias is not None else None,
+            dcb.sum((0, 2)).reshape(C_bias.shape).to(C_bias.dtype) if C_bias is not None else None,
             rank_sum(dmx, mimo_x), rank_sum(dmz, mimo_z), rank_sum(dmo, mimo_o), dinit_angle, dinit,
-            None, None, None)
+            None, None, None, None)
 
 
 class _Mamba3Scan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle,
-                init_ssm, lay, T, halved):
+                init_ssm, lay, T, halved, keep_ypre):
         y, ypre, fin_angle, fin_ssm = _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z,
-                                               mimo_o, init_angle, init_ssm, lay, T, halved)
+                                               mimo_o, init_angle, init_ssm, lay, T, halved, keep_ypre)
         ctx.save_for_backward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
                               init_angle, init_ssm, ypre)
         ctx.lay, ctx.T, ctx.halved, ctx.y_shape = lay, T, halved, y.shape
@@ -292,9 +292,11 @@ def mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D=None, z=None, 
         init_ssm = (initial_states.ssm.float() + beta0[..., None, None] * outer).contiguous()
         init_angle = initial_states.angle.float().contiguous()
     small = lambda t: t.contiguous() if t is not None else None  # noqa: E731
+    leaves = (x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle, init_ssm)
+    keep_ypre = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
     y, fin_angle, fin_ssm = _Mamba3Scan.apply(x, dt, A, B, C, trap, angles, small(D), z, small(B_bias),
                                               small(C_bias), small(mimo_x), small(mimo_z), small(mimo_o),
-                                              init_angle, init_ssm, lay, chunk_size, rope == "halved")
+                                              init_angle, init_ssm, lay, chunk_size, rope == "halved", keep_ypre)
     if not return_final_states:
         return y
     # the last token's rotated B and x, what the next token's trapezoid half step reads
