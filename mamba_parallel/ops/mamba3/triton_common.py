@@ -97,6 +97,7 @@ def per_rank(v, T: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
 # name -> (GPU candidates, interpreter config, autotune key). BLOCK_P: headdim columns per program (the sweeps
 # and the forward outputs are independent per headdim column).
 _CONFIGS = {
+    # scan_fwd writing the states entering every chunk instead of outputs (the backward's recomputation)
     "states": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
                _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R"]),
     # the fused forward holds the state (BLOCK_P, n) in registers beside a chunk's tiles: more warps spread them;

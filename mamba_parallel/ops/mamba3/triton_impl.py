@@ -22,7 +22,7 @@ from mamba_parallel.ops.mamba3 import naive
 from mamba_parallel.ops.mamba3.naive import Mamba3State
 from mamba_parallel.ops.mamba3.triton_bwd import chunk_bwd_kernel, dstates_kernel
 from mamba_parallel.ops.mamba3.triton_common import block, dot_precision, tuned
-from mamba_parallel.ops.mamba3.triton_fwd import scan_fwd_kernel, states_kernel
+from mamba_parallel.ops.mamba3.triton_fwd import scan_fwd_kernel
 from mamba_parallel.ops.mamba3.triton_layout import Layout, make_layout
 
 
@@ -62,23 +62,22 @@ def _row_strides(t):
 
 
 def _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, lay: Layout, T, halved):
-    """The state sweep -> states entering every chunk (rows, h, nc, p, n) in x.dtype, phases (rows, h, nc, a)."""
+    """The forward's sweep without its outputs -> states entering every chunk (rows, h, nc, p, n) in x.dtype,
+    phases (rows, h, nc, a)."""
     rows, Lk, H, P = xs.shape
     R, G, N, NA = _rank(Bs), Bs.shape[-2], Bs.shape[-1], angs.shape[3]
     dev = xs.device
     HS = torch.empty(rows, H, lay.nchunks, P, N, device=dev, dtype=xs.dtype)
     THS = torch.empty(rows, H, lay.nchunks, NA, device=dev, dtype=torch.float32)
-    fin_ssm = torch.empty(0, H, P, N, device=dev, dtype=torch.float32)
-    fin_ang = torch.empty(0, H, NA, device=dev, dtype=torch.float32)
-    # no final states here: the codes keep only where sequences end (the trapezoid must not cross there)
-    final = torch.full_like(lay.final, -2).masked_fill(lay.final != -2, -1)
-    kernel = tuned(states_kernel, "states")
+    kernel = tuned(scan_fwd_kernel, "states")
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
-    kernel[grid](xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_ssm, init_angle, lay.init, final, HS, THS,
-                 fin_ssm, fin_ang, Lk, lay.nchunks, H, H // G, P, N // 2, NA,
-                 *_strides(xs), *_strides(dts, 3), *_bc_strides(Bs), *_strides(angs),
-                 T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_MX=mimo_x is not None,
-                 HAS_INIT=init_ssm is not None, PREC=dot_precision(xs.dtype))
+    kernel[grid](xs, dts, As, traps, Bs, None, B_bias, None, angs, None, None, mimo_x, None, None, init_ssm,
+                 init_angle, lay.init, lay.final, None, None, None, None, HS, THS, Lk, lay.nchunks, H, H // G, P, N // 2,
+                 NA, *_strides(xs), *_strides(dts, 3), *_bc_strides(Bs), *(0,) * 5, *_strides(angs), *(0,) * 4,
+                 *(0,) * 5, *(0,) * 4,
+                 T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_D=False, HAS_Z=False,
+                 HAS_MX=mimo_x is not None, HAS_MZ=False, HAS_MO=False, HAS_INIT=init_ssm is not None,
+                 KEEP_YPRE=False, OUTPUTS=False, STATES=True, PREC=dot_precision(xs.dtype))
     return HS, THS
 
 
@@ -109,12 +108,14 @@ def _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z,
     kernel = tuned(scan_fwd_kernel, "scan_fwd")
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
     kernel[grid](xs, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, zs, mimo_x, mimo_z, mimo_o, init_ssm,
-                 init_angle, lay.init, lay.final, y, ypre, fin_ssm, fin_ang, Lk, lay.nchunks, H, H // G, P, N // 2, NA,
+                 init_angle, lay.init, lay.final, y, ypre, fin_ssm, fin_ang, None, None, Lk, lay.nchunks, H, H // G, P,
+                 N // 2, NA,
                  *_strides(xs), *_strides(dts, 3), *_bc_strides(Bs), *_bc_strides(Cs), *_strides(angs),
                  *_strides(zs), *_row_strides(row_t), *(_strides(y) if fold else (0,) * 4),
                  T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_D=D is not None,
                  HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
-                 HAS_INIT=init_ssm is not None, KEEP_YPRE=ypre is not None, PREC=dot_precision(x.dtype))
+                 HAS_INIT=init_ssm is not None, KEEP_YPRE=ypre is not None, OUTPUTS=True, STATES=False,
+                 PREC=dot_precision(x.dtype))
     if lay.empty is not None and lay.empty.numel():  # a sequence without tokens hands its initial state through
         fin_ssm[lay.empty] = init_ssm[lay.empty] if init_ssm is not None else 0.0
         fin_ang[lay.empty] = init_angle[lay.empty] if init_angle is not None else 0.0
