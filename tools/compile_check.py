@@ -32,15 +32,17 @@ def _workloads(ops):
 
         from mamba_parallel.ops.mamba3 import triton_impl
 
-        for kw in (dict(), dict(R=2), dict(g=2, a=16)):
-            for dtype in (torch.bfloat16, torch.float32):
-                args = make_inputs(1, 70, 2, 64, 64, dtype=dtype, **kw)
-                leaves = [v for v in args.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-                for t in leaves:
-                    t.requires_grad_(True)
-                y, _ = triton_impl.mamba3_chunk_scan(**args, chunk_size=32, return_final_states=True)
-                y.float().sum().backward()
-                yield f"mamba3 chunk scan {kw} {dtype}"
+        # d_state 64, and the default 128 (the backward then takes its pairs in blocks)
+        cases = [(64, kw, dtype) for kw in (dict(), dict(R=2), dict(g=2, a=16))
+                 for dtype in (torch.bfloat16, torch.float32)] + [(128, dict(), torch.bfloat16)]
+        for n, kw, dtype in cases:
+            args = make_inputs(1, 70, 2, 64, n, dtype=dtype, **kw)
+            leaves = [v for v in args.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+            for t in leaves:
+                t.requires_grad_(True)
+            y, _ = triton_impl.mamba3_chunk_scan(**args, chunk_size=32, return_final_states=True)
+            y.float().sum().backward()
+            yield f"mamba3 chunk scan n{n} {kw} {dtype}"
         from mamba_parallel.ops.mamba3 import Mamba3State
 
         seqwise = ("x", "dt", "A", "B", "C", "trap", "angles", "z")

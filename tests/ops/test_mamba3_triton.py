@@ -56,6 +56,9 @@ CASES = {
     "mimo_r2": (dict(b=1, L=21, h=2, p=16, n=32, R=2), dict(chunk_size=8, rope="halved")),
     "mimo_r4_unfolded": (dict(b=2, L=13, h=4, p=8, n=16, g=2, R=4, mimo_o=False, z=False),
                          dict(chunk_size=4, rope="halved")),
+    # d_state 64: the backward takes the state's pairs in more than one block (in the interpreter)
+    "pair_blocks": (dict(b=1, L=21, h=2, p=8, n=64), dict(chunk_size=16)),
+    "mimo_pair_blocks": (dict(b=1, L=11, h=2, p=8, n=64, R=2, a=24), dict(chunk_size=8, rope="halved")),
 }
 
 

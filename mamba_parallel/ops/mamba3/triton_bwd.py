@@ -128,37 +128,14 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFIN
 
 
 @triton.jit
-def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, MX, MZ, MO, CFINAL, HS, THS,
-                     DHS, DX, DZ, DBH, DCH, DBB, DCB, DW, DG, DA, DPHI, DTH_TOT, DD, DMX, DMZ, DMO,
-                     L, NC, H, HPG, P, NH, NA,
-                     sxb, sxt, sxh, sxp, sdb, sdt, sdh, sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn,
-                     sab, sat, sah, saa, srb, srt, srr, srh, srp, sob, sot, soh, sop, szb, szt, szh, szp,
-                     sgb, sgt, sgr, sgh, spb, spt, sph,
-                     T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, HALVED: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_MX: tl.constexpr,
-                     HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr, PREC: tl.constexpr):
-    pid = tl.program_id(0)
-    c = tl.program_id(1)
-    b = (pid // H).to(tl.int64)
-    h = pid % H
-    g = h // HPG
+def _rotated_block(Bm, Cm, BIAS_B, BIAS_C, THS, ANG, b, h, g, c, t, rank, valid, lead, dt, j0, H, NC, NH, NA,
+                   sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn, sab, sat, sah, saa,
+                   R: tl.constexpr, BJ: tl.constexpr, HALVED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Pairs j0 .. j0 + BJ of the chunk's rows: the phase's cos / sin and the rotated C (q) and B (k), fp32."""
     N = 2 * NH
-    offs_p = tl.arange(0, BP)
-    offs_j = tl.arange(0, BH)
-    pm, jm, am = offs_p < P, offs_j < NH, offs_j < NA
+    offs_j = j0 + tl.arange(0, BJ)
+    jm, am = offs_j < NH, offs_j < NA
     col1, col2 = pair_columns(offs_j, N, HALVED)
-    dtype = X.dtype.element_ty
-
-    cf = tl.load(CFINAL + b * NC + c)
-    t, rank, lead = rows(c, T, R)
-    tok = t - c * T
-    valid = t < L
-    next_ok = (t + 1 < L) & ((tok < T - 1) | (t * 0 + cf == -2))
-    scal = b * sdb + h * sdh
-    dt, la, gamma, w = token_scalars(DT + scal, AA + scal, TRAP + scal, sdt, t, valid, next_ok)
-    la = tl.where(lead, la, 0.0)
-    cs = tl.cumsum(la, 0)
-    tot = tl.sum(la, 0)
     th_c = tl.load(THS + ((b * H + h) * NC + c) * NA + offs_j, mask=am, other=0.0)
     om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_j[None, :] * saa,
                  mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
@@ -173,7 +150,46 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
         b2 += load_rank_rows(BIAS_B + h * R * N, rank, col2, N, R, jm)
     q1, q2 = rotate_pairs(c1, c2, cos, sin)
     k1, k2 = rotate_pairs(b1, b2, cos, sin)
-    q1d, q2d, k1d, k2d = q1.to(dtype), q2.to(dtype), k1.to(dtype), k2.to(dtype)
+    return q1, q2, k1, k2, cos, sin, offs_j, jm, am, col1, col2
+
+
+@triton.jit
+def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, MX, MZ, MO, CFINAL, HS, THS,
+                     DHS, DX, DZ, DBH, DCH, DBB, DCB, DW, DG, DA, DPHI, DTH_TOT, DD, DMX, DMZ, DMO,
+                     L, NC, H, HPG, P, NH, NA,
+                     sxb, sxt, sxh, sxp, sdb, sdt, sdh, sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn,
+                     sab, sat, sah, saa, srb, srt, srr, srh, srp, sob, sot, soh, sop, szb, szt, szh, szp,
+                     sgb, sgt, sgr, sgh, spb, spt, sph,
+                     T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, BJ: tl.constexpr,
+                     HALVED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                     HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr, PREC: tl.constexpr):
+    """The pairs are taken BJ at a time (at most BH), in two passes: the scores S and k dH^T summed over the
+    blocks, then the chunk's (T, T) terms and du, then per block again (its rotation recomputed) dq, dk and what
+    they give. Only one block's tiles are live at a time."""
+    NJB: tl.constexpr = (BH + BJ - 1) // BJ
+    BJE: tl.constexpr = BH // NJB
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    g = h // HPG
+    N = 2 * NH
+    offs_p = tl.arange(0, BP)
+    pm = offs_p < P
+    dtype = X.dtype.element_ty
+
+    cf = tl.load(CFINAL + b * NC + c)
+    t, rank, lead = rows(c, T, R)
+    tok = t - c * T
+    valid = t < L
+    next_ok = (t + 1 < L) & ((tok < T - 1) | (t * 0 + cf == -2))
+    scal = b * sdb + h * sdh
+    dt, la, gamma, w = token_scalars(DT + scal, AA + scal, TRAP + scal, sdt, t, valid, next_ok)
+    la = tl.where(lead, la, 0.0)
+    cs = tl.cumsum(la, 0)
+    tot = tl.sum(la, 0)
+    coef = tl.exp(tot - cs) * w  # row j's weight in the state leaving the chunk
+    ecs = tl.exp(cs)
 
     xm = valid[:, None] & pm[None, :]
     xv = tl.load(X + b * sxb + h * sxh + t[:, None] * sxt + offs_p[None, :] * sxp, mask=xm, other=0.0)
@@ -203,31 +219,33 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
             dzr *= load_rank_rows(MZ + h * R * P, rank, offs_p, P, R, pm)
         tl.store(DZ + tok_out, per_token(dzr, T, R, BP).to(DZ.dtype.element_ty), mask=tmp)
     dyd = dy.to(dtype)
+    hs = ((b * H + h) * NC + c) * P * N + offs_p[:, None] * N
 
+    # pass 1 over the pair blocks: the scores S and k dH^T (H, dH stay in their stored dtype, x.dtype)
+    S = tl.zeros((T * R, T * R), dtype=tl.float32)
+    KdH = tl.zeros((T * R, BP), dtype=tl.float32)
+    for jb in tl.static_range(NJB):
+        q1, q2, k1, k2, cos, sin, offs_j, jm, am, col1, col2 = _rotated_block(
+            Bm, Cm, BIAS_B, BIAS_C, THS, ANG, b, h, g, c, t, rank, valid, lead, dt, jb * BJE, H, NC, NH, NA,
+            sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn, sab, sat, sah, saa, R, BJE, HALVED, HAS_BIAS)
+        k1d, k2d = k1.to(dtype), k2.to(dtype)
+        S += tl.dot(q1.to(dtype), tl.trans(k1d), input_precision=PREC) \
+            + tl.dot(q2.to(dtype), tl.trans(k2d), input_precision=PREC)
+        hm = pm[:, None] & jm[None, :]
+        dH1 = tl.load(DHS + hs + col1[None, :], mask=hm, other=0.0).to(dtype)
+        dH2 = tl.load(DHS + hs + col2[None, :], mask=hm, other=0.0).to(dtype)
+        KdH += tl.dot(k1d, tl.trans(dH1), input_precision=PREC) + tl.dot(k2d, tl.trans(dH2), input_precision=PREC)
+
+    # the chunk's (T, T) terms; du (per row): through the chunk's outputs, D, and the state leaving the chunk
     ti = tok[:, None]
     tj = tok[None, :]
     strict = ti > tj
     same = ti == tj
     E = tl.exp(tl.where(strict, cs[:, None] - cs[None, :], float("-inf")))
     W = E * w[None, :] + tl.where(same, gamma[:, None], 0.0)
-    S = tl.dot(q1d, tl.trans(k1d), input_precision=PREC) + tl.dot(q2d, tl.trans(k2d), input_precision=PREC)
     G = tl.dot(dyd, tl.trans(ud), input_precision=PREC)  # G_ij = dy_i . u_j
     V = S * G
-    coef = tl.exp(tot - cs) * w  # row j's weight in the state leaving the chunk
-
-    hs = ((b * H + h) * NC + c) * P * N + offs_p[:, None] * N
-    hm = pm[:, None] & jm[None, :]
-    # H, dH stay in their stored dtype (x.dtype): half the registers of fp32, the same values
-    H1 = tl.load(HS + hs + col1[None, :], mask=hm, other=0.0).to(dtype)
-    H2 = tl.load(HS + hs + col2[None, :], mask=hm, other=0.0).to(dtype)
-    dH1 = tl.load(DHS + hs + col1[None, :], mask=hm, other=0.0).to(dtype)
-    dH2 = tl.load(DHS + hs + col2[None, :], mask=hm, other=0.0).to(dtype)
-    dHH = tl.sum(tl.sum(dH1.to(tl.float32) * H1.to(tl.float32) + dH2.to(tl.float32) * H2.to(tl.float32), 1), 0)
-
-    # du (per row): through the chunk's outputs, D, and the state leaving the chunk; then dx (per token)
-    du = tl.dot(tl.trans(S * W).to(dtype), dyd, input_precision=PREC)
-    du += coef[:, None] * (tl.dot(k1d, tl.trans(dH1), input_precision=PREC)
-                           + tl.dot(k2d, tl.trans(dH2), input_precision=PREC))
+    du = tl.dot(tl.trans(S * W).to(dtype), dyd, input_precision=PREC) + coef[:, None] * KdH
     if HAS_D:
         du += tl.load(D + h).to(tl.float32) * dy
         tl.store(DD + (b * H + h) * NC + c, tl.sum(tl.sum(dy * u, 1), 0))
@@ -235,26 +253,63 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
         tl.store(DMX + mrank, per_rank(xv * du, T, R, BP), mask=pm[None, :])
         du *= mx
     tl.store(DX + tok_out, per_token(du, T, R, BP).to(DX.dtype.element_ty), mask=tmp)
-
-    # dq, dk (of the rotated vectors)
-    PW = (G * W).to(dtype)
-    dyH1 = tl.dot(dyd, H1, input_precision=PREC)  # (rows, BH)
-    dyH2 = tl.dot(dyd, H2, input_precision=PREC)
-    ecs = tl.exp(cs)
-    dq1 = tl.dot(PW, k1d, input_precision=PREC) + ecs[:, None] * dyH1
-    dq2 = tl.dot(PW, k2d, input_precision=PREC) + ecs[:, None] * dyH2
-    udH1 = tl.dot(ud, dH1, input_precision=PREC)
-    udH2 = tl.dot(ud, dH2, input_precision=PREC)
-    dk1 = tl.dot(tl.trans(PW), q1d, input_precision=PREC) + coef[:, None] * udH1
-    dk2 = tl.dot(tl.trans(PW), q2d, input_precision=PREC) + coef[:, None] * udH2
-
-    # per-token scalars: the trapezoid weights and the decay's log
     EV = tl.where(strict, E * V, 0.0)
-    Zs = tl.sum(udH1 * k1 + udH2 * k2, 1)  # u_j^T dH k_j
-    dw = tl.sum(EV, 0) + tl.exp(tot - cs) * Zs
     dg = tl.sum(tl.where(same, V, 0.0), 1)
     Rm = EV * w[None, :]
-    dcs = tl.sum(Rm, 1) - tl.sum(Rm, 0) + ecs * tl.sum(q1 * dyH1 + q2 * dyH2, 1) - coef * Zs
+    dw = tl.sum(EV, 0)
+    dcs = tl.sum(Rm, 1) - tl.sum(Rm, 0)
+    PW = (G * W).to(dtype)
+    PWt = tl.trans(PW)
+
+    # pass 2 over the pair blocks: dq, dk (of the rotated vectors), the rotation's gradients, dB / dC
+    Zs = tl.zeros((T * R,), dtype=tl.float32)  # u_j^T dH k_j
+    qdyH = tl.zeros((T * R,), dtype=tl.float32)  # q_i^T H^T dy_i
+    dHH = 0.0
+    noff = b * sgb + h * sgh + t[:, None] * sgt + rank[:, None] * sgr  # DBH / DCH: per head, fp32
+    boff = ((b * H + h) * NC + c) * R * N
+    for jb in tl.static_range(NJB):
+        q1, q2, k1, k2, cos, sin, offs_j, jm, am, col1, col2 = _rotated_block(
+            Bm, Cm, BIAS_B, BIAS_C, THS, ANG, b, h, g, c, t, rank, valid, lead, dt, jb * BJE, H, NC, NH, NA,
+            sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn, sab, sat, sah, saa, R, BJE, HALVED, HAS_BIAS)
+        hm = pm[:, None] & jm[None, :]
+        H1 = tl.load(HS + hs + col1[None, :], mask=hm, other=0.0).to(dtype)
+        H2 = tl.load(HS + hs + col2[None, :], mask=hm, other=0.0).to(dtype)
+        dH1 = tl.load(DHS + hs + col1[None, :], mask=hm, other=0.0).to(dtype)
+        dH2 = tl.load(DHS + hs + col2[None, :], mask=hm, other=0.0).to(dtype)
+        dHH += tl.sum(tl.sum(dH1.to(tl.float32) * H1.to(tl.float32) + dH2.to(tl.float32) * H2.to(tl.float32), 1), 0)
+        dyH1 = tl.dot(dyd, H1, input_precision=PREC)  # (rows, BJ)
+        dyH2 = tl.dot(dyd, H2, input_precision=PREC)
+        dq1 = tl.dot(PW, k1.to(dtype), input_precision=PREC) + ecs[:, None] * dyH1
+        dq2 = tl.dot(PW, k2.to(dtype), input_precision=PREC) + ecs[:, None] * dyH2
+        udH1 = tl.dot(ud, dH1, input_precision=PREC)
+        udH2 = tl.dot(ud, dH2, input_precision=PREC)
+        dk1 = tl.dot(PWt, q1.to(dtype), input_precision=PREC) + coef[:, None] * udH1
+        dk2 = tl.dot(PWt, q2.to(dtype), input_precision=PREC) + coef[:, None] * udH2
+        Zs += tl.sum(udH1 * k1 + udH2 * k2, 1)
+        qdyH += tl.sum(q1 * dyH1 + q2 * dyH2, 1)
+        # the phase (per token, summed from the chunk's end; later chunks are the caller's), B / C before it
+        dth = per_token(q1 * dq2 - q2 * dq1 + k1 * dk2 - k2 * dk1, T, R, BJE)
+        tl.store(DPHI + b * spb + h * sph + tt[:, None] * spt + offs_j[None, :],
+                 tl.sum(dth, 0)[None, :] - tl.cumsum(dth, 0) + dth, mask=tm[:, None] & am[None, :])
+        tl.store(DTH_TOT + ((b * H + h) * NC + c) * NA + offs_j, tl.sum(dth, 0), mask=am)
+        nm = valid[:, None] & jm[None, :]
+        dc1 = tl.where(nm, dq1 * cos + dq2 * sin, 0.0)
+        dc2 = tl.where(nm, dq2 * cos - dq1 * sin, 0.0)
+        db1 = tl.where(nm, dk1 * cos + dk2 * sin, 0.0)
+        db2 = tl.where(nm, dk2 * cos - dk1 * sin, 0.0)
+        tl.store(DCH + noff + col1[None, :], dc1, mask=nm)
+        tl.store(DCH + noff + col2[None, :], dc2, mask=nm)
+        tl.store(DBH + noff + col1[None, :], db1, mask=nm)
+        tl.store(DBH + noff + col2[None, :], db2, mask=nm)
+        if HAS_BIAS:  # the chunk's share of the biases' gradients (rows, h, nc, R, n): the caller sums it
+            _store_rank_sums(DCB + boff, dc1, col1, N, jm, T, R, BJE)
+            _store_rank_sums(DCB + boff, dc2, col2, N, jm, T, R, BJE)
+            _store_rank_sums(DBB + boff, db1, col1, N, jm, T, R, BJE)
+            _store_rank_sums(DBB + boff, db2, col2, N, jm, T, R, BJE)
+
+    # per-token scalars: the trapezoid weights and the decay's log
+    dw += tl.exp(tot - cs) * Zs
+    dcs += ecs * qdyH - coef * Zs
     dtot = tl.exp(tot) * dHH + tl.sum(coef * Zs, 0)
     dcs = per_token_vec(dcs, T, R)
     dcs += tl.where(tl.arange(0, T) == T - 1, dtot, 0.0)
@@ -263,25 +318,3 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
     tl.store(DW + soff, per_token_vec(dw, T, R), mask=tm)
     tl.store(DG + soff, per_token_vec(dg, T, R), mask=tm)
     tl.store(DA + soff, da, mask=tm)
-
-    # the rotation: the phase (per token), and B / C before it (per row)
-    dth = per_token(q1 * dq2 - q2 * dq1 + k1 * dk2 - k2 * dk1, T, R, BH)
-    tl.store(DPHI + b * spb + h * sph + tt[:, None] * spt + offs_j[None, :],
-             tl.sum(dth, 0)[None, :] - tl.cumsum(dth, 0) + dth, mask=tm[:, None] & am[None, :])
-    tl.store(DTH_TOT + ((b * H + h) * NC + c) * NA + offs_j, tl.sum(dth, 0), mask=am)
-    nm = valid[:, None] & jm[None, :]
-    noff = b * sgb + h * sgh + t[:, None] * sgt + rank[:, None] * sgr  # DBH / DCH: per head, fp32
-    dc1 = tl.where(nm, dq1 * cos + dq2 * sin, 0.0)
-    dc2 = tl.where(nm, dq2 * cos - dq1 * sin, 0.0)
-    db1 = tl.where(nm, dk1 * cos + dk2 * sin, 0.0)
-    db2 = tl.where(nm, dk2 * cos - dk1 * sin, 0.0)
-    tl.store(DCH + noff + col1[None, :], dc1, mask=nm)
-    tl.store(DCH + noff + col2[None, :], dc2, mask=nm)
-    tl.store(DBH + noff + col1[None, :], db1, mask=nm)
-    tl.store(DBH + noff + col2[None, :], db2, mask=nm)
-    if HAS_BIAS:  # the chunk's share of the biases' gradients (rows, h, nc, R, n): the caller sums a small tensor
-        boff = ((b * H + h) * NC + c) * R * N
-        _store_rank_sums(DCB + boff, dc1, col1, N, jm, T, R, BH)
-        _store_rank_sums(DCB + boff, dc2, col2, N, jm, T, R, BH)
-        _store_rank_sums(DBB + boff, db1, col1, N, jm, T, R, BH)
-        _store_rank_sums(DBB + boff, db2, col2, N, jm, T, R, BH)

@@ -106,7 +106,9 @@ _CONFIGS = {
                  _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z", "HAS_MO", "KEEP_YPRE"]),
     "dstates": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
                 _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z"]),
-    # the backward holds ~20 chunk-sized tiles: more warps spread its registers
-    "chunk_bwd": ([_c(8, 1), _c(16, 1), _c(8, 2), _c(4, 1)], _c(1, 1), ["P", "BH", "T", "R", "HAS_Z"]),
+    # the backward holds ~20 chunk-sized tiles: more warps spread its registers; BJ pairs at a time (at most all
+    # of them) keep one pair block's tiles live instead of all of them
+    "chunk_bwd": ([_c(8, 1, BJ=32), _c(16, 1, BJ=32), _c(8, 1, BJ=64), _c(16, 1, BJ=64)], _c(1, 1, BJ=16),
+                  ["P", "BH", "T", "R", "HAS_Z"]),
 }
 tuned = Tuner(_CONFIGS)
