@@ -32,9 +32,11 @@ def _workloads(ops):
 
         from mamba_parallel.ops.mamba3 import triton_impl
 
-        # d_state 64, and the default 128 (the backward then takes its pairs in blocks)
+        # d_state 64, the default 128 (the backward then takes its pairs in blocks), and a bare scan (no D, gate,
+        # biases or initial states)
         cases = [(64, kw, dtype) for kw in (dict(), dict(R=2), dict(g=2, a=16))
-                 for dtype in (torch.bfloat16, torch.float32)] + [(128, dict(), torch.bfloat16)]
+                 for dtype in (torch.bfloat16, torch.float32)] + [(128, dict(), torch.bfloat16)] + \
+            [(64, dict(D=False, z=False, bias=False, init=False), torch.bfloat16)]
         for n, kw, dtype in cases:
             args = make_inputs(1, 70, 2, 64, n, dtype=dtype, **kw)
             leaves = [v for v in args.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]

@@ -55,9 +55,6 @@ def scan_fwd_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, MX, MZ, 
     scal = b * sdb + h * sdh
     b_ptr = Bm + b * sbb + g * sbg
     ang_ptr = ANG + b * sab + h * sah
-    d_val = 0.0
-    if HAS_D:
-        d_val = tl.load(D + h).to(tl.float32)
     H1 = tl.zeros((BLOCK_P, BH), dtype=tl.float32)
     H2 = tl.zeros((BLOCK_P, BH), dtype=tl.float32)
     th = tl.zeros((BH,), dtype=tl.float32)
@@ -110,8 +107,8 @@ def scan_fwd_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, MX, MZ, 
         if HAS_MX:
             u *= load_rank_rows(MX + h * R * P, rank, offs_p, P, R, pm)
         if OUTPUTS:
-            _chunk_outputs(Cm, BIAS_C, Z, MZ, MO, Y, YPRE, g, H1, H2, k1, k2, u, cos, sin, cs, w, gamma, t, tok,
-                           rank, valid, xm, c, b, h, L, P, N, col1, col2, jm, pm, offs_p, d_val,
+            _chunk_outputs(Cm, BIAS_C, D, Z, MZ, MO, Y, YPRE, g, H1, H2, k1, k2, u, cos, sin, cs, w, gamma, t, tok,
+                           rank, valid, xm, c, b, h, L, P, N, col1, col2, jm, pm, offs_p,
                            scb, sct, scr, scg, scn, szb, szt, szh, szp, srb, srt, srr, srh, srp, sob, sot, soh, sop,
                            T, R, BLOCK_P, HAS_BIAS, HAS_D, HAS_Z, HAS_MZ, HAS_MO, KEEP_YPRE, PREC)
 
@@ -131,8 +128,8 @@ def scan_fwd_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, MX, MZ, 
 
 
 @triton.jit
-def _chunk_outputs(Cm, BIAS_C, Z, MZ, MO, Y, YPRE, g, H1, H2, k1, k2, u, cos, sin, cs, w, gamma, t, tok, rank,
-                   valid, xm, c, b, h, L, P, N, col1, col2, jm, pm, offs_p, d_val,
+def _chunk_outputs(Cm, BIAS_C, D, Z, MZ, MO, Y, YPRE, g, H1, H2, k1, k2, u, cos, sin, cs, w, gamma, t, tok, rank,
+                   valid, xm, c, b, h, L, P, N, col1, col2, jm, pm, offs_p,
                    scb, sct, scr, scg, scn, szb, szt, szh, szp, srb, srt, srr, srh, srp, sob, sot, soh, sop,
                    T: tl.constexpr, R: tl.constexpr, BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr,
@@ -156,7 +153,7 @@ def _chunk_outputs(Cm, BIAS_C, Z, MZ, MO, Y, YPRE, g, H1, H2, k1, k2, u, cos, si
         + tl.dot(q2, tl.trans(H2.to(dtype)), input_precision=PREC)
     y += tl.exp(cs)[:, None] * inter
     if HAS_D:
-        y += d_val * u
+        y += tl.load(D + h).to(tl.float32) * u
     row_out = b * srb + h * srh + t[:, None] * srt + rank[:, None] * srr + offs_p[None, :] * srp
     if KEEP_YPRE:
         tl.store(YPRE + row_out, y.to(YPRE.dtype.element_ty), mask=xm)
