@@ -106,13 +106,18 @@ def test_strided_inputs_as_the_layer_passes_them():
 def test_inference_matches_reference(mk):
     """Without gradients the forward keeps nothing for a backward (no y before the gate / the fold)."""
     args = make_inputs(1, 21, 2, 8, 16, **mk, dtype=torch.float32, device=DEV)
-    kw = dict(chunk_size=16 // mk.get("R", 1), rope="halved", return_final_states=True)
+    check_inference(args, dict(chunk_size=16 // mk.get("R", 1), rope="halved"), torch.float32)
+
+
+def check_inference(args, kw, dtype):
+    """The no-grad forward's outputs and final states against the reference."""
+    kw = dict(kw, return_final_states=True)
     with torch.no_grad():
         y, final = triton_impl.mamba3_chunk_scan(**args, **kw)
     y_ref, final_ref = naive.mamba3_chunk_scan(**as_double(args), **kw)
-    assert_close(y, y_ref, torch.float32, name="y")
+    assert_close(y, y_ref, dtype, name="y")
     for name, a, b in zip(Mamba3State._fields, final, final_ref):
-        assert_close(a, b.to(a.dtype), torch.float32, name=f"final {name}")
+        assert_close(a, b.to(a.dtype), dtype, name=f"final {name}")
 
 
 def test_steep_decay_no_nan():
@@ -205,13 +210,7 @@ def test_gpu_mimo(dtype, nan_poison):
 def test_gpu_inference(R, nan_poison):
     """Without gradients (the forward keeps nothing for a backward), bf16, the default chunks, with final states."""
     args = make_inputs(2, 700, 8, 64, 128, R=R, dtype=torch.bfloat16, device="cuda", expand_angles=True)
-    kw = dict(chunk_size=16 if R else 64, rope="halved" if R else "interleaved", return_final_states=True)
-    with torch.no_grad():
-        y, final = triton_impl.mamba3_chunk_scan(**args, **kw)
-    y_ref, final_ref = naive.mamba3_chunk_scan(**as_double(args), **kw)
-    assert_close(y, y_ref, torch.bfloat16, name="y")
-    for name, a, b in zip(Mamba3State._fields, final, final_ref):
-        assert_close(a, b.to(a.dtype), torch.bfloat16, name=f"final {name}")
+    check_inference(args, dict(chunk_size=16 if R else 64, rope="halved" if R else "interleaved"), torch.bfloat16)
 
 
 @pytest.mark.gpu
