@@ -24,7 +24,7 @@ from mamba_parallel.bench import kernels, peer as peer_mod
 from mamba_parallel.bench.peer import PeerUnavailable
 from mamba_parallel.bench.peer_mamba3 import mamba3_side, ours_scan, ours_step
 from mamba_parallel.bench.results import error_text, make_row, publish, say
-from mamba_parallel.bench.timing import DTYPES, Deadline, median_ms, time_calls
+from mamba_parallel.bench.timing import DTYPES, median_ms, time_calls
 
 # (b, L, h, p, n, R): h = 24 / 32 / 64 are the heads of the 180m / 440m / 1.5b presets' layers (d_inner / 64)
 SCAN_SHAPES = [(8, 2048, 24, 64, 128, 1), (8, 4096, 32, 64, 128, 1), (4, 8192, 64, 64, 128, 1),
@@ -194,10 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    peer = peer_mod.resolve_peer(a.peer, a.peer_impl)
-    result = run(peer, device, a.dtype, a.sections, warmup=a.warmup, reps=a.reps, deadline=Deadline(a.budget_s))
+    a, device, peer, deadline = kernels.parse_run_args(build_parser(), argv)
+    result = run(peer, device, a.dtype, a.sections, warmup=a.warmup, reps=a.reps, deadline=deadline)
     publish(result, device, peer, None, a.json)
     return 0
 

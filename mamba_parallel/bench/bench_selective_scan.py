@@ -16,7 +16,7 @@ import torch
 
 from mamba_parallel.bench import kernels, peer as peer_mod
 from mamba_parallel.bench.results import publish, say
-from mamba_parallel.bench.timing import DTYPES, Deadline
+from mamba_parallel.bench.timing import DTYPES
 
 SHAPES = [(8, 4096, 4096, 16), (4, 5120, 8192, 16)]  # (b, d, L, n): mamba-1.4b-like and mamba-2.8b-like widths
 GRADS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
@@ -69,11 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    peer = peer_mod.resolve_peer(a.peer, a.peer_impl)
+    a, device, peer, deadline = kernels.parse_run_args(build_parser(), argv)
     result = run([tuple(s) for s in a.shape] if a.shape else SHAPES, a.dtype, device, peer, a.warmup, a.reps,
-                 deadline=Deadline(a.budget_s))
+                 deadline=deadline)
     publish(result, device, peer, None, a.json)
     return 0
 

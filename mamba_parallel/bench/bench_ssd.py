@@ -18,7 +18,7 @@ import torch
 
 from mamba_parallel.bench import kernels, peer as peer_mod
 from mamba_parallel.bench.results import publish, say
-from mamba_parallel.bench.timing import DTYPES, Deadline
+from mamba_parallel.bench.timing import DTYPES
 
 # (b, L, h, p, n, g): Mamba-2 2.7b-like heads at two lengths, and a half-width model with a smaller state.
 SHAPES = [(8, 4096, 64, 64, 128, 1), (4, 16384, 64, 64, 128, 1), (8, 4096, 32, 64, 64, 1)]
@@ -85,12 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    peer = peer_mod.resolve_peer(a.peer, a.peer_impl)
+    a, device, peer, deadline = kernels.parse_run_args(build_parser(), argv)
     fla_fn = None if a.no_fla else peer_mod.load_fla()
     result = run([tuple(s) for s in a.shape] if a.shape else SHAPES, a.dtype, device, peer, fla_fn, a.chunk,
-                 a.warmup, a.reps, deadline=Deadline(a.budget_s))
+                 a.warmup, a.reps, deadline=deadline)
     publish(result, device, peer, fla_fn, a.json)
     return 0
 

@@ -101,6 +101,17 @@ def time_shapes(bench: str, shapes, make_inputs, case, sides: dict, grad_names, 
     return rows
 
 
+def parse_run_args(ap, argv):
+    """A kernel benchmark's command line -> (arguments, device, peer or None, deadline), flags from
+    ``add_device_flags`` and ``peer.add_peer_flags``."""
+    from mamba_parallel.bench import peer as peer_mod
+    from mamba_parallel.bench.timing import Deadline
+
+    a = ap.parse_args(argv)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return a, device, peer_mod.resolve_peer(a.peer, a.peer_impl), Deadline(a.budget_s)
+
+
 def add_device_flags(ap) -> None:
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="input dtype (default bf16)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
