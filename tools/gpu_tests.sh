@@ -4,9 +4,9 @@
 # the junit XML and the log land in $OUT, and the run stops itself after LIMIT seconds.
 #
 #   OUT=results bash tools/gpu_tests.sh [pytest selection and flags]     default selection: tests
-#   WARM=1 ... also fills Triton's compile cache for the side-by-side benchmarks in the background
-#              (bench all --precompile-only), so a tools/side_by_side.sh right after, on the same machine, times
-#              instead of compiling
+# Triton's compile cache is the checkout's build/triton-cache (shared with tools/side_by_side.sh; it stays between
+# commands while the machine is held). The suite runs alone on the GPU: anything sharing its memory turns tests
+# into out-of-memory failures.
 #
 # The peer comes from .peer/ (its install.sh makes it importable); the tests that need it skip without it.
 # Expected on an H200: ~8 min for the whole suite with 8 workers (compiling the kernels is most of it).
@@ -21,17 +21,13 @@ if [ -f .peer/install.sh ]; then
   eval "$(bash .peer/install.sh "$PWD/.peer")" || echo "gpu_tests: the peer did not install; its tests skip"
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/build/triton-cache}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-if [ "${WARM:-0}" = 1 ]; then
-  timeout "$LIMIT" python3 -m mamba_parallel.cli bench all --precompile-only --precompile-workers 6 \
-    --precompile-s "$((LIMIT - 20))" --out "$OUT/warm" --report '' > "$OUT/warm.log" 2>&1 &
-fi
 [ $# -gt 0 ] || set -- tests
 : > "$OUT/failures.txt"
 timeout "$LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout=300 -n "$WORKERS" -rfE \
   --failure-log "$OUT/failures.txt" --junitxml "$OUT/gpu.xml" --durations=20 "$@" 2>&1 | tee "$OUT/gpu.log" \
   | grep -v "^\[\|PASSED\|PytestBenchmarkWarning\|warner(" | tail -80
 status=$?
-wait
 echo "gpu_tests: $(grep -c '^==== ' "$OUT/failures.txt") failure reports in $OUT/failures.txt"
 exit $status

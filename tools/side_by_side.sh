@@ -6,12 +6,11 @@
 # installed already; without it the run times ours alone. Writes $OUT/<date>-<device>/<bench>.json,
 # $OUT/performance.md, $OUT/plots.tar (the ratio PNGs) and $OUT/log.txt: eight files at most. Merge several runs
 # into the repository's report with: mamba-parallel bench report --results benchmarks/results
-# On a fresh machine compiling is most of the time (~8 min for the SSD section alone on an H200, three
-# implementations' autotune candidates), so every kernel is first compiled in 8 warm-up processes at once
-# (--precompile-workers; their timings are thrown away). Triton's cache outlives the call while the machine stays
-# held, so a fresh machine takes two calls back to back: `tools/side_by_side.sh --precompile-only --precompile-s 540`
-# (compiles only), then the timed run. What still does not fit in one call runs in parts, e.g.
-#   --only ssd | --only selective_scan,generate | --only train --train-presets mamba2-130m mamba2-370m mamba2-1.3b ...
+# On a fresh machine compiling is most of the time (minutes for the SSD section alone on an H200: three
+# implementations' autotune candidates), so every kernel is first compiled in warm-up processes, one per CPU core
+# (--precompile-workers auto; their timings are thrown away), and the timed run that follows compiles nothing. What
+# does not start before --budget-s is listed as skipped; the table can also run in parts, e.g.
+#   --only ssd | --only selective_scan,generate | --only train --train-presets mamba-1.4b mamba-2.8b ...
 # each part's files land beside the others' and the report combines the rows of runs with the same settings.
 set -u -o pipefail
 OUT=${OUT:-benchmarks/results}
@@ -22,11 +21,14 @@ if [ -f .peer/install.sh ]; then
   eval "$(bash .peer/install.sh "$PWD/.peer")" || echo "side_by_side: the peer did not install; timing ours alone"
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Triton's compile cache in the checkout's build/ folder: it stays between commands while the machine is held, and
+# tools/gpu_tests.sh shares it.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/build/triton-cache}
 python3 -c "import mamba_ssm, causal_conv1d; print('peer: mamba_ssm', mamba_ssm.__version__, 'causal_conv1d', causal_conv1d.__version__)" \
   || echo "side_by_side: mamba_ssm does not import here"
 # Budget: one device command may run 10 minutes; what has not started after --budget-s is listed as skipped.
 python3 -m mamba_parallel.cli bench all --out "$OUT" --report "$OUT/performance.md" --plots "$OUT/plots" \
-  --budget-s 480 --precompile-workers 8 --precompile-s 200 --generate-repeats 1 "$@" 2>&1 | tee "$OUT/log.txt"
+  --budget-s 540 --precompile-workers auto --precompile-s 200 --generate-repeats 1 "$@" 2>&1 | tee "$OUT/log.txt"
 status=$?
 if [ -d "$OUT/plots" ]; then tar cf "$OUT/plots.tar" -C "$OUT" plots && rm -rf "$OUT/plots"; fi
 exit $status

@@ -16,6 +16,7 @@ presets / models not started by then are listed as skipped (the run then still w
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -43,6 +44,16 @@ def parse_only(text: str | None) -> list[str]:
     return [s for s in SECTIONS + EXTRA if s in picked]
 
 
+def _workers(text: str) -> int:
+    """--precompile-workers: a count, or 'auto' (one per CPU core)."""
+    if text == "auto":
+        return os.cpu_count() or 1
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of processes or 'auto', got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mamba_parallel.bench import bench_generate, train_side_by_side
 
@@ -61,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="start no new preset / model after S seconds (default: no limit)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     ap.add_argument("--no-fla", action="store_true", help="leave fla out of the SSD table")
-    ap.add_argument("--precompile-workers", type=int, default=0, metavar="N",
+    ap.add_argument("--precompile-workers", type=_workers, default=0, metavar="N",
                     help="first compile every kernel the run times in N parallel warm-up processes (their timings "
-                         "are thrown away): on a fresh machine compiling, not timing, is most of the run "
-                         "(default 0: no warm-up)")
+                         "are thrown away): on a fresh machine compiling, not timing, is most of the run; 'auto': "
+                         "one per CPU core, Triton compiles on the host (default 0: no warm-up)")
     ap.add_argument("--precompile-s", type=float, default=240.0, metavar="S",
                     help="stop the warm-up processes after S seconds (default 240)")
     ap.add_argument("--precompile-only", action="store_true",
@@ -119,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         from mamba_parallel.bench import precompile
 
         scratch = tempfile.mkdtemp(prefix="mamba-parallel-precompile-")
-        jobs = precompile.jobs_for(a, sections, ssd_shapes, scan_shapes, out=f"{scratch}/results")
+        jobs = precompile.jobs_for(a, sections, ssd_shapes, scan_shapes, out=f"{scratch}/results",
+                                   fla=fla_fn is not None)
         precompile.run(jobs, a.precompile_workers, a.precompile_s, scratch, say)
     if a.precompile_only:
         if not a.precompile_workers:

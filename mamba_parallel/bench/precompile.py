@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 WARM_LAYERS = 2  # every layer of a stack runs the same kernels: two layers compile what the whole model needs
 
@@ -24,6 +24,7 @@ WARM_LAYERS = 2  # every layer of a stack runs the same kernels: two layers comp
 class Job:
     name: str
     argv: list[str]
+    tail: list[str] = field(default_factory=list)  # flags after the common ones (they win: argparse keeps the last)
     proc: subprocess.Popen | None = None
     started: float = 0.0
     seconds: float = 0.0
@@ -42,15 +43,20 @@ def _common(a, out: str) -> list[str]:
     return argv
 
 
-def jobs_for(a, sections, ssd_shapes, scan_shapes, out: str) -> list[Job]:
+def jobs_for(a, sections, ssd_shapes, scan_shapes, out: str, fla: bool | None = None) -> list[Job]:
     """One warm-up job per kernel shape / preset / model of the sections a ``bench all`` run times (``a``: its
-    parsed arguments), the slowest to compile first."""
+    parsed arguments; ``fla``: whether it times fla, default unless --no-fla), the slowest to compile first."""
     common = _common(a, out)
     layers = str(min(WARM_LAYERS, a.n_layer) if a.n_layer else WARM_LAYERS)
     jobs = []
-    if "ssd" in sections:
-        jobs += [Job(f"ssd {' '.join(map(str, s))}",
-                     ["--only", "ssd", "--ssd-shape", *map(str, s), "--ssd-chunk", str(a.ssd_chunk)]) for s in ssd_shapes]
+    if "ssd" in sections:  # fla's candidates compile in a job of their own: the SSD shapes are the slowest jobs
+        for s in ssd_shapes:
+            argv = ["--only", "ssd", "--ssd-shape", *map(str, s), "--ssd-chunk", str(a.ssd_chunk)]
+            if a.no_fla or fla is False:
+                jobs.append(Job(f"ssd {' '.join(map(str, s))}", argv))
+            else:
+                jobs += [Job(f"ssd {' '.join(map(str, s))}", argv, tail=["--no-fla"]),
+                         Job(f"ssd {' '.join(map(str, s))} fla", argv, tail=["--no-peer"])]
     if "mamba3" in sections:
         jobs.append(Job("mamba3", ["--only", "mamba3"]))
     if "train" in sections:
@@ -69,8 +75,8 @@ def jobs_for(a, sections, ssd_shapes, scan_shapes, out: str) -> list[Job]:
         jobs.append(Job(f"long_context {a.long_preset}", ["--only", "long_context", "--long-preset", a.long_preset,
                                                           "--long-start", str(a.long_start), "--long-max",
                                                           str(a.long_start), "--n-layer", layers]))
-    for j in jobs:
-        j.argv = j.argv + common
+    for j in jobs:  # a job's own flags replace the common ones they contradict (--no-peer beats --peer)
+        j.argv = j.argv + [x for x in common if not ("--no-peer" in j.tail and x == "--peer")] + j.tail
     return jobs
 
 
@@ -97,6 +103,7 @@ def run(jobs: list[Job], workers: int, budget_s: float, log_dir: str, log, poll_
     means the timed run compiles that part itself)."""
     if workers < 1:
         raise ValueError(f"bench all: --precompile-workers must be >= 1 to warm up, got {workers}")
+    workers = min(workers, max(1, len(jobs)))
     env, t0 = child_env(), time.monotonic()
     waiting, running = list(jobs), []
     while waiting or running:

@@ -307,6 +307,20 @@ def test_precompile_jobs_cover_every_shape_preset_and_model():
     assert bench_all.build_parser().parse_args(jobs[3].argv).train_steps == 1
     env = precompile.child_env()
     assert env["FLA_CACHE_RESULTS"] == "0" and "TRITON_CACHE_AUTOTUNING" not in env
+    assert bench_all.build_parser().parse_args(["--precompile-workers", "auto"]).precompile_workers >= 1
+    with pytest.raises(SystemExit):
+        bench_all.build_parser().parse_args(["--precompile-workers", "many"])
+
+
+def test_precompile_compiles_fla_beside_the_peer_not_after_it():
+    from mamba_parallel.bench import precompile
+
+    a = bench_all.build_parser().parse_args(TINY_ALL + ["--peer-impl", "reference", "--peer"])
+    jobs = precompile.jobs_for(a, ["ssd"], [TINY_SSD], [], out="/scratch")
+    assert [j.name for j in jobs] == ["ssd 1 37 2 8 8 1", "ssd 1 37 2 8 8 1 fla"]
+    parsed = [bench_all.build_parser().parse_args(j.argv) for j in jobs]
+    assert (parsed[0].no_fla, parsed[0].peer) == (True, True)  # ours + the peer
+    assert (parsed[1].no_fla, parsed[1].peer) == (False, False)  # ours + fla: the job's own flags win over --peer
 
 
 def test_bench_all_precompiles_then_times_and_keeps_only_the_timed_results(tmp_path, capsys):
