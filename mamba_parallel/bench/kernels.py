@@ -9,10 +9,12 @@ error in the row and the others still run.
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from mamba_parallel.bench.results import error_text, make_row
-from mamba_parallel.bench.timing import median_ms
+from mamba_parallel.bench.timing import time_calls
 
 MODES = ("fwd", "fwd+bwd", "inference")
 MODE_LABELS = {"fwd": "fwd, grad enabled", "fwd+bwd": "fwd+bwd", "inference": "inference (no grad)"}
@@ -44,26 +46,44 @@ def mode_fn(fn, inputs: dict, grad_names: tuple[str, ...], mode: str, dy: torch.
 
 
 def time_sides(sides: dict, inputs: dict, grad_names: tuple[str, ...], device, dy=None, modes=MODES,
-               warmup: int = 3, reps: int = 10) -> dict:
-    """{mode: ({side: ms or None}, {side: error or None})} for every side's op on the same inputs."""
+               warmup: int = 3, reps: int = 10, rounds: int = 2) -> dict:
+    """{mode: ({side: ms or None}, {side: error or None}, {side: spread or None})} for every side's op on the same
+    inputs. The sides take turns ``rounds`` times (ours, peer, ..., ours, peer, ...), so a slow moment of the GPU
+    or host does not fall on one side only; ms is the median of all timed calls, spread the slowest round's
+    median over the fastest's (1.0: the rounds agree; a ratio nearer 1 than the spread is noise)."""
     out = {}
     for mode in modes:
-        times, errors = {}, {}
-        for side, fn in sides.items():
-            try:
-                times[side] = median_ms(mode_fn(fn, inputs, grad_names, mode, dy), device, warmup, reps)
-                errors[side] = None
-            except Exception as e:  # recorded in the row; the table goes on
-                times[side], errors[side] = None, error_text(e)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-        out[mode] = (times, errors)
+        calls = {side: [] for side in sides}
+        medians = {side: [] for side in sides}
+        errors = {side: None for side in sides}
+        for r in range(rounds):
+            for side, fn in sides.items():
+                if errors[side] is not None:
+                    continue
+                try:
+                    ms = time_calls(mode_fn(fn, inputs, grad_names, mode, dy), device, warmup if r == 0 else 1, reps)
+                except Exception as e:  # recorded in the row; the table goes on
+                    errors[side] = error_text(e)
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                    continue
+                calls[side] += ms
+                medians[side].append(statistics.median(ms))
+        times = {side: statistics.median(calls[side]) if errors[side] is None else None for side in sides}
+        spread = {side: max(m) / min(m) if errors[side] is None and min(m) > 0 else None
+                  for side, m in medians.items()}
+        out[mode] = (times, errors, spread)
     return out
 
 
 def rows_for_case(case: str, timed: dict, **extra) -> list[dict]:
-    return [make_row(case, MODE_LABELS[mode], "ms", "lower", times, errors, mode=mode, **extra)
-            for mode, (times, errors) in timed.items()]
+    """``timed``: {mode: (times, errors[, spread])} as time_sides gives it."""
+    rows = []
+    for mode, (times, errors, *spread) in timed.items():
+        spread = {k: v for k, v in (spread[0] if spread else {}).items() if v is not None}
+        rows.append(make_row(case, MODE_LABELS[mode], "ms", "lower", times, errors, mode=mode,
+                             **({"spread": spread} if spread else {}), **extra))
+    return rows
 
 
 SKIPPED = "skipped: time budget spent"

@@ -110,6 +110,16 @@ def _checks(obj: dict) -> list[str]:
         if lines else []
 
 
+def _noise(rows: list[dict]) -> list[str]:
+    """The largest round-to-round spread of a table's timings (the sides took turns, several rounds)."""
+    worst = [(v, side, r) for r in rows for side, v in (r.get("spread") or {}).items() if v]
+    if not worst:
+        return []
+    v, side, r = max(worst, key=lambda t: t[0])
+    return [f"Each side was timed in turns, several rounds; the medians of its rounds differ by at most "
+            f"{100 * (v - 1):.1f} % ({side}, {r['case']}, {r['metric']}): a ratio nearer 1 than that is noise.", ""]
+
+
 def _have_matplotlib() -> bool:
     try:
         import matplotlib  # noqa: F401
@@ -177,6 +187,7 @@ def build_report(found: dict[str, dict], out: Path, plots: Path | None, results_
         if settings:
             lines += ["Settings: " + "; ".join(f"{k} {v}" for k, v in settings.items()) + ".", ""]
         lines += [format_table(obj["rows"], obj.get("side_names")), ""]
+        lines += _noise(obj["rows"])
         lines += _checks(obj)
         if plots is not None and _have_matplotlib():
             png = plot_ratios(obj, plots / f"{bench}.png")

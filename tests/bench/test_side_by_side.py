@@ -373,3 +373,29 @@ def test_precompile_only_times_nothing(tmp_path, capsys):
         bench_all.main(argv + ["--precompile-only"])
     assert bench_all.main(argv + ["--precompile-only", "--precompile-workers", "1"]) == 0
     assert "nothing timed" in capsys.readouterr().out and not list(results.glob("*/*.json"))
+
+
+def test_kernel_sides_take_turns_and_the_report_states_the_noise(tmp_path):
+    from mamba_parallel.bench import kernels
+    from mamba_parallel.bench.report import _noise
+
+    order = []
+
+    def side(name):
+        def fn(x):
+            order.append(name)
+            return x * 2
+        return fn
+
+    inputs = {"x": torch.randn(5)}
+    timed = kernels.time_sides({"ours": side("ours"), "peer": side("peer")}, inputs, ("x",), "cpu",
+                               modes=("fwd",), warmup=0, reps=2, rounds=2)
+    # round 1 of each side, then round 2 (one untimed call first: the other side ran in between)
+    assert order == ["ours"] * 2 + ["peer"] * 2 + ["ours"] * 3 + ["peer"] * 3
+    times, errors, spread = timed["fwd"]
+    assert set(times) == {"ours", "peer"} and all(v is not None and v >= 1.0 for v in spread.values())
+    row = kernels.rows_for_case("case", timed)[0]
+    assert set(row["spread"]) == {"ours", "peer"}
+    row["spread"] = {"ours": 1.031, "peer": 1.2}
+    assert "at most 20.0 % (peer, case, fwd, grad enabled)" in _noise([row])[0]
+    assert _noise([{"case": "c", "metric": "m"}]) == []
