@@ -115,6 +115,15 @@ def process_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool, d
     return out
 
 
+def linear_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear(x, weight) computes in: autocast's for x's device type when autocast is on there, else
+    the promotion of both dtypes (where F.linear would need them equal)."""
+    dev = x.device.type
+    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return torch.promote_types(x.dtype, weight.dtype)
+
+
 def fp32_math(fn):
     """Run a reference op with autocast off, so its fp32 math stays fp32 inside a caller's autocast region."""
 

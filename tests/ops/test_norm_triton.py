@@ -91,6 +91,54 @@ def test_gated_without_gate_and_strided_input():
              lambda x, w: naive.gated_rms_norm(x, None, w, 1e-5, 16), [x, w], torch.float32, [(6, 32)])
 
 
+def _norm_then_linear(fn_norm):
+    return lambda x, z, w, W, b: torch.nn.functional.linear(fn_norm(x, z, w), W, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size,norm_before_gate,gate,bias", [(None, False, True, False), (8, False, True, True),
+                                                                   (12, True, True, False), (8, False, False, True)])
+def test_gated_rms_norm_linear(dtype, group_size, norm_before_gate, gate, bias):
+    """Against the reference (the norm, then F.linear) on odd row counts; against the Triton norm followed by
+    F.linear bit for bit: the rebuilt norm output is the forward's."""
+    shape = (3, 7, 24)
+    x, z = _rand(shape, dtype, 0), _rand(shape, dtype, 3) if gate else None
+    w = _rand(shape[-1:], dtype, 1, 0.5) + 1
+    W, b = _rand((10, 24), dtype, 4, 0.3), _rand((10,), dtype, 5) if bias else None
+    args = dict(eps=1e-5, group_size=group_size, norm_before_gate=norm_before_gate)
+    fused = lambda x, z, w, W, b: tri.gated_rms_norm_linear(x, z, w, W, b, **args)  # noqa: E731
+    _compare(fused, lambda x, z, w, W, b: naive.gated_rms_norm_linear(x, z, w, W, b, **args), [x, z, w, W, b], dtype,
+             [(3, 7, 10)])
+    g = torch.Generator(device="cpu").manual_seed(9)
+    grad_out = [torch.randn((3, 7, 10), generator=g).to(_dev())]
+    got = _run(fused, [x, z, w, W, b], grad_out)
+    unfused = _run(_norm_then_linear(lambda x, z, w: tri.gated_rms_norm(x, z, w, **args)), [x, z, w, W, b], grad_out)
+    for a, r in zip([*got[0], *got[1]], [*unfused[0], *unfused[1]]):
+        assert (a is None and r is None) or torch.equal(a, r)
+
+
+def test_gated_rms_norm_linear_keeps_no_norm_output():
+    """Saved for the backward: x, z, rstd and the linear's weight as given (no norm output, no cast copy)."""
+    x, z = _rand((5, 16), torch.float32, 0).requires_grad_(), _rand((5, 16), torch.float32, 1).requires_grad_()
+    w, W = _rand((16,), torch.float32, 2).requires_grad_(), _rand((6, 16), torch.float32, 3).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        tri.gated_rms_norm_linear(x, z, w, W, None, 1e-5, 8)
+    assert sorted(tuple(t.shape) for t in saved) == sorted([(5, 16), (5, 16), (16,), (2, 5), (6, 16)])
+    assert any(t is W for t in saved)
+
+
+def test_gated_rms_norm_linear_frozen_weights():
+    """Gradients only for what requires them; a frozen linear weight skips the rebuilt output."""
+    x, z = _rand((4, 16), torch.float32, 0).requires_grad_(), _rand((4, 16), torch.float32, 1)
+    w, W, b = _rand((16,), torch.float32, 2), _rand((6, 16), torch.float32, 3), _rand((6,), torch.float32, 4)
+    out = tri.gated_rms_norm_linear(x, z, w, W, b.requires_grad_(), 1e-5, None)
+    out.sum().backward()
+    assert x.grad is not None and b.grad is not None and W.grad is None and w.grad is None
+    ref = naive.gated_rms_norm_linear(x.detach().requires_grad_(), z, w, W, b, 1e-5)
+    assert_close(tri.gated_rms_norm_linear(x, z, w, W, b, 1e-5), ref, torch.float32)
+
+
 @pytest.mark.parametrize("rows", [0, 1, 3, 13])
 @pytest.mark.parametrize("programs", [1, 3, 64])
 def test_backward_row_split(rows, programs, monkeypatch):
@@ -159,6 +207,23 @@ def test_compile_keeps_custom_op():
     assert explained.graph_break_count == 0, explained.break_reasons
 
 
+def test_compile_keeps_norm_linear_op():
+    """The norm + linear node compiles as one custom op (no graph break) and trains to the eager values."""
+    x, z = _rand((4, 16), torch.float32, 0), _rand((4, 16), torch.float32, 2)
+    w, W = _rand((16,), torch.float32, 1), _rand((8, 16), torch.float32, 3)
+
+    def f(x, z, w, W):
+        return tri.gated_rms_norm_linear(x, z, w, W, None, 1e-5, 8)
+
+    explained = torch._dynamo.explain(f)(x, z, w, W)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    g = [_rand((4, 8), torch.float32, 5)]
+    eager_run = _run(f, [x, z, w, W], g)
+    compiled_run = _run(torch.compile(f, backend="aot_eager", fullgraph=True), [x, z, w, W], g)
+    for a, r in zip([*compiled_run[0], *compiled_run[1]], [*eager_run[0], *eager_run[1]]):
+        assert_close(a, r, torch.float32)
+
+
 # ------------------------------------------------------------------------------------------------------ GPU
 
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -198,6 +263,42 @@ def test_backward_rows_and_groups_gpu(dtype, m, d, group_size, nan_poison):
     for nbg in (False, True):
         _compare(lambda x, z, w: tri.gated_rms_norm(x, z, w, 1e-5, group_size, nbg),
                  lambda x, z, w: naive.gated_rms_norm(x, z, w, 1e-5, group_size, nbg), [x, z, w], dtype, [(m, d)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("m, d, e, group_size, nbg, bias", [(4099, 5120, 2560, None, False, False),
+                                                           (1000, 4096, 2048, 1024, False, True),
+                                                           (131, 2560, 1280, None, True, False)])
+def test_gated_rms_norm_linear_gpu(dtype, m, d, e, group_size, nbg, bias, nan_poison):
+    """Mamba-2's norm + out_proj shapes: against the reference, and the Triton norm followed by F.linear."""
+    x, z = _rand((m, d), dtype, 0), _rand((m, d), dtype, 1)
+    w = _rand((d,), dtype, 2, 0.5) + 1
+    W, b = _rand((e, d), dtype, 3, d ** -0.5), _rand((e,), dtype, 4) if bias else None
+    args = dict(eps=1e-5, group_size=group_size, norm_before_gate=nbg)
+    fused = lambda x, z, w, W, b: tri.gated_rms_norm_linear(x, z, w, W, b, **args)  # noqa: E731
+    _compare(fused, lambda x, z, w, W, b: naive.gated_rms_norm_linear(x, z, w, W, b, **args), [x, z, w, W, b], dtype,
+             [(m, e)])
+    _compare(fused, _norm_then_linear(lambda x, z, w: tri.gated_rms_norm(x, z, w, **args)), [x, z, w, W, b], dtype,
+             [(m, e)])
+
+
+@pytest.mark.gpu
+def test_gated_rms_norm_linear_under_autocast_gpu(nan_poison):
+    """fp32 parameters under bf16 autocast (training): the matmuls in bf16 as nn.Linear's, fp32 weight gradients,
+    the values of the Triton norm followed by nn.Linear."""
+    m, d, e = 2048, 4096, 2048
+    x, z = _rand((m, d), torch.bfloat16, 0), _rand((m, d), torch.bfloat16, 1)
+    w = _rand((d,), torch.float32, 2, 0.5) + 1
+    W, b = _rand((e, d), torch.float32, 3, d ** -0.5), _rand((e,), torch.float32, 4)
+    g = [_rand((m, e), torch.float32, 5)]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = _run(lambda *a: tri.gated_rms_norm_linear(*a, 1e-5), [x, z, w, W, b], g)
+        ref = _run(_norm_then_linear(lambda x, z, w: tri.gated_rms_norm(x, z, w, 1e-5)), [x, z, w, W, b], g)
+    assert got[0][0].dtype == torch.bfloat16 and got[1][3].dtype == torch.float32
+    for a, r in zip([*got[0], *got[1]], [*ref[0], *ref[1]]):
+        assert a.dtype == r.dtype
+        assert_close(a, r, torch.bfloat16, factor=0.1)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import assert_close
 
-from mamba_parallel.ops import add_rms_norm, gated_rms_norm, rms_norm, use_backend
+from mamba_parallel.ops import add_rms_norm, gated_rms_norm, gated_rms_norm_linear, rms_norm, use_backend
 
 F64 = torch.float64
 
@@ -83,3 +83,33 @@ def test_norm_bad_inputs_name_the_argument():
         gated_rms_norm(x, x, torch.randn(8), group_size=3)
     with pytest.raises(ValueError, match="z"):
         gated_rms_norm(x, torch.randn(2, 4), torch.randn(8))
+
+
+def test_gated_rms_norm_linear_is_the_norm_then_linear():
+    """The norm's output (x.dtype) into F.linear: in the promoted dtype without autocast, in autocast's with it."""
+    torch.manual_seed(4)
+    x, z, w = torch.randn(2, 5, 8, dtype=F64), torch.randn(2, 5, 8, dtype=F64), torch.randn(8, dtype=F64)
+    W, b = torch.randn(3, 8, dtype=F64), torch.randn(3, dtype=F64)
+    for nbg in (False, True):
+        out = gated_rms_norm_linear(x, z, w, W, b, 1e-4, 4, nbg)
+        assert_close(out, gated_rms_norm(x, z, w, 1e-4, 4, nbg) @ W.T + b, F64, name="norm + linear")
+    xb = x.to(torch.bfloat16)
+    assert gated_rms_norm_linear(xb, None, w.float(), W.float()).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = gated_rms_norm_linear(x.float(), z.float(), w.float(), W.float(), b.float())
+    assert out.dtype == torch.bfloat16
+    x.requires_grad_(True), z.requires_grad_(True), w.requires_grad_(True), W.requires_grad_(True)
+    b.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda *a: gated_rms_norm_linear(*a, 1e-3, 4), (x, z, w, W, b))
+
+
+def test_gated_rms_norm_linear_bad_inputs_name_the_argument():
+    x, w = torch.randn(2, 8), torch.randn(8)
+    with pytest.raises(ValueError, match="out_weight has shape"):
+        gated_rms_norm_linear(x, x, w, torch.randn(3, 7))
+    with pytest.raises(ValueError, match="out_weight must be"):
+        gated_rms_norm_linear(x, x, w, torch.randn(8))
+    with pytest.raises(ValueError, match="out_bias"):
+        gated_rms_norm_linear(x, x, w, torch.randn(3, 8), torch.randn(4))
+    with pytest.raises(ValueError, match="group_size"):
+        gated_rms_norm_linear(x, x, w, torch.randn(3, 8), group_size=3)

@@ -1,4 +1,5 @@
-"""RMSNorm family: ``rms_norm``, ``add_rms_norm`` (residual add fused with the norm), ``gated_rms_norm`` (Mamba-2)."""
+"""RMSNorm family: ``rms_norm``, ``add_rms_norm`` (residual add fused with the norm), ``gated_rms_norm`` (Mamba-2),
+``gated_rms_norm_linear`` (Mamba-2's gated norm and out_proj as one node that keeps no norm output)."""
 
 from __future__ import annotations
 
@@ -57,4 +58,26 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor
     return naive.gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate)
 
 
-__all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm"]
+def gated_rms_norm_linear(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, out_weight: torch.Tensor,
+                          out_bias: torch.Tensor | None = None, eps: float = 1e-5, group_size: int | None = None,
+                          norm_before_gate: bool = False) -> torch.Tensor:
+    """x (..., d), z (..., d) or None, weight (d,), out_weight (e, d), out_bias (e,) or None -> (..., e).
+
+    F.linear(gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate), out_weight, out_bias), the matmul in
+    autocast's dtype when autocast is on (as nn.Linear), else in the promotion of x's and out_weight's dtypes.
+    On the Triton path it is one autograd node that keeps no norm output (x, z, the norm's rstd and out_weight as
+    given): the norm's backward kernel writes it again for out_weight's gradient (docs/memory.md).
+    """
+    _check_weight("gated_rms_norm_linear", x, weight)
+    check_shape("gated_rms_norm_linear", "z", z, *(("...", s) for s in x.shape[:-1]), ("d", x.shape[-1]))
+    check_ndim("gated_rms_norm_linear", "out_weight", out_weight, (2,), "(e, d)")
+    check_shape("gated_rms_norm_linear", "out_weight", out_weight, ("e", out_weight.shape[0]), ("d", x.shape[-1]))
+    check_shape("gated_rms_norm_linear", "out_bias", out_bias, ("e", out_weight.shape[0]))
+    if group_size is not None:
+        check_divides("gated_rms_norm_linear", "group_size", group_size, "d", x.shape[-1])
+    if use_triton(x, op="gated_rms_norm_linear", has_kernel=_kernel() is not None):
+        return _kernel().gated_rms_norm_linear(x, z, weight, out_weight, out_bias, eps, group_size, norm_before_gate)
+    return naive.gated_rms_norm_linear(x, z, weight, out_weight, out_bias, eps, group_size, norm_before_gate)
+
+
+__all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm", "gated_rms_norm_linear"]

@@ -1,11 +1,12 @@
-"""RMSNorm, residual-add + RMSNorm and gated RMSNorm in plain PyTorch (the specification; fp32 math)."""
+"""RMSNorm, residual-add + RMSNorm and gated RMSNorm in plain PyTorch (the specification; fp32 math), and the
+gated norm followed by a linear layer."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from mamba_parallel.ops._common import compute_dtype, fp32_math
+from mamba_parallel.ops._common import compute_dtype, fp32_math, linear_dtype
 
 
 @fp32_math
@@ -48,3 +49,12 @@ def gated_rms_norm(x, z, weight, eps: float = 1e-5, group_size: int | None = Non
     if gate is not None and norm_before_gate:
         y = y * gate
     return y.to(x.dtype)
+
+
+def gated_rms_norm_linear(x, z, weight, out_weight, out_bias=None, eps: float = 1e-5, group_size: int | None = None,
+                          norm_before_gate: bool = False):
+    """x/z (..., d), weight (d,), out_weight (e, d), out_bias (e,) or None -> (..., e): F.linear of the gated norm's
+    output (x.dtype) in ``linear_dtype`` (autocast's when on: what nn.Linear would compute)."""
+    y = gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate)
+    ct = linear_dtype(y, out_weight)
+    return F.linear(y.to(ct), out_weight.to(ct), None if out_bias is None else out_bias.to(ct))

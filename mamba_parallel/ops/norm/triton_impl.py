@@ -1,8 +1,9 @@
 """Triton RMSNorm family, registered as torch custom ops so torch.compile keeps them as single graph nodes.
 
-``rms_norm``, ``add_rms_norm`` and ``gated_rms_norm`` take the public functions' arguments (docs/API.md) and all
-run the same kernels (triton_norm_fwd.py / triton_norm_bwd.py): fp32 statistics, rstd saved for the backward,
-one backward pass that writes dx (dz, dresidual) and per-program weight-gradient partials, summed here.
+``rms_norm``, ``add_rms_norm``, ``gated_rms_norm`` and ``gated_rms_norm_linear`` (triton_norm_linear.py) take the
+public functions' arguments (docs/API.md) and all run the same kernels (triton_norm_fwd.py / triton_norm_bwd.py):
+fp32 statistics, rstd saved for the backward, one backward pass that writes dx (dz, dresidual) and per-program
+weight-gradient partials, summed here.
 """
 
 from __future__ import annotations
@@ -39,18 +40,20 @@ def _launch_shape(group_size: int) -> tuple[int, int]:
 
 # Backward grid: one wave of resident programs, so every SM keeps as many rows in flight as its register file
 # holds. Registers per thread of norm_bwd_kernel by kind and BLOCK_N, as ptxas reports them for sm_90 (Triton
-# 3.9, the largest over fp32 / fp16 / bf16, channel counts and strides divisible by 16; plain = rms_norm and
-# add_rms_norm). Wider groups run one program per SM; a kernel that needs more registers than listed (odd
-# channel counts: scalar loads) only gets a second, partial wave.
+# 3.9, the largest over fp32 / fp16 / bf16, with and without the rebuilt output (STORE_Y), channel counts and
+# strides divisible by 16; plain = rms_norm and add_rms_norm; ``tools/compile_check.py --ops norm --usage``).
+# Wider groups run one program per SM; a kernel that needs more registers than listed (odd channel counts: scalar
+# loads) only gets a second, partial wave.
 _BWD_REGS = {"plain": {512: 40, 1024: 64, 2048: 100, 4096: 128},
-             "gate_in_norm": {512: 62, 1024: 92, 2048: 165, 4096: 170},
-             "gate_after_norm": {512: 48, 1024: 72, 2048: 127, 4096: 136}}
+             "gate_in_norm": {512: 62, 1024: 93, 2048: 165, 4096: 176},
+             "gate_after_norm": {512: 56, 1024: 72, 2048: 128, 4096: 168}}
 _SM_REGS, _SM_WARPS, _CPU_BWD_PROGRAMS = 65536, 64, 4
 
 
 def _bwd_launch_shape(group_size: int) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of the backward: 16 values per thread like the forward, up to 32 warps (ptxas: no
-    spills up to 8192 channels but 12-44 bytes for gate_in_norm at 8192; 64-500 bytes at 16384)."""
+    spills up to 8192 channels but 12-44 bytes for gate_in_norm at 8192, 16-44 with the rebuilt output; 64-600
+    bytes at 16384)."""
     block, _ = _launch_shape(group_size)
     return block, max(4, min(32, block // (32 * 16)))
 
@@ -128,8 +131,10 @@ def _(x, z, residual, weight, eps, group_size, norm_before_gate, store_residual,
 
 def _launch_bwd(dy: torch.Tensor, dres_out: Optional[torch.Tensor], xin: torch.Tensor, z: Optional[torch.Tensor],
                 weight: torch.Tensor, rstd: torch.Tensor, group_size: int, norm_before_gate: bool,
-                dx: torch.Tensor, dres: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
-    """Runs the backward kernel into dx / dres / dz (M, d), any row stride, unit channel stride -> dweight (d,)."""
+                dx: torch.Tensor, dres: torch.Tensor, dz: torch.Tensor,
+                y_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Runs the backward kernel into dx / dres / dz (M, d), any row stride, unit channel stride -> dweight (d,).
+    ``y_out`` (M, d), unit channel stride: also receives the forward's output, rebuilt (the norm + linear node)."""
     m, d = xin.shape
     if m == 0:
         return torch.zeros_like(weight)
@@ -140,13 +145,13 @@ def _launch_bwd(dy: torch.Tensor, dres_out: Optional[torch.Tensor], xin: torch.T
     dw_part = torch.empty((n_programs, d), dtype=torch.float32, device=xin.device)
     norm_bwd_kernel[(n_programs, groups)](
         xin, z, weight, dy, dres_out, rstd,
-        dx, dres, dz, dw_part,
+        dx, dres, dz, dw_part, y_out,
         m, group_size, rows_per_program,
         xin.stride(0), z.stride(0) if z is not None else 0, dy.stride(0),
         dres_out.stride(0) if dres_out is not None else 0, dx.stride(0), dres.stride(0), dz.stride(0),
-        dw_part.stride(0),
+        dw_part.stride(0), y_out.stride(0) if y_out is not None else 0,
         HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate, HAS_DRES_OUT=dres_out is not None,
-        STORE_DX2=dres.shape[0] != 0, BLOCK_N=block, num_warps=warps, num_stages=1,
+        STORE_DX2=dres.shape[0] != 0, STORE_Y=y_out is not None, BLOCK_N=block, num_warps=warps, num_stages=1,
     )
     return dw_part.sum(0).to(weight.dtype)
 
@@ -265,4 +270,7 @@ def gated_rms_norm(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Ten
     return y.view(x.shape)
 
 
-__all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm"]
+# The gated norm + linear node (its own file; it builds on the launchers above, so it is imported after them).
+from mamba_parallel.ops.norm.triton_norm_linear import gated_rms_norm_linear  # noqa: E402
+
+__all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm", "gated_rms_norm_linear"]

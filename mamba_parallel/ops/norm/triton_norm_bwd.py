@@ -1,10 +1,11 @@
 """Backward Triton kernel of the RMSNorm family (see triton_norm_fwd.py for the forward it differentiates).
 
 One pass: each program owns one channel group and a contiguous block of rows. It walks its rows one at a time,
-writes dx (and dz, the residual's gradient) for each, and accumulates the weight gradient of its rows in an fp32
-register vector of the group's width; at the end it stores that vector as one partial row, which the caller
-sums over programs (a small reduce). x, dy and z are read once, instead of a second time by a column-reduction
-kernel. The grid is a few programs per SM, so each program's partial row is amortised over many rows.
+writes dx (and dz, the residual's gradient; on request the forward's output again) for each, and accumulates the
+weight gradient of its rows in an fp32 register vector of the group's width; at the end it stores that vector as
+one partial row, which the caller sums over programs (a small reduce). x, dy and z are read once, instead of a
+second time by a column-reduction kernel. The grid is a few programs per SM, so each program's partial row is
+amortised over many rows.
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ import triton.language as tl
 @triton.jit
 def norm_bwd_kernel(
     X, Z, W, DY, DRES_OUT, RSTD,
-    DX, DX2, DZ, DW_PART,
+    DX, DX2, DZ, DW_PART, Y,
     M, N, rows_per_program,
-    stride_x, stride_z, stride_dy, stride_dres_out, stride_dx, stride_dx2, stride_dz, stride_dw_part,
+    stride_x, stride_z, stride_dy, stride_dres_out, stride_dx, stride_dx2, stride_dz, stride_dw_part, stride_y,
     HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, HAS_DRES_OUT: tl.constexpr, STORE_DX2: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    STORE_Y: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Program (p, g): rows [p * rows_per_program, min(M, (p + 1) * rows_per_program)) of channel group g.
 
     X is the normalised input before the gate (for add_rms_norm: the new residual); RSTD is (groups, M).
     DX2 (optional) receives the same gradient as DX in a second dtype (the residual's gradient).
+    Y (STORE_Y) receives the forward's output, the same values (the same fp32 products in the same order): a
+    following matmul's weight gradient needs it, and keeping it from the forward would cost its memory. It is
+    stored last in the row, when little else is live (stored earlier, ptxas needs up to 25 more registers).
     DW_PART[p, g * N + c] = sum over the program's rows of dy * xhat (* silu(z) when the gate follows the norm):
     y = w * (x * gate * rstd) or w * (x * rstd) * gate, so dw is dy times y / w either way.
     """
@@ -72,6 +76,11 @@ def norm_bwd_kernel(
         if HAS_DRES_OUT:
             dx += tl.load(DRES_OUT + row * stride_dres_out + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if STORE_Y:
+            if HAS_Z and NORM_BEFORE_GATE:
+                tl.store(Y + row * stride_y + cols, (xhat * w * gate).to(Y.dtype.element_ty), mask=mask)
+            else:
+                tl.store(Y + row * stride_y + cols, (xhat * w).to(Y.dtype.element_ty), mask=mask)
         if STORE_DX2:
             tl.store(DX2 + row * stride_dx2 + cols, dx.to(DX2.dtype.element_ty), mask=mask)
     tl.store(DW_PART + pid * stride_dw_part + cols, dw, mask=mask)
