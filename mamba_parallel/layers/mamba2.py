@@ -10,9 +10,12 @@ them); the conv and the scan go through ``seq_ops`` (the parallel seam, layers/s
 handled through ``seq_idx`` / ``cu_seqlens`` in both the conv and the scan.
 Both splits (zxbcdt -> z / xBC / dt, conv output -> x / B / C) go through ``ops.grad_arena``: the conv, scan
 and norm kernels write their input gradients into one buffer per split, so the backward concatenates nothing.
+Training on the Triton path, the gated norm and out_proj run as one node (``ops.gated_rms_norm_linear``,
+layers/out_proj.py): out_proj's input is not kept, the norm's backward kernel writes it again for out_proj's weight
+gradient, as mamba_ssm's fused path does.
 ``recompute`` (a subset of conv, gate, states; layers/recompute.py, docs/memory.md) rebuilds the conv output
-(from in_proj's output, kept anyway), out_proj's input (from the norm's inputs, kept anyway) and the SSD chunk
-states in the backward instead of keeping them, as mamba_ssm's fused path does.
+(from in_proj's output, kept anyway), out_proj's input where that node does not apply (from the norm's inputs,
+kept anyway) and the SSD chunk states in the backward instead of keeping them.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from mamba_parallel.layers import init
 from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.norm import RMSNormGated
+from mamba_parallel.layers.out_proj import fusable_linear, no_hooks
 from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, recompute_set, run_saving
 from mamba_parallel.layers.seq_ops import SequenceOps
+from mamba_parallel.ops.backend import triton_available, use_triton
 from mamba_parallel.ops.grad_arena import split_with_grad_arena, tag_view
 
 
@@ -178,6 +183,10 @@ class Mamba2(nn.Module):
         y = y.flatten(-2)
         if not self.rmsnorm:
             return self.out_proj(y)
+        if self._norm_out_proj_fused(y):  # one node: out_proj's input is not kept ("gate" has nothing to rebuild)
+            norm, out_proj = self.norm, self.out_proj
+            return ops.gated_rms_norm_linear(y, z, norm.weight, out_proj.weight, out_proj.bias, norm.eps,
+                                             norm.group_size, norm.norm_before_gate)
         if "gate" not in plan:
             return self.out_proj(self.norm(y, z))
         y_in, z_in = y.detach(), z.detach()  # the norm keeps both for its backward anyway
@@ -186,6 +195,13 @@ class Mamba2(nn.Module):
         rebuilt.add(y, lambda: self.norm(y_in, z_in))
         with rebuilt:  # out_proj keeps its input for the weight gradient
             return self.out_proj(y)
+
+    def _norm_out_proj_fused(self, y: torch.Tensor) -> bool:
+        """Whether the gated norm and out_proj run as one node: training (autograd on) on the Triton path, with the
+        single-device norm and a plain out_proj (layers/out_proj.py); tensor parallelism replaces both."""
+        return (torch.is_grad_enabled() and type(self.norm) is RMSNormGated and no_hooks(self.norm)
+                and fusable_linear(self.out_proj) and triton_available()
+                and use_triton(y, op="Mamba2 gated norm + out_proj"))
 
     def _conv(self, xBC: torch.Tensor, seq_idx: torch.Tensor | None, **state_kwargs):
         """xBC (b, conv_dim, L) -> silu(causal depthwise conv(xBC)) (b, conv_dim, L); no mixing across seq_idx."""
