@@ -20,11 +20,13 @@ weightless RMS norm (eps ``bcdt_rms_eps``, computed in fp32) before dt_proj and 
 decode step and the fused node alike.
 
 The fused training path (``use_fused_path``, the default; bottom of this file): training on the Triton path with
-the local ``seq_ops`` and no ``gate`` recompute runs the middle (conv .. gate) as ONE autograd node with a
-hand-written backward and the same kernels. Why: a small Mamba-1 model's eager step is bound by the host
-(mamba-130m on an H200: ~1,800 launches and ~100 ms of CPU per step against ~93 ms of GPU work), and the reference
-builds about ten autograd nodes per layer; the node saves ~500 launches per mamba-130m step and keeps less
-(delta is rebuilt in the backward, as mamba_ssm's fused path does).
+the local ``seq_ops`` runs the middle (conv .. gate, and out_proj when it is a plain nn.Linear: layers/out_proj.py)
+as ONE autograd node with a hand-written backward and the same kernels. With out_proj inside, its input y * silu(z)
+is not kept: the gate's backward kernel writes it again for out_proj's weight gradient (so ``gate`` recompute has
+nothing to do there); otherwise a ``gate`` recompute keeps the reference forward. Why the node: a small Mamba-1
+model's eager step is bound by the host (mamba-130m on an H200: ~1,800 launches and ~100 ms of CPU per step
+against ~93 ms of GPU work), and the reference builds about ten autograd nodes per layer; the node saves ~500
+launches per mamba-130m step and keeps less (delta is rebuilt in the backward, as mamba_ssm's fused path does).
 
 Local sizes come from the attributes ``d_inner``, ``d_state``, ``dt_rank`` (tensor parallelism rewrites them).
 """
@@ -44,9 +46,11 @@ from torch.autograd.function import once_differentiable
 from mamba_parallel import ops
 from mamba_parallel.layers import init
 from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
+from mamba_parallel.layers.out_proj import fusable_linear
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, recompute_set, run_saving
 from mamba_parallel.layers.seq_ops import SequenceOps
+from mamba_parallel.ops._common import linear_dtype
 from mamba_parallel.ops.backend import triton_available, use_triton
 from mamba_parallel.ops.grad_arena import split_with_grad_arena, tag_view
 
@@ -195,6 +199,8 @@ class Mamba(nn.Module):
             raise ValueError(f"Mamba: in_proj gives {xz.shape[-1]} features, expected 2 * d_inner = {2 * d_inner}")
         if conv_state is None and self.use_fused_path and self.seq_ops.local and fused_ok(xz):
             plan = recompute_plan(self)
+            if fusable_linear(self.out_proj):  # out_proj in the node: its input is not kept ("gate": nothing left)
+                return _fused_middle(self, xz, seq_idx, recompute_conv="conv" in plan, out_proj=self.out_proj)
             if plan <= _FUSED_RECOMPUTE:  # one autograd node (below); it always rebuilds dt
                 return self.out_proj(_fused_middle(self, xz, seq_idx, recompute_conv="conv" in plan))
         # channels-last (b, d_inner, L) views of xz, whose gradient the conv and the gate write in place
@@ -284,6 +290,10 @@ class Mamba(nn.Module):
 #   (kept for the backward: the scan would otherwise convert them again there), A = -exp(A_log) is built
 #   state-major once (the kernels' layout); delta (d_inner values per token) is not kept: the backward runs its
 #   small matmul again, and with recompute "conv" the conv too;
+# - out_proj (optional): its input, the gate's output, lives only inside the forward; the backward forms its input
+#   gradient first (d_gated = dout @ W), the gate's backward kernel also writes the gate's output again, and
+#   out_proj's weight gradient follows (dout^T @ gated: nn.Linear's GEMMs); its weight is kept as given (an fp32
+#   parameter is cast again in the backward, as the forward casts it);
 # - backward: one buffer receives x_proj's output gradient (ddt_low from the dt matmul, dB / dC straight from the
 #   scan's finishing kernel), x's two gradients meet in one matmul (du + W^T dx_dbl, accumulated in place), the
 #   scan's finishing kernel returns d(A_log) directly, and the conv writes dx into the x half of in_proj's output
@@ -293,7 +303,8 @@ class Mamba(nn.Module):
 # batch in fp32 instead of in the activation dtype). The node reads the sub-modules' weights directly: their
 # forward hooks do not run.
 
-_FUSED_RECOMPUTE = frozenset({"conv", "dt"})  # recompute items the node handles (dt always); "gate": the reference
+# recompute items the node without out_proj handles (dt always); "gate" there: the reference forward
+_FUSED_RECOMPUTE = frozenset({"conv", "dt"})
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -333,8 +344,8 @@ def _conv_token_major(conv, x, w2, conv_b, seq_idx):
 
 class _Mamba1Inner(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, xz, conv_w, conv_b, xproj_w, dt_w, dt_b, A_log, D, seq_idx, d_inner: int, r: int, n: int,
-                recompute_conv: bool, bcdt_eps: float | None):
+    def forward(ctx, xz, conv_w, conv_b, xproj_w, dt_w, dt_b, A_log, D, out_w, out_b, seq_idx, d_inner: int, r: int,
+                n: int, recompute_conv: bool, bcdt_eps: float | None, out_dtype: torch.dtype | None):
         conv, scan, layout = _kernels()
         b = xz.shape[0]
         d, cdt = d_inner, xz.dtype
@@ -355,26 +366,43 @@ class _Mamba1Inner(torch.autograd.Function):
         path = scan.scan_path(xc, dt, None, A, B4)
         y, _, ckpt, _ = scan.scan_forward(xc, dt, A, B4, C4, D32, None, dtb32, None, sid, True, False, b, True, path)
         out = layout._gate_fwd(y, z)  # (b, L, d) contiguous: out_proj's input
+        if out_w is not None:  # out_proj as nn.Linear computes it (out_dtype: autocast's); its input is not kept
+            out = F.linear(out.to(out_dtype), out_w.to(out_dtype), None if out_b is None else out_b.to(out_dtype))
         # dt is rebuilt in the backward (one small matmul), xc too with recompute_conv (one conv)
         ctx.save_for_backward(xz, conv_w, conv_b, wx, wdt, None if recompute_conv else xc, x_dbl, B4, C4, A, D32,
-                              dtb32, sid, ckpt, y, seq_idx, rstd)
-        ctx.meta = (d, r, n, path, D.dtype, dt_b.dtype, A_log.dtype)
+                              dtb32, sid, ckpt, y, seq_idx, rstd, out_w)
+        ctx.meta = (d, r, n, path, D.dtype, dt_b.dtype, A_log.dtype, out_dtype,
+                    out_b.dtype if out_b is not None else None)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         conv, scan, layout = _kernels()
-        xz, conv_w, conv_b, wx, wdt, xc, x_dbl, B4, C4, A, D32, dtb32, sid, ckpt, y, seq_idx, rstd = \
+        xz, conv_w, conv_b, wx, wdt, xc, x_dbl, B4, C4, A, D32, dtb32, sid, ckpt, y, seq_idx, rstd, out_w = \
             ctx.saved_tensors
-        d, r, n, path, d_dtype, dtb_dtype, alog_dtype = ctx.meta
+        d, r, n, path, d_dtype, dtb_dtype, alog_dtype, out_dtype, outb_dtype = ctx.meta
+        need = ctx.needs_input_grad
         b = xz.shape[0]
         x, z = _xz_views(xz, d)
+        dxz = torch.empty_like(xz)  # in_proj's output gradient: the gate fills the z half, the conv the x half
+        dout_w = dout_b = None
+        if out_w is None:
+            dy = layout._gate_bwd(dout, y, z, dxz[..., d:].transpose(1, 2))
+        else:  # through out_proj first; the gate's backward writes its input again for the weight gradient
+            dres = dout.reshape(-1, dout.shape[-1])
+            dgated = dres.mm(out_w.to(out_dtype)).to(y.dtype).view(b, -1, d)
+            gated = torch.empty_like(dgated) if need[8] else None
+            dy = layout._gate_bwd(dgated, y, z, dxz[..., d:].transpose(1, 2), gated)
+            del dgated
+            if gated is not None:
+                dout_w = dres.t().mm(gated.view(-1, d).to(out_dtype)).to(out_w.dtype)
+            del gated
+            if need[9]:
+                dout_b = dres.sum(0).to(outb_dtype)
         if xc is None:
             xc = _conv_token_major(conv, x, conv_w[:, 0, :], conv_b, seq_idx)
         dt = _delta(wdt, x_dbl, r)  # the forward's values (the same matmul)
-        dxz = torch.empty_like(xz)  # in_proj's output gradient: the gate fills the z half, the conv the x half
-        dy = layout._gate_bwd(dout, y, z, dxz[..., d:].transpose(1, 2))
         dx_dbl = torch.empty_like(x_dbl)  # x_proj's output gradient: [ddt_low | dB | dC]
         du, ddt, dA_log, _, _, dD, _, ddtb, _ = scan.scan_backward(
             xc, dt, A, B4, C4, D32, None, dtb32, None, sid, ckpt, xc.new_empty((0,)), dy, None, True, False, path,
@@ -389,18 +417,22 @@ class _Mamba1Inner(torch.autograd.Function):
         dxc = du.baddbmm_(_expand(wx.t(), b), dx_dbl)  # x's two gradients: the scan's and x_proj's
         _, dw2, dcb, _ = conv.conv1d_backward(x, conv_w[:, 0, :], conv_b, None, seq_idx, dxc, None, True,
                                               dxz[..., :d].transpose(1, 2))
-        need = ctx.needs_input_grad
         grads = (dxz, dw2.view_as(conv_w), dcb if conv_b is not None else None, dwx, dwdt, ddtb.to(dtb_dtype),
-                 dA_log.to(alog_dtype), dD.to(d_dtype))
-        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None, None)
+                 dA_log.to(alog_dtype), dD.to(d_dtype), dout_w, dout_b)
+        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None, None, None)
 
 
-def _fused_middle(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None,
-                  recompute_conv: bool = False) -> torch.Tensor:
+def _fused_middle(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None, recompute_conv: bool = False,
+                  out_proj: nn.Linear | None = None) -> torch.Tensor:
     """xz (b, L, 2 d_inner) in_proj's output -> y * silu(z) (b, L, d_inner) contiguous (out_proj's input), the
-    middle of ``layer`` as one autograd node. ``recompute_conv``: rebuild the conv output in the backward instead
+    middle of ``layer`` as one autograd node; with ``out_proj`` (a plain nn.Linear) -> out_proj(y * silu(z))
+    (b, L, d_model), out_proj in the node too. ``recompute_conv``: rebuild the conv output in the backward instead
     of keeping it. Call only where ``fused_ok`` allows and ``layer.seq_ops`` are local."""
     conv1d, dt_proj = layer.conv1d, layer.dt_proj
+    out_w = out_b = out_dtype = None
+    if out_proj is not None:
+        out_w, out_b = out_proj.weight, out_proj.bias
+        out_dtype = linear_dtype(xz, out_w)  # the gate's output has xz's dtype
     return _Mamba1Inner.apply(xz, conv1d.weight, conv1d.bias, layer.x_proj.weight, dt_proj.weight, dt_proj.bias,
-                              layer.A_log, layer.D, seq_idx, layer.d_inner, layer.dt_rank, layer.d_state,
-                              recompute_conv, layer.bcdt_rms_eps)
+                              layer.A_log, layer.D, out_w, out_b, seq_idx, layer.d_inner, layer.dt_rank,
+                              layer.d_state, recompute_conv, layer.bcdt_rms_eps, out_dtype)

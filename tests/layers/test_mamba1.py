@@ -183,9 +183,13 @@ def test_where_the_fused_path_does_not_apply(monkeypatch):
     m.seq_ops = Communicating()
     assert "_Mamba1InnerBackward" not in _run(m, h, monkeypatch, fused=True)[1]
     m.seq_ops = Mamba1Ops()
-    # a gate recompute keeps the modular path (it rebuilds out_proj's input through saved-tensor hooks)
+    # a gate recompute: nothing to do with out_proj in the node (it keeps no out_proj input); with an out_proj the
+    # node cannot take in (a hook), the modular path rebuilds out_proj's input through saved-tensor hooks
     apply_recompute(m, "conv,gate")
+    assert "_Mamba1InnerBackward" in _run(m, h, monkeypatch, fused=True)[1]
+    hook = m.out_proj.register_forward_hook(lambda mod, args, out: None)
     assert "_Mamba1InnerBackward" not in _run(m, h, monkeypatch, fused=True)[1]
+    hook.remove()
 
 
 def test_fused_keeps_no_delta_and_rebuilds_the_conv_on_request(monkeypatch):
@@ -207,8 +211,35 @@ def test_fused_keeps_no_delta_and_rebuilds_the_conv_on_request(monkeypatch):
     for g, r in zip(grads["conv,dt"], grads[""]):
         assert torch.equal(g, r)
     assert saved[""] - saved["conv,dt"] == 4 * b * L * m.d_inner  # the conv output
-    # against the modular layer: no delta, no exp(A_log) output (fp32 here: B / C need no fp32 copy)
-    assert modular - saved[""] == 4 * (b * L * m.d_inner + m.d_inner * m.d_state)
+    # against the modular layer: no delta, no out_proj input, no exp(A_log) output (fp32 here: B / C need no fp32
+    # copy)
+    assert modular - saved[""] == 4 * (2 * b * L * m.d_inner + m.d_inner * m.d_state)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_out_proj_in_the_node_is_exact(bias, monkeypatch):
+    """out_proj inside the node (its input written again by the gate's backward) gives the values of the node
+    followed by out_proj as a module (a forward hook keeps it outside), bit for bit, and keeps b * L * d_inner
+    values less; a frozen out_proj gets no gradient."""
+    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
+    torch.manual_seed(0)
+    m = Mamba(16, d_state=4, bias=bias)
+    b, L = 2, 7
+    h = torch.randn(b, L, 16, generator=torch.Generator().manual_seed(3))
+    saved = []
+    counted = lambda x: saved.append(saved_bytes(m, lambda: m(x))) or saved[-1][0]  # noqa: E731
+    inside, nodes = _run(m, h, monkeypatch, fused=True, fn=counted)
+    hook = m.out_proj.register_forward_hook(lambda mod, args, out: None)
+    outside, outside_nodes = _run(m, h, monkeypatch, fused=True, fn=counted)
+    hook.remove()
+    assert "_Mamba1InnerBackward" in nodes and "_Mamba1InnerBackward" in outside_nodes
+    for g, r, name in zip(inside, outside, _names(m)):
+        assert torch.equal(g, r), name
+    assert saved[1][1] - saved[0][1] == 4 * b * L * m.d_inner
+    if bias:
+        m.out_proj.requires_grad_(False)
+        _run(m, h, monkeypatch, fused=True)
+        assert m.out_proj.weight.grad is None and m.out_proj.bias.grad is None and m.x_proj.weight.grad is not None
 
 
 @pytest.mark.gpu
