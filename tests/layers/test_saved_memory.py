@@ -14,6 +14,7 @@ from mamba_parallel import ops
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
 from mamba_parallel.layers.recompute import apply_recompute
+from mamba_parallel.ops.selective_scan.launch import chunk_tokens
 
 pytest.importorskip("triton")
 
@@ -25,10 +26,10 @@ def _mamba2(recompute=""):
     return Mamba2(32, d_state=16, headdim=16, ngroups=1, chunk_size=16, recompute=recompute)
 
 
-def _mamba1():
+def _mamba1(fused=False):
     torch.manual_seed(0)
-    # the reference forward (a "gate" recompute turns the fused training path off: layers/mamba1.py)
-    return Mamba(16, d_state=4, use_fused_path=False)
+    # fused=False: the reference forward, op by op (where every recompute item applies)
+    return Mamba(16, d_state=4, use_fused_path=fused)
 
 
 def _mamba2_expected(m, b, L, recompute: str):
@@ -42,8 +43,7 @@ def _mamba2_expected(m, b, L, recompute: str):
                  + m.ngroups)             # norm rstd
     if "conv" not in recompute:
         per_token += di + 2 * gn          # conv output (the scan's x, B, C)
-    if "gate" not in recompute:
-        per_token += di                   # gated norm output (out_proj's input)
+    # the gated norm output (out_proj's input): never kept, the norm + out_proj node rebuilds it ("gate": no-op)
     per_chunk = 2 * h * cs + h * p * n    # dt after softplus, cumulative decay (fp32); states entering each chunk
     if "states" in recompute:
         per_chunk = 0
@@ -64,6 +64,32 @@ def test_mamba2_saved_bytes_match_the_table(triton_backend, recompute):
     h = torch.randn(b, L, m.d_model, requires_grad=True)
     _, saved = saved_bytes(m, lambda: m(h))  # counted at the end of the forward (the backward runs below)
     assert saved == _mamba2_expected(m, b, L, recompute)
+
+
+def _mamba1_fused_expected(m, b, L, recompute: str):
+    """The fused training node's rows of docs/memory.md's Mamba table (fp32: B and C are views of x_dbl), bytes."""
+    di, n, r = m.d_inner, m.d_state, m.dt_rank
+    nchunks = -(-L // chunk_tokens(L, interp=True))
+    per_token = (m.d_model                # in_proj input
+                 + 2 * di                 # in_proj output xz (the conv input and z are views)
+                 + (r + 2 * n)            # x_proj output x_dbl (dt_low, B, C: views)
+                 + di)                    # scan output y (the gate's input)
+    if "conv" not in recompute:
+        per_token += di                   # conv output, token-major
+    # no delta (rebuilt by its matmul), no gate output (out_proj is in the node: rebuilt by the gate's backward)
+    return F32 * (b * L * per_token
+                  + b * nchunks * n * di  # scan state checkpoints, one per chunk
+                  + di * n)               # A = -exp(A_log), state-major
+
+
+@pytest.mark.parametrize("recompute", ["", "conv,dt,gate"])
+def test_mamba1_fused_saved_bytes_match_the_table(triton_backend, recompute):
+    m = _mamba1(fused=True)
+    apply_recompute(m, recompute)
+    b, L = 2, 20
+    h = torch.randn(b, L, m.d_model, requires_grad=True)
+    _, saved = saved_bytes(m, lambda: m(h))
+    assert saved == _mamba1_fused_expected(m, b, L, recompute)
 
 
 def _run_with_grads(m, h, **kw):
@@ -90,12 +116,12 @@ def test_recompute_is_bit_exact_and_drops_what_it_rebuilds(triton_backend, layer
     assert torch.equal(out, ref_out) and torch.equal(dh, ref_dh)
     for name, g in grads.items():
         assert torch.equal(g, ref_grads[name]), name
-    # per token: the conv output, out_proj's input (d_inner), and for Mamba the scan's delta (d_inner);
-    # per chunk (Mamba2 "states"): dt / decay and the states entering it
+    # per token: the conv output, out_proj's input (d_inner; Mamba2: never kept, "gate" is a no-op), and for Mamba
+    # the scan's delta (d_inner); per chunk (Mamba2 "states"): dt / decay and the states entering it
     if layer == "mamba2":
         nc = 1 + 2 if packed else -(-L // m.chunk_size)  # packed: sequences of 11 and 21 tokens, 1 + 2 chunks
         per_chunk = 2 * m.nheads * m.chunk_size + m.nheads * m.headdim * m.d_state
-        dropped = F32 * (b * L * (2 * m.d_inner + 2 * m.ngroups * m.d_state) + (1 if packed else b) * nc * per_chunk)
+        dropped = F32 * (b * L * (m.d_inner + 2 * m.ngroups * m.d_state) + (1 if packed else b) * nc * per_chunk)
     else:
         dropped = F32 * b * L * 3 * m.d_inner
     assert ref_saved - saved == dropped
