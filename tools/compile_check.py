@@ -1,13 +1,14 @@
 """Compile every Triton kernel an op launches for sm_90 on a machine without a GPU: catches what the CPU interpreter
 lets through (globals that are not constexpr, dot shapes, type mismatches) before a GPU run.
 
-    python tools/compile_check.py [--ops mamba3] [--arch 90]
+    python tools/compile_check.py [--ops mamba3 norm layout] [--arch 90] [--usage]
 
 Step one runs each op's forward and backward (and its decode step) on realistic shapes in the CPU interpreter and
 records every kernel launch: the kernel, its argument types and values, its constexprs. Step two, in a fresh process
 without the interpreter, compiles each recorded launch with Triton's real compiler for the target GPU; an autotuned
 kernel is compiled with every GPU candidate configuration instead of the interpreter's one. Triton's wheel bundles
-ptxas, so this runs the whole pipeline to a cubin.
+ptxas, so this runs the whole pipeline to a cubin. ``--usage`` also prints each compiled launch's registers per
+thread and spill bytes (ptxas -v), e.g. to keep the norm backward's register table (ops/norm/triton_impl.py) true.
 """
 
 from __future__ import annotations
@@ -56,6 +57,36 @@ def _workloads(ops):
                 for rope in ("interleaved", "halved"):
                     triton_impl.mamba3_state_update(state, **step, rope=rope)
                 yield f"mamba3 decode step {kw} {dtype}"
+
+
+    if "norm" in ops:
+        from mamba_parallel.ops.norm import triton_impl as norm
+
+        # Mamba-2's gated norm + out_proj at mamba2-1.3b / 2.7b widths (d_inner 4096 / 5120; 4 groups), the gate on
+        # either side, and the block's residual norm
+        for d, e, gs in ((4096, 2048, None), (5120, 2560, None), (5120, 2560, 1280)):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                for nbg in (False, True):
+                    x, z = (torch.randn(6, d, dtype=dtype, requires_grad=True) for _ in range(2))
+                    w, W = torch.ones(d, dtype=dtype, requires_grad=True), torch.randn(e, d, requires_grad=True)
+                    norm.gated_rms_norm_linear(x, z, w, W.to(dtype), None, 1e-5, gs, nbg).float().sum().backward()
+                    norm.gated_rms_norm(x, z, w, 1e-5, gs, nbg).float().sum().backward()
+                    yield f"gated norm (+ linear) d{d} group {gs} nbg {nbg} {dtype}"
+                x, r = torch.randn(6, e, dtype=dtype, requires_grad=True), torch.randn(6, e, requires_grad=True)
+                y, res = norm.add_rms_norm(x, r, torch.ones(e, dtype=dtype, requires_grad=True), 1e-5, True)
+                (y.float().sum() + res.sum()).backward()
+                yield f"add_rms_norm d{e} {dtype}"
+    if "layout" in ops:
+        from mamba_parallel.ops.layout import triton_impl as layout
+
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):  # Mamba-1's gate at mamba-2.8b's d_inner
+            y = torch.randn(1, 5120, 70, dtype=dtype)
+            z = torch.randn(1, 70, 5120, dtype=dtype).transpose(1, 2)
+            out = layout._gate_fwd(y, z)
+            layout._gate_bwd(torch.randn_like(out), y, z, torch.empty_like(z))
+            layout._gate_bwd(torch.randn_like(out), y, z, torch.empty_like(z), torch.empty_like(out))
+            layout.token_major(z)
+            yield f"silu gate, token-major copy {dtype}"
 
 
 class Recorder:
@@ -178,10 +209,22 @@ def compile_one(launch, config, arch):
                 signature[p.name] = "fp32"
     opts = {k: v for k, v in options.items() if k in ("num_warps", "num_stages", "maxnreg")}
     src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
-    triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
-def compile_all(path, arch) -> int:
+def _usage(compiled, launch) -> str:
+    """One line: the kernel, its constexprs and warps, registers per thread and spill bytes (ptxas -v)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sass_report import ptxas_usage
+
+    u = ptxas_usage(compiled.asm["ptx"])
+    consts = {k: v["value"] for k, v in launch["args"].items() if k.isupper() and v.get("value") is not None}
+    dtype = next((v["ptr"] for v in launch["args"].values() if "ptr" in v), "")  # the first pointer's
+    return (f"{launch['kernel'].rsplit('.', 1)[1]} {dtype} {consts} warps {launch['options'].get('num_warps')}: "
+            f"{u['regs']} registers, spills {u['spill_store']} / {u['spill_load']} bytes")
+
+
+def compile_all(path, arch, usage: bool = False) -> int:
     data = json.load(open(path))
     seen, failures = set(), []
     for launch in data["launches"]:
@@ -196,7 +239,9 @@ def compile_all(path, arch) -> int:
                 continue
             seen.add(key)
             try:
-                compile_one(launch, config, arch)
+                compiled = compile_one(launch, config, arch)
+                if usage:
+                    print(_usage(compiled, launch))
             except Exception as e:
                 failures.append(f"{launch['kernel']} {config}: {type(e).__name__}: {str(e)[:2000]}")
     print(f"compile_check: {len(seen)} kernel launches compiled for sm_{arch}, {len(failures)} failed")
@@ -207,9 +252,10 @@ def compile_all(path, arch) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", nargs="+", default=["mamba3"], choices=["mamba3"],
+    ap.add_argument("--ops", nargs="+", default=["mamba3"], choices=["mamba3", "norm", "layout"],
                     help="the ops whose launches to record and compile (those with a workload here)")
     ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--usage", action="store_true", help="print registers and spills of every compiled launch")
     ap.add_argument("--record-only", metavar="PATH", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.record_only:
@@ -219,11 +265,13 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     subprocess.run([sys.executable, __file__, "--record-only", path, "--ops", *a.ops], check=True, env=env)
     env.pop("TRITON_INTERPRET", None)
-    return subprocess.run([sys.executable, __file__, "--compile", path, "--arch", str(a.arch)], env=env).returncode
+    return subprocess.run([sys.executable, __file__, "--compile", path, "--arch", str(a.arch)]
+                          + (["--usage"] if a.usage else []), env=env).returncode
 
 
 if __name__ == "__main__" and "--compile" in sys.argv:
     i = sys.argv.index("--compile")
-    raise SystemExit(compile_all(sys.argv[i + 1], int(sys.argv[sys.argv.index("--arch") + 1])))
+    raise SystemExit(compile_all(sys.argv[i + 1], int(sys.argv[sys.argv.index("--arch") + 1]),
+                                 "--usage" in sys.argv))
 elif __name__ == "__main__":
     raise SystemExit(main())
