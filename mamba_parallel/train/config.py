@@ -94,7 +94,8 @@ class TrainConfig:
     activation_checkpointing: bool = _f(False, "recompute each block's activations in the backward pass")
     recompute: str = _f("", "comma list of activations each layer rebuilds in the backward instead of keeping "
                             "them (less memory for one more cheap kernel per layer; docs/memory.md): conv = the "
-                            "conv output, dt = Mamba's dt_proj output, gate = out_proj's input, states = Mamba2's "
+                            "conv output, dt = Mamba's dt_proj output, gate = out_proj's input (where out_proj "
+                            "does not already run fused with the norm / gate, which keeps none), states = Mamba2's "
                             "SSD chunk states. Default: keep everything. Eager only: under --compile only states "
                             "applies", metavar="ITEMS")
     compile: bool = _f(False, "torch.compile each block")
