@@ -90,9 +90,10 @@ def run_step(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None)
 
     rows = []
     for b, h, p, n in shapes:
-        if deadline is not None and deadline.passed():
+        why = kernels.not_startable(deadline)
+        if why:
             rows.append(make_row(f"b{b} h{h} p{p} n{n}", "decode step", "us", "lower", {s: None for s in sides},
-                                 {s: kernels.SKIPPED for s in sides}, section="step"))
+                                 {s: why for s in sides}, section="step"))
             continue
         tok = {k: (v[:, 0] if k in ("x", "z", "B", "C", "dt", "A", "trap", "angles") else v)
                for k, v in scan_inputs(b, 1, h, p, n, 1, DTYPES[dtype], device).items() if k != "chunk_size"}
@@ -107,6 +108,7 @@ def run_step(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None)
                 errors[name] = None
             except Exception as e:  # recorded in the row; the table goes on
                 times[name], errors[name] = None, error_text(e)
+                kernels.after_failure(name, device)
         row = make_row(f"b{b} h{h} p{p} n{n}", "decode step", "us", "lower", times, errors, section="step")
         log(f"mamba3 step {row['case']}: " + ", ".join(f"{s} {row.get(s)}" for s in sides))
         rows.append(row)
@@ -120,8 +122,9 @@ def run_layer(shapes, layers, dtype, device, warmup, reps, log=say, deadline=Non
     cuda = torch.device(device).type == "cuda"
     rows = []
     for d_model, b, L in shapes:
-        if deadline is not None and deadline.passed():
-            rows += kernels.skipped_rows(f"layer d_model {d_model} b{b} L{L}", layers, ("fwd", "fwd+bwd"),
+        why = kernels.not_startable(deadline)
+        if why:
+            rows += kernels.skipped_rows(f"layer d_model {d_model} b{b} L{L}", layers, ("fwd", "fwd+bwd"), why=why,
                                          section="layer")
             continue
         x = torch.randn(b, L, d_model, device=device)
@@ -142,16 +145,20 @@ def run_layer(shapes, layers, dtype, device, warmup, reps, log=say, deadline=Non
                 fwd(layer).float().square().mean().backward()
                 layer.zero_grad(set_to_none=True)
             for mode, fn in (("fwd", fwd), ("fwd+bwd", both)):
+                if kernels.context_lost():
+                    timed[mode][0][name], timed[mode][1][name] = None, kernels.context_lost()
+                    continue
                 try:
                     timed[mode][0][name], timed[mode][1][name] = median_ms(fn, device, warmup, reps), None
                 except Exception as e:
                     timed[mode][0][name], timed[mode][1][name] = None, error_text(e)
+                    kernels.after_failure(name, device)
         new = kernels.rows_for_case(f"layer d_model {d_model} b{b} L{L}", timed, section="layer")
         for r in new:
             log(f"mamba3 {r['case']} {r['metric']}: " + ", ".join(f"{s} {r.get(s)}" for s in built))
         rows += new
         del built, ours, x
-        if cuda:
+        if cuda and not kernels.context_lost():
             torch.cuda.empty_cache()
     return rows
 

@@ -4,7 +4,10 @@ Modes: ``fwd`` (forward with gradients enabled, as training runs it: each side s
 ``fwd+bwd`` (forward, then the gradients of every floating input through ``torch.autograd.grad``), and
 ``inference`` (forward under ``torch.no_grad``). Every side gets the same input tensors, the same argument set,
 the same timer and the same warm-up; one side failing (out of memory, a kernel that does not compile) leaves its
-error in the row and the others still run.
+error in the row and the others still run. Each side's timing ends with a device synchronisation, so an error a
+side's kernels raise asynchronously (an illegal memory access) lands in that side's row. Such an error leaves the
+process's CUDA context unusable: every later CUDA call fails, so what was not run yet is listed with that error
+instead (``context_lost``) and the result is still written.
 """
 
 from __future__ import annotations
@@ -45,6 +48,26 @@ def mode_fn(fn, inputs: dict, grad_names: tuple[str, ...], mode: str, dy: torch.
     return run_bwd
 
 
+_lost: list[str] = []  # why this process's CUDA context cannot run kernels any more (empty while it can)
+
+
+def context_lost() -> str | None:
+    """None while CUDA works here; after a side broke the CUDA context, the text every later row carries."""
+    return _lost[0] if _lost else None
+
+
+def after_failure(side: str, device) -> None:
+    """A side failed: free what it cached. If CUDA itself fails now, the context is lost (an illegal memory access
+    poisons every later call): remember it, so that nothing more is launched in this process."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available() or _lost:
+        return
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception as e:
+        _lost.append(f"not run: the CUDA context was lost after the {side} side failed ({error_text(e)})")
+
+
 def time_sides(sides: dict, inputs: dict, grad_names: tuple[str, ...], device, dy=None, modes=MODES,
                warmup: int = 3, reps: int = 10, rounds: int = 2) -> dict:
     """{mode: ({side: ms or None}, {side: error or None}, {side: spread or None})} for every side's op on the same
@@ -60,12 +83,15 @@ def time_sides(sides: dict, inputs: dict, grad_names: tuple[str, ...], device, d
             for side, fn in sides.items():
                 if errors[side] is not None:
                     continue
+                if context_lost():  # nothing more runs here; a side with a round timed keeps it
+                    if not calls[side]:
+                        errors[side] = context_lost()
+                    continue
                 try:
                     ms = time_calls(mode_fn(fn, inputs, grad_names, mode, dy), device, warmup if r == 0 else 1, reps)
                 except Exception as e:  # recorded in the row; the table goes on
                     errors[side] = error_text(e)
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
+                    after_failure(side, device)
                     continue
                 calls[side] += ms
                 medians[side].append(statistics.median(ms))
@@ -89,10 +115,19 @@ def rows_for_case(case: str, timed: dict, **extra) -> list[dict]:
 SKIPPED = "skipped: time budget spent"
 
 
-def skipped_rows(case: str, sides, modes=MODES, **extra) -> list[dict]:
-    """The rows of a case not started because the run's time budget was spent (the table says so)."""
-    return [make_row(case, MODE_LABELS[m], "ms", "lower", {s: None for s in sides}, {s: SKIPPED for s in sides},
+def skipped_rows(case: str, sides, modes=MODES, why: str = SKIPPED, **extra) -> list[dict]:
+    """The rows of a case not started (the run's time budget spent, or ``why``): the table says so."""
+    return [make_row(case, MODE_LABELS[m], "ms", "lower", {s: None for s in sides}, {s: why for s in sides},
                      mode=m, **extra) for m in modes]
+
+
+def not_startable(deadline) -> str | None:
+    """Why a new case cannot start (the time budget spent, the CUDA context lost), or None."""
+    if context_lost():
+        return context_lost()
+    if deadline is not None and deadline.passed():
+        return SKIPPED
+    return None
 
 
 def time_shapes(bench: str, shapes, make_inputs, case, sides: dict, grad_names, device, warmup: int, reps: int,
@@ -103,9 +138,10 @@ def time_shapes(bench: str, shapes, make_inputs, case, sides: dict, grad_names, 
     started before ``deadline`` (timing.Deadline) passed get skipped rows."""
     rows = []
     for shape in shapes:
-        if deadline is not None and deadline.passed():
-            rows += skipped_rows(case(shape), sides, **extra(shape))
-            log(f"{bench} {case(shape)}: {SKIPPED}")
+        why = not_startable(deadline)
+        if why:
+            rows += skipped_rows(case(shape), sides, why=why, **extra(shape))
+            log(f"{bench} {case(shape)}: {why}")
             continue
         inputs = make_inputs(shape)
         dy = torch.randn_like(inputs[out_like])
@@ -116,7 +152,7 @@ def time_shapes(bench: str, shapes, make_inputs, case, sides: dict, grad_names, 
             log(f"{bench} {r['case']} {r['metric']}: " + ", ".join(f"{s} {r.get(s)}" for s in sides))
         rows += new
         del inputs, dy
-        if torch.device(device).type == "cuda":
+        if torch.device(device).type == "cuda" and not context_lost():
             torch.cuda.empty_cache()
     return rows
 
