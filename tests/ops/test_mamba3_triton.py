@@ -246,3 +246,91 @@ def test_large_chunk_sizes_are_split_into_kernel_chunks():
     args = make_inputs(1, 70, 2, 8, 16, dtype=torch.float32, device=DEV, init=False)
     assert_close(triton_impl.mamba3_chunk_scan(**args, chunk_size=128),
                  naive.mamba3_chunk_scan(**as_double(args), chunk_size=128), torch.float32, name="y")
+
+
+# ---------------------------------------------------------------- out-of-bounds accesses (CPU)
+
+GUARD = 256  # NaN elements before and after every guarded tensor
+
+
+def _in_nan_frame(t):
+    """t copied into the middle of a NaN-filled buffer, same shape and strides: a read past it reads NaN."""
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    buf = torch.full((span + 2 * GUARD,), float("nan"), dtype=t.dtype, device=t.device)
+    view = buf.as_strided(t.shape, t.stride(), GUARD)
+    view.copy_(t)
+    return view, buf
+
+
+@pytest.fixture
+def guarded_allocations(monkeypatch):
+    """Fresh floating tensors (torch.empty / empty_like, as the kernels' wrappers allocate) become NaN-filled views
+    into buffers with NaN margins: a kernel reading memory it never wrote, or past a tensor, gets NaN; ``check()``
+    asserts no margin was written."""
+    orig_empty, orig_empty_like = torch.empty, torch.empty_like
+    frames = []
+
+    def framed(shape, dtype, device):
+        numel = 1
+        for s in shape:
+            numel *= s
+        buf = torch.full((numel + 2 * GUARD,), float("nan"), dtype=dtype, device=device)
+        frames.append(buf)
+        return buf[GUARD:GUARD + numel].view(shape)
+
+    def empty(*size, dtype=None, device=None, **k):
+        shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else tuple(size)
+        dtype = dtype or torch.get_default_dtype()
+        if k or not dtype.is_floating_point:
+            return orig_empty(*size, dtype=dtype, device=device, **k)
+        return framed(shape, dtype, device)
+
+    def empty_like(t, dtype=None, device=None, **k):
+        dtype = dtype or t.dtype
+        if k or not dtype.is_floating_point or not t.is_contiguous():
+            return orig_empty_like(t, dtype=dtype, device=device, **k)
+        return framed(tuple(t.shape), dtype, device or t.device)
+
+    def check():
+        for buf in frames:
+            assert torch.isnan(buf[:GUARD]).all() and torch.isnan(buf[-GUARD:]).all(), \
+                f"a kernel wrote past a tensor of {buf.numel() - 2 * GUARD} elements"
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    yield check
+
+
+@pytest.mark.parametrize("shape,chunk", [((2, 32, 3, 16, 32, 1), 16), ((2, 16, 3, 16, 32, 2), 8)],
+                         ids=["siso", "mimo"])
+def test_bench_arguments_stay_in_bounds(shape, chunk, guarded_allocations):
+    """The benchmark's argument set (bench_mamba3.scan_inputs through peer_mamba3.ours_scan: fp32 dt / A / trap,
+    head-shared angles as a stride-0 view, D, biases, the gate, no initial states, no final states) at a length
+    that is a whole number of chunks, with a head count that is not a power of two. Every input is a view into a
+    NaN-margined buffer and every kernel output is NaN until written: a stray read shows up as a non-finite
+    output or gradient, a stray write in a margin."""
+    from mamba_parallel.bench.bench_mamba3 import grad_names, scan_inputs
+    from mamba_parallel.bench.peer_mamba3 import ours_scan
+
+    raw = scan_inputs(*shape, torch.float16, "cpu", chunk=chunk)
+    names = grad_names(raw)
+    ours, ref, keep = {}, {}, []
+    for k, v in raw.items():
+        if isinstance(v, torch.Tensor):
+            framed, buf = _in_nan_frame(v)
+            keep.append(buf)
+            ours[k] = framed.requires_grad_(k in names)
+            ref[k] = v.double().requires_grad_(k in names)
+        else:
+            ours[k] = ref[k] = v
+    y = ours_scan(**ours, op=triton_impl.mamba3_chunk_scan)
+    y_ref = ours_scan(**ref, op=naive.mamba3_chunk_scan)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    g = torch.autograd.grad(y, [ours[k] for k in names], dy.to(y.dtype))
+    g_ref = torch.autograd.grad(y_ref, [ref[k] for k in names], dy)
+    guarded_allocations()
+    assert_close(y, y_ref, torch.float16, name="y")
+    for k, a, b in zip(names, g, g_ref):
+        assert_close(a, b, torch.float16, grad=True, name=f"d{k}")
+    for buf in keep:  # nothing wrote into an input's margins either
+        assert torch.isnan(buf[:GUARD]).all() and torch.isnan(buf[-GUARD:]).all()

@@ -96,7 +96,8 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFIN
 
         t, rank, lead = rows(c, T, R)
         valid = t < L
-        dt, la, gamma, w = token_scalars(DT + scal, AA + scal, TRAP + scal, sdt, t, valid, valid)
+        # w is not used here (the compiler drops its loads), but its next-token mask must still stop at the end
+        dt, la, gamma, w = token_scalars(DT + scal, AA + scal, TRAP + scal, sdt, t, valid, t + 1 < L)
         la = tl.where(lead, la, 0.0)
         cs = tl.cumsum(la, 0)
         tot = tl.sum(la, 0)
