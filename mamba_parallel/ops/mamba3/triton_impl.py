@@ -124,7 +124,7 @@ def _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z,
 
 def _phase_carry(lay: Layout, tot, dfin_angle, T, Lk):
     """Per-chunk phase-gradient totals (rows, h, nc, a) -> what later chunks (and the final phase) add to every
-    token of a chunk (rows, Lk, h, a), and the gradient of each initial phase (nseq_in_layout, h, a)."""
+    token of a chunk (rows, Lk, h, a)."""
     rows, H, nc, NA = tot.shape
     flat = tot.permute(0, 2, 1, 3).reshape(rows * nc, H, NA)
     seq = lay.chunk_seq
@@ -138,12 +138,49 @@ def _phase_carry(lay: Layout, tot, dfin_angle, T, Lk):
     after = suffix[last + 1]  # what the chunks after each sequence add
     carry = suffix[:-1] - flat - after[seq] + dfin[seq]
     carry = carry.view(rows, nc, 1, H, NA).expand(rows, nc, T, H, NA).reshape(rows, nc * T, H, NA)[:, :Lk]
-    return carry, suffix[first] - after + dfin
+    return carry
+
+
+def _turn(d, s, col1, col2):
+    """<d, J s> per rotated pair, summed over headdim: how a state's rotation by a small angle moves the loss
+    (J turns each pair (s1, s2) to (-s2, s1)). d, s (.., p, n) -> (.., a)."""
+    return (d[..., col2] * s[..., col1] - d[..., col1] * s[..., col2]).sum(-2)
+
+
+def _init_angle_grad(lay: Layout, dfin_angle, dfin_ssm, fin_ssm, dinit, init_ssm, NA, halved):
+    """The gradient of every initial phase (nstates, h, a), from the states alone.
+
+    Turning a sequence's initial phase by delta turns every q and k of the sequence by delta: the scores q . k and
+    what q reads of the state k u^T built inside the sequence do not change, so the loss moves only through the
+    final phase (+ delta), the final state (turned by delta) and the initial state (read as if turned by -delta):
+    d init_angle = d fin_angle + <d fin_ssm, J fin_ssm> - <d init_ssm, J init_ssm>. Summing the per-token phase
+    gradients over the sequence gives the same in exact arithmetic, but those terms cancel to this small total
+    (every pair q_i . k_j adds +x at token i and -x at token j), and their rounding (half-precision dot operands,
+    states stored in x.dtype) does not cancel: over a thousand tokens that left a few percent of error in bf16.
+    """
+    N = init_ssm.shape[-1]
+    col1, col2 = naive.rope_pairs(N, NA, "halved" if halved else "interleaved", init_ssm.device)
+    dang = -_turn(dinit, init_ssm, col1, col2)
+    fin = lay.seq_final
+    ok = (lay.seq_init >= 0) & (fin >= 0)
+    if dfin_angle is not None or dfin_ssm is not None:
+        at_end = dang.new_zeros(fin.numel(), *dang.shape[1:])
+        f = fin.clamp(min=0)
+        if dfin_angle is not None:
+            at_end += dfin_angle.float()[f]
+        if dfin_ssm is not None:
+            at_end += _turn(dfin_ssm.float()[f], fin_ssm[f], col1, col2)
+        dang[lay.seq_init[ok]] += at_end[ok]
+    if lay.empty is not None and lay.empty.numel() and dfin_angle is not None:
+        # no tokens: the final phase is the initial one and the state passes through unturned (dinit is still
+        # zero there: the caller adds the pass-through after this)
+        dang[lay.empty] += dfin_angle[lay.empty].float()
+    return dang
 
 
 def _backward(ctx, dy, dfin_angle, dfin_ssm):
     (x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle, init_ssm,
-     ypre) = ctx.saved_tensors
+     ypre, fin_ssm) = ctx.saved_tensors
     lay, T, halved = ctx.lay, ctx.T, ctx.halved
     fold = mimo_o is not None
     R = _rank(B)
@@ -157,7 +194,8 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dev, f32 = x.device, torch.float32
     HS, THS = _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, lay, T, halved)
     dHS = torch.empty_like(HS)
-    need_dinit = init_ssm is not None and ctx.needs_input_grad[15]
+    need_dangle = init_angle is not None and ctx.needs_input_grad[14]
+    need_dinit = init_ssm is not None and (ctx.needs_input_grad[15] or need_dangle)  # the angle's reads it
     dinit = torch.zeros(lay.nstates, H, P, N, device=dev, dtype=f32) if need_dinit else None
     dfin = dfin_ssm.float().contiguous() if dfin_ssm is not None else None
     row_t = ypres if ypres is not None else dys  # per-row layout: ypre (kept with a gate or a fold), else dy
@@ -201,22 +239,18 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dbeta[:, 1:] = dw[:, :-1]
     dbeta = dbeta.masked_fill(lay.first_tokens(T)[..., None], 0.0)  # no token before a sequence's first here
     dgt = dw + dg
-    carry, dinit_angle_seq = _phase_carry(lay, dth_tot, dfin_angle, T, Lk)
+    carry = _phase_carry(lay, dth_tot, dfin_angle, T, Lk)
     dphi = dphi + carry
     ddt = da * As + traps * dgt + (1 - traps) * dbeta + (dphi * angs.float()).sum(-1)
     unpack = lambda t: lay.unpack(t, x)  # noqa: E731
     hpg = H // G
     per_group = lambda t: t.view(*t.shape[:-2], G, hpg, N).sum(-2)  # noqa: E731  sum over each group's heads
-    dinit_angle = None
-    if init_angle is not None and ctx.needs_input_grad[14]:
-        dinit_angle = torch.zeros_like(init_angle, dtype=f32)
-        ok = lay.seq_init >= 0
-        dinit_angle[lay.seq_init[ok]] = dinit_angle_seq[ok]
-    if lay.empty is not None and lay.empty.numel():
-        if dinit_angle is not None and dfin_angle is not None:
-            dinit_angle[lay.empty] += dfin_angle[lay.empty].float()
-        if dinit is not None and dfin is not None:
-            dinit[lay.empty] += dfin[lay.empty]
+    dinit_angle = _init_angle_grad(lay, dfin_angle, dfin, fin_ssm, dinit, init_ssm, NA, halved) \
+        if need_dangle else None
+    if lay.empty is not None and lay.empty.numel() and dinit is not None and dfin is not None:
+        dinit[lay.empty] += dfin[lay.empty]  # a sequence without tokens hands its state through
+    if not ctx.needs_input_grad[15]:
+        dinit = None
     rank_sum = lambda t, like: t.sum((0, 2)).to(like.dtype) if like is not None else None  # noqa: E731
     return (unpack(dx), unpack(ddt), unpack(da * dts), unpack(per_group(dBh).to(B.dtype)),
             unpack(per_group(dCh).to(C.dtype)), unpack(dts * (dgt - dbeta)), unpack(dphi * dts[..., None]).to(
@@ -233,8 +267,10 @@ class _Mamba3Scan(torch.autograd.Function):
                 init_ssm, lay, T, halved, keep_ypre):
         y, ypre, fin_angle, fin_ssm = _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z,
                                                mimo_o, init_angle, init_ssm, lay, T, halved, keep_ypre)
+        # the initial phase's gradient reads the final state (_init_angle_grad)
+        keep_fin = init_angle is not None and ctx.needs_input_grad[14]
         ctx.save_for_backward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
-                              init_angle, init_ssm, ypre)
+                              init_angle, init_ssm, ypre, fin_ssm if keep_fin else None)
         ctx.lay, ctx.T, ctx.halved, ctx.y_shape = lay, T, halved, y.shape
         return y, fin_angle, fin_ssm
 
