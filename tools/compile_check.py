@@ -1,14 +1,17 @@
 """Compile every Triton kernel an op launches for sm_90 on a machine without a GPU: catches what the CPU interpreter
-lets through (globals that are not constexpr, dot shapes, type mismatches) before a GPU run.
+lets through (globals that are not constexpr, dot shapes, type mismatches, too much shared memory) before a GPU run.
 
-    python tools/compile_check.py [--ops mamba3 norm layout] [--arch 90] [--usage]
+    python tools/compile_check.py [--ops mamba3] [--workloads variants tiles tiny] [--kernels NAME ...]
+                                  [--arch 90] [--max-shared BYTES]
 
-Step one runs each op's forward and backward (and its decode step) on realistic shapes in the CPU interpreter and
-records every kernel launch: the kernel, its argument types and values, its constexprs. Step two, in a fresh process
-without the interpreter, compiles each recorded launch with Triton's real compiler for the target GPU; an autotuned
-kernel is compiled with every GPU candidate configuration instead of the interpreter's one. Triton's wheel bundles
-ptxas, so this runs the whole pipeline to a cubin. ``--usage`` also prints each compiled launch's registers per
-thread and spill bytes (ptxas -v), e.g. to keep the norm backward's register table (ops/norm/triton_impl.py) true.
+Step one runs each op's forward and backward (and its decode step) in the CPU interpreter and records every kernel
+launch: the kernel, its argument types and values, its constexprs, and for an autotuned kernel the GPU candidates
+it would choose from (they depend on the operand dtype). Step two, in a fresh process without the interpreter,
+compiles each recorded launch with Triton's real compiler for the target GPU, an autotuned one with every GPU
+candidate instead of the interpreter's config, and prints per compile the shared memory it needs, its registers
+per thread and its stack bytes (spills). It fails when a compile fails or a candidate needs more shared memory
+than the target has (232448 bytes on sm_90): the launch would raise OutOfResources there. Triton's wheel bundles
+ptxas and cuobjdump, so this runs the whole pipeline to a cubin.
 """
 
 from __future__ import annotations
@@ -24,74 +27,61 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- step one: record the launches in the interpreter ------------------------------------------------------------
-def _workloads(ops):
+WORKLOADS = ("variants", "tiles", "tiny")
+
+
+def _workloads(ops, which=("variants", "tiles")):
+    """variants: every kernel variant (SISO / MIMO, groups, fewer rotated pairs, a bare scan, d_state 64 and 128,
+    the decode step) on small tiles, bf16 and fp32; tiles: the tiles the layers run (d_state 128, headdim 64,
+    64-row chunks: SISO chunk 64, MIMO rank 4 chunk 16) in fp32, fp16 and bf16, the largest shared memory;
+    tiny: one small fp32 scan (a quick check of this tool)."""
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    if "mamba3" in ops:
-        from mamba3_cases import make_inputs
+    if "mamba3" not in ops:
+        return
+    from mamba3_cases import make_inputs
 
-        from mamba_parallel.ops.mamba3 import triton_impl
+    from mamba_parallel.ops.mamba3 import Mamba3State, triton_impl
 
-        # d_state 64, the default 128 (the backward then takes its pairs in blocks), and a bare scan (no D, gate,
-        # biases or initial states)
-        cases = [(64, kw, dtype) for kw in (dict(), dict(R=2), dict(g=2, a=16))
-                 for dtype in (torch.bfloat16, torch.float32)] + [(128, dict(), torch.bfloat16)] + \
-            [(64, dict(D=False, z=False, bias=False, init=False), torch.bfloat16)]
-        for n, kw, dtype in cases:
-            args = make_inputs(1, 70, 2, 64, n, dtype=dtype, **kw)
-            leaves = [v for v in args.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-            for t in leaves:
+    def scan(n, kw, dtype, L=70, p=64, chunk=32, rope="interleaved"):
+        args = make_inputs(1, L, 2, p, n, dtype=dtype, **kw)
+        for t in args.values():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
                 t.requires_grad_(True)
-            y, _ = triton_impl.mamba3_chunk_scan(**args, chunk_size=32, return_final_states=True)
-            y.float().sum().backward()
-            yield f"mamba3 chunk scan n{n} {kw} {dtype}"
-        from mamba_parallel.ops.mamba3 import Mamba3State
+        y, _ = triton_impl.mamba3_chunk_scan(**args, chunk_size=chunk, rope=rope, return_final_states=True)
+        y.float().sum().backward()
+        return f"mamba3 chunk scan n{n} p{p} chunk {chunk} {kw} {dtype}"
 
-        seqwise = ("x", "dt", "A", "B", "C", "trap", "angles", "z")
-        for kw in (dict(), dict(R=2), dict(R=4, mimo_o=False)):
-            for dtype in (torch.bfloat16, torch.float32):
-                args = make_inputs(2, 1, 2, 64, 64, dtype=dtype, **kw)
-                step = {k: (v[:, 0] if k in seqwise else v) for k, v in args.items() if k != "initial_states"}
-                state = Mamba3State(*(s.float().clone() for s in args["initial_states"]))
-                for rope in ("interleaved", "halved"):
-                    triton_impl.mamba3_state_update(state, **step, rope=rope)
-                yield f"mamba3 decode step {kw} {dtype}"
-
-
-    if "norm" in ops:
-        from mamba_parallel.ops.norm import triton_impl as norm
-
-        # Mamba-2's gated norm + out_proj at mamba2-1.3b / 2.7b widths (d_inner 4096 / 5120; 4 groups), the gate on
-        # either side, and the block's residual norm
-        for d, e, gs in ((4096, 2048, None), (5120, 2560, None), (5120, 2560, 1280)):
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                for nbg in (False, True):
-                    x, z = (torch.randn(6, d, dtype=dtype, requires_grad=True) for _ in range(2))
-                    w, W = torch.ones(d, dtype=dtype, requires_grad=True), torch.randn(e, d, requires_grad=True)
-                    norm.gated_rms_norm_linear(x, z, w, W.to(dtype), None, 1e-5, gs, nbg).float().sum().backward()
-                    norm.gated_rms_norm(x, z, w, 1e-5, gs, nbg).float().sum().backward()
-                    yield f"gated norm (+ linear) d{d} group {gs} nbg {nbg} {dtype}"
-                x, r = torch.randn(6, e, dtype=dtype, requires_grad=True), torch.randn(6, e, requires_grad=True)
-                y, res = norm.add_rms_norm(x, r, torch.ones(e, dtype=dtype, requires_grad=True), 1e-5, True)
-                (y.float().sum() + res.sum()).backward()
-                yield f"add_rms_norm d{e} {dtype}"
-    if "layout" in ops:
-        from mamba_parallel.ops.layout import triton_impl as layout
-
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):  # Mamba-1's gate at mamba-2.8b's d_inner
-            y = torch.randn(1, 5120, 70, dtype=dtype)
-            z = torch.randn(1, 70, 5120, dtype=dtype).transpose(1, 2)
-            out = layout._gate_fwd(y, z)
-            layout._gate_bwd(torch.randn_like(out), y, z, torch.empty_like(z))
-            layout._gate_bwd(torch.randn_like(out), y, z, torch.empty_like(z), torch.empty_like(out))
-            layout.token_major(z)
-            yield f"silu gate, token-major copy {dtype}"
+    if "tiny" in which:
+        yield scan(16, dict(), torch.float32, L=20, p=16, chunk=16)
+    if "tiles" in which:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            yield scan(128, dict(expand_angles=True), dtype, chunk=64)
+            yield scan(128, dict(R=4, expand_angles=True), dtype, chunk=16, rope="halved")
+    if "variants" not in which:
+        return
+    # d_state 64, the default 128 (the backward then takes its pairs in blocks), and a bare scan (no D, gate,
+    # biases or initial states)
+    cases = [(64, kw, dtype) for kw in (dict(), dict(R=2), dict(g=2, a=16))
+             for dtype in (torch.bfloat16, torch.float32)] + [(128, dict(), torch.bfloat16)] + \
+        [(64, dict(D=False, z=False, bias=False, init=False), torch.bfloat16)]
+    for n, kw, dtype in cases:
+        yield scan(n, kw, dtype)
+    seqwise = ("x", "dt", "A", "B", "C", "trap", "angles", "z")
+    for kw in (dict(), dict(R=2), dict(R=4, mimo_o=False)):
+        for dtype in (torch.bfloat16, torch.float32):
+            args = make_inputs(2, 1, 2, 64, 64, dtype=dtype, **kw)
+            step = {k: (v[:, 0] if k in seqwise else v) for k, v in args.items() if k != "initial_states"}
+            state = Mamba3State(*(s.float().clone() for s in args["initial_states"]))
+            for rope in ("interleaved", "halved"):
+                triton_impl.mamba3_state_update(state, **step, rope=rope)
+            yield f"mamba3 decode step {kw} {dtype}"
 
 
 class Recorder:
     def __init__(self):
-        self.launches, self.tuned = [], {}
+        self.launches, self.tag = [], None
 
     def install(self):
         from triton.runtime import interpreter
@@ -102,17 +92,16 @@ class Recorder:
         run = interpreter.InterpretedFunction.run
 
         def recording_run(fn_self, *args, grid, warmup, **kwargs):
-            rec.launches.append(rec.describe(fn_self.fn, args, kwargs))
+            rec.launches.append(dict(rec.describe(fn_self.fn, args, kwargs), tuned=rec.tag))
             return run(fn_self, *args, grid=grid, warmup=warmup, **kwargs)
 
         interpreter.InterpretedFunction.run = recording_run
         call = tuning.Tuner.__call__
 
-        def recording_call(tuner, kernel, name):
-            gpu, interp, _ = tuner.table[name]
-            rec.tuned[f"{kernel.fn.__module__}.{kernel.fn.__name__}"] = {
-                "gpu": [_config(c) for c in gpu], "interp": _config(interp)}
-            return call(tuner, kernel, name)
+        def recording_call(tuner, kernel, name, dtype=None):
+            # the GPU candidates of this launch (they depend on the tuner entry and the operand dtype)
+            tag = {"name": name, "gpu": [_config(c) for c in tuner.candidates(name, dtype)]}
+            return _Tagged(call(tuner, kernel, name, dtype), rec, tag)
 
         tuning.Tuner.__call__ = recording_call
 
@@ -141,17 +130,33 @@ class Recorder:
         return {"kernel": f"{fn.__module__}.{fn.__name__}", "args": out, "options": options}
 
 
+class _Tagged:
+    """An autotuned kernel whose launches the recorder tags with their GPU candidates."""
+
+    def __init__(self, fn, rec, tag):
+        self.fn, self.rec, self.tag = fn, rec, tag
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.rec.tag = self.tag
+            try:
+                return self.fn[grid](*args, **kwargs)
+            finally:
+                self.rec.tag = None
+        return launch
+
+
 def _config(c) -> dict:
     return {"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages}
 
 
-def record(ops, path):
+def record(ops, path, which):
     os.environ["TRITON_INTERPRET"] = "1"
     rec = Recorder()
     rec.install()
-    done = [w for w in _workloads(ops)]
+    done = [w for w in _workloads(ops, which)]
     with open(path, "w") as f:
-        json.dump({"workloads": done, "launches": rec.launches, "tuned": rec.tuned}, f)
+        json.dump({"workloads": done, "launches": rec.launches}, f)
 
 
 # ---- step two: compile each one for the GPU ----------------------------------------------------------------------
@@ -212,39 +217,74 @@ def compile_one(launch, config, arch):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
-def _usage(compiled, launch) -> str:
-    """One line: the kernel, its constexprs and warps, registers per thread and spill bytes (ptxas -v)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from sass_report import ptxas_usage
-
-    u = ptxas_usage(compiled.asm["ptx"])
-    consts = {k: v["value"] for k, v in launch["args"].items() if k.isupper() and v.get("value") is not None}
-    dtype = next((v["ptr"] for v in launch["args"].values() if "ptr" in v), "")  # the first pointer's
-    return (f"{launch['kernel'].rsplit('.', 1)[1]} {dtype} {consts} warps {launch['options'].get('num_warps')}: "
-            f"{u['regs']} registers, spills {u['spill_store']} / {u['spill_load']} bytes")
+# shared memory one program may use (cudaDevAttrMaxSharedMemoryPerBlockOptin), per compute capability
+MAX_SHARED = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
-def compile_all(path, arch, usage: bool = False) -> int:
+def resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and stack bytes (spills live there) of a cubin, from the bundled cuobjdump."""
+    import re
+
+    import triton
+
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([exe, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    found = {k: re.search(rf"\b{k}:(\d+)", out) for k in ("REG", "STACK")}
+    return {k.lower(): int(m.group(1)) if m else -1 for k, m in found.items()}
+
+
+SHOWN = ("T", "R", "BH", "BP", "HALVED", "OUTPUTS", "STATES", "KEEP_YPRE", "HAS_MO")  # constexprs named per line
+
+
+def _label(launch, config) -> str:
+    a = launch["args"]
+    first = next((v["ptr"] for v in a.values() if "ptr" in v), "?")  # the kernel's first pointer: its operand
+    shown = " ".join(f"{k}={a[k]['value']}" for k in SHOWN if k in a and "value" in a[k])
+    cfg = "" if config is None else " ".join([*(f"{k}={v}" for k, v in config["kwargs"].items()),
+                                               f"warps={config['num_warps']}", f"stages={config['num_stages']}"])
+    kernel = launch["kernel"].rsplit(".", 1)[1]
+    tuner = f"[{launch['tuned']['name']}]" if launch.get("tuned") else ""
+    return f"{kernel}{tuner} {first} {shown} | {cfg}".rstrip(" |")
+
+
+def compile_all(path, arch, max_shared=None, kernels=None) -> int:
+    """Compile every recorded launch with each of its GPU candidates; one line per compile with its shared memory,
+    registers and stack. Fails when a compile fails or a candidate needs more shared memory than ``max_shared``
+    (default: the arch's, MAX_SHARED): the autotuner would drop it there, and an untuned launch would skip it."""
+    limit = max_shared or MAX_SHARED.get(arch)
     data = json.load(open(path))
     seen, failures = set(), []
     for launch in data["launches"]:
-        tuned = data["tuned"].get(launch["kernel"])
+        tuned = launch.get("tuned")
+        name = launch["kernel"].rsplit(".", 1)[1] + (f"[{tuned['name']}]" if tuned else "")
+        if kernels and not any(k in name for k in kernels):
+            continue
         configs = tuned["gpu"] if tuned else [None]
+        if tuned:  # the interpreter's config kwargs give way to each GPU candidate's
+            launch = dict(launch, options={k: v for k, v in launch["options"].items()
+                                           if k not in ("num_warps", "num_stages")})
         for config in configs:
-            if tuned:  # the interpreter's config kwargs give way to this GPU candidate's
-                launch = dict(launch, options={k: v for k, v in launch["options"].items()
-                                               if k not in ("num_warps", "num_stages")})
-            key = json.dumps([launch, config], sort_keys=True, default=str)
+            key = json.dumps([{k: v for k, v in launch.items() if k != "tuned"}, config], sort_keys=True, default=str)
             if key in seen:
                 continue
             seen.add(key)
+            label = _label(launch, config)
             try:
-                compiled = compile_one(launch, config, arch)
-                if usage:
-                    print(_usage(compiled, launch))
+                kernel = compile_one(launch, config, arch)
             except Exception as e:
-                failures.append(f"{launch['kernel']} {config}: {type(e).__name__}: {str(e)[:2000]}")
-    print(f"compile_check: {len(seen)} kernel launches compiled for sm_{arch}, {len(failures)} failed")
+                failures.append(f"{label}: {type(e).__name__}: {str(e)[:2000]}")
+                continue
+            shared = int(kernel.metadata.shared)
+            use = resource_usage(kernel.asm["cubin"])
+            print(f"{label}: shared {shared} B, {use['reg']} registers, stack {use['stack']} B", flush=True)
+            if limit is not None and shared > limit:
+                failures.append(f"{label}: needs {shared} B of shared memory, sm_{arch} has {limit} B")
+    print(f"compile_check: {len(seen)} kernel launches compiled for sm_{arch}, {len(failures)} failed"
+          + (f" (shared memory limit {limit} B)" if limit else ""))
     for f in failures:
         print("FAILED", f)
     return 1 if failures else 0
@@ -252,26 +292,43 @@ def compile_all(path, arch, usage: bool = False) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", nargs="+", default=["mamba3"], choices=["mamba3", "norm", "layout"],
+    ap.add_argument("--ops", nargs="+", default=["mamba3"], choices=["mamba3"],
                     help="the ops whose launches to record and compile (those with a workload here)")
+    ap.add_argument("--workloads", nargs="+", default=["variants", "tiles"], choices=WORKLOADS,
+                    help="which launches to record (see _workloads; default: variants and tiles)")
+    ap.add_argument("--kernels", nargs="+", metavar="NAME", default=None,
+                    help="compile only the launches whose kernel[tuner entry] name contains one of these, e.g. "
+                         "chunk_bwd or [states] (default: all)")
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--usage", action="store_true", help="print registers and spills of every compiled launch")
+    ap.add_argument("--max-shared", type=int, default=None, metavar="BYTES",
+                    help="fail a candidate needing more shared memory (default: the arch's, e.g. 232448 on sm_90)")
     ap.add_argument("--record-only", metavar="PATH", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.record_only:
-        record(a.ops, a.record_only)
+        record(a.ops, a.record_only, a.workloads)
         return 0
     path = os.path.join(tempfile.mkdtemp(prefix="compile-check-"), "launches.json")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    subprocess.run([sys.executable, __file__, "--record-only", path, "--ops", *a.ops], check=True, env=env)
+    subprocess.run([sys.executable, __file__, "--record-only", path, "--ops", *a.ops, "--workloads", *a.workloads],
+                   check=True, env=env)
     env.pop("TRITON_INTERPRET", None)
-    return subprocess.run([sys.executable, __file__, "--compile", path, "--arch", str(a.arch)]
-                          + (["--usage"] if a.usage else []), env=env).returncode
+    cmd = [sys.executable, __file__, "--compile", path, "--arch", str(a.arch)]
+    cmd += ["--max-shared", str(a.max_shared)] if a.max_shared else []
+    cmd += ["--kernels", *a.kernels] if a.kernels else []
+    return subprocess.run(cmd, env=env).returncode
+
+
+def _compile_main(argv) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compile", required=True)
+    ap.add_argument("--arch", type=int, required=True)
+    ap.add_argument("--max-shared", type=int, default=None)
+    ap.add_argument("--kernels", nargs="+", default=None)
+    a = ap.parse_args(argv)
+    return compile_all(a.compile, a.arch, a.max_shared, a.kernels)
 
 
 if __name__ == "__main__" and "--compile" in sys.argv:
-    i = sys.argv.index("--compile")
-    raise SystemExit(compile_all(sys.argv[i + 1], int(sys.argv[sys.argv.index("--arch") + 1]),
-                                 "--usage" in sys.argv))
+    raise SystemExit(_compile_main(sys.argv[1:]))
 elif __name__ == "__main__":
     raise SystemExit(main())

@@ -260,6 +260,31 @@ def test_gpu_decode_step(dtype, R, nan_poison):
         assert_close(a, b.float(), dtype, name=f"state {name}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("autotune", [False, True], ids=["untuned", "tuned"])
+def test_gpu_launches_fit_a_smaller_device(autotune, monkeypatch, nan_poison):
+    """As if the GPU gave a program 140,000 bytes of shared memory (an H200 gives 232,448): the candidates that
+    need more (the bf16 forward's 64-column ones, 150,788 bytes on sm_90) are skipped, compiled but never
+    launched, and the rest give the right result, untuned (the first that fits) and tuned."""
+    from mamba_parallel.ops import tuning, use_autotune
+    from mamba_parallel.ops.mamba3.triton_common import tuned
+
+    limit, needs = 140_000, []
+    shared_of = tuning._shared_of
+
+    def recording(kernel, nargs, kwargs):
+        need = shared_of(kernel, nargs, kwargs)
+        return lambda c: needs.append(need(c)) or needs[-1]
+
+    monkeypatch.setattr(tuning, "_current_limit", lambda: limit)
+    monkeypatch.setattr(tuning, "_shared_of", recording)
+    monkeypatch.setattr(tuned, "_cache", {})  # fresh wrappers: none chosen under the real limit yet
+    args = make_inputs(1, 300, 2, 64, 128, dtype=torch.bfloat16, device="cuda", expand_angles=True)
+    with use_autotune(autotune):
+        check_against_reference(args, dict(chunk_size=64), torch.bfloat16)
+    assert any(n > limit for n in needs) and any(n <= limit for n in needs), needs
+
+
 def test_large_chunk_sizes_are_split_into_kernel_chunks():
     """chunk_size 128 (or MIMO 64 x rank 4) is more rows than one tile: the kernels split it, same result."""
     args = make_inputs(1, 70, 2, 8, 16, dtype=torch.float32, device=DEV, init=False)

@@ -69,7 +69,7 @@ def _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, 
     dev = xs.device
     HS = torch.empty(rows, H, lay.nchunks, P, N, device=dev, dtype=xs.dtype)
     THS = torch.empty(rows, H, lay.nchunks, NA, device=dev, dtype=torch.float32)
-    kernel = tuned(scan_fwd_kernel, "states")
+    kernel = tuned(scan_fwd_kernel, "states", xs.dtype)
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
     kernel[grid](xs, dts, As, traps, Bs, None, B_bias, None, angs, None, None, mimo_x, None, None, init_ssm,
                  init_angle, lay.init, lay.final, None, None, None, None, HS, THS, Lk, lay.nchunks, H, H // G, P, N // 2,
@@ -105,7 +105,7 @@ def _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z,
     row_t = ypre if ypre is not None else (y if not fold else None)  # the per-row layout (None: none written)
     fin_ssm = torch.empty(lay.nstates, H, P, N, device=dev, dtype=torch.float32)
     fin_ang = torch.empty(lay.nstates, H, NA, device=dev, dtype=torch.float32)
-    kernel = tuned(scan_fwd_kernel, "scan_fwd")
+    kernel = tuned(scan_fwd_kernel, "scan_fwd", x.dtype)
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
     kernel[grid](xs, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, zs, mimo_x, mimo_z, mimo_o, init_ssm,
                  init_angle, lay.init, lay.final, y, ypre, fin_ssm, fin_ang, None, None, Lk, lay.nchunks, H, H // G, P,
@@ -201,7 +201,7 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     row_t = ypres if ypres is not None else dys  # per-row layout: ypre (kept with a gate or a fold), else dy
     dx = torch.empty(rows, Lk, H, P, device=dev, dtype=x.dtype)  # per token, contiguous: dy's layout when folded
     tok_strides = _strides(dx)
-    kernel = tuned(dstates_kernel, "dstates")
+    kernel = tuned(dstates_kernel, "dstates", x.dtype)
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
     kernel[grid](dys, zs, ypres, mimo_z, mimo_o, dts, As, traps, Cs, C_bias, angs, lay.init, lay.final, THS, dfin,
                  dHS, dinit, Lk, lay.nchunks, H, H // G, P, N // 2, NA,
@@ -223,7 +223,7 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dmx, dmz, dmo = part(mimo_x), part(mimo_z), part(mimo_o)
     bias_part = lambda t: torch.empty(rows, H, lay.nchunks, R, N, device=dev, dtype=f32) if t is not None else None  # noqa
     dbb, dcb = bias_part(B_bias), bias_part(C_bias)
-    kernel = tuned(chunk_bwd_kernel, "chunk_bwd")
+    kernel = tuned(chunk_bwd_kernel, "chunk_bwd", x.dtype)
     kernel[(rows * H, lay.nchunks)](
         xs, dys, zs, ypres, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
         THS, dHS, dx, dz, dBh, dCh, dbb, dcb, dw, dg, da, dphi, dth_tot, dD, dmx, dmz, dmo,
