@@ -177,22 +177,25 @@ def test_decode_continues_a_prefill():
         assert_close(a, b, torch.float32, name=f"state {name}")
 
 
-@pytest.mark.parametrize("mk,kw", [(dict(), dict(chunk_size=64)), (dict(R=2), dict(chunk_size=32, rope="halved"))],
+@pytest.mark.parametrize("mk,kw", [(dict(), dict(chunk_size=32)), (dict(R=2), dict(chunk_size=32, rope="halved"))],
                          ids=["siso", "mimo"])
-def test_initial_phase_gradient_is_as_exact_as_the_others(mk, kw):
-    """The initial phase's gradient is small: turning every phase of a sequence together leaves the scores q . k
-    unchanged, so it is only what the initial and final states and the final phase feel. Summed from per-token
-    phase gradients it was the difference of large terms, their fp16 rounding left over: at L = 256 its error was
-    3.1e-3 (SISO) and 1.9e-3 (MIMO), four to seven times the others' median (4.5e-4, 4.0e-4), and on the GPU
-    (L = 1000) 6e-3 in fp16 and 5e-2 in bf16. From the states (_init_angle_grad) it is 3.9e-4 and 1.4e-4 here."""
+def test_phase_gradients_are_as_exact_as_the_others(mk, kw):
+    """Turning every phase of a sequence together leaves the scores q . k unchanged: the initial phase's gradient
+    is only what the initial and final states and the final phase feel, and what the phases after a chunk add to
+    each earlier token's phase gradient is what the state leaving the chunk and the final states feel. Summed from
+    per-token phase gradients both were differences of large terms, their fp16 rounding left over: at L = 256 the
+    initial phase's error was 3.1e-3 (SISO) and 1.9e-3 (MIMO), the angles' 1.7e-3 and 1.0e-3, against a median
+    of the other gradients' of 4.0e-4 and 3.8e-4; on the GPU (L = 1000) the initial phase was 6e-3 off in fp16,
+    5e-2 in bf16. From the states (_init_angle_grad, _phase_carry): 3.9e-4 / 1.4e-4 and 7.5e-4 / 5.3e-4 (what is
+    left of the angles' is the sums within a chunk)."""
     import statistics
 
     args = make_inputs(1, 256, 1, 16, 32, **mk, dtype=torch.float16, device=DEV, expand_angles=True)
     _, _, g = run(triton_impl.mamba3_chunk_scan, args, kw)
     _, _, g_ref = run(naive.mamba3_chunk_scan, as_double(args), kw)
     errs = {k: rel_err(g[k], g_ref[k]) for k in g_ref}
-    others = statistics.median(v for k, v in errs.items() if k != "init.angle")
-    assert errs["init.angle"] <= 2 * others, errs
+    others = statistics.median(v for k, v in errs.items() if k not in ("init.angle", "angles"))
+    assert errs["init.angle"] <= 2 * others and errs["angles"] <= 2.5 * others, errs
     assert_close(g["init.angle"], g_ref["init.angle"], torch.float16, grad=True, name="dinit.angle")
 
 

@@ -2,7 +2,10 @@
 
 ``dstates``: one program per (batch row, head, headdim block) walks the chunks backwards carrying dH, the gradient
 of the (augmented) state: it writes dH at the end of every chunk, then dH <- exp(tot) dH + sum_i exp(cs_i) dy_i
-q_i^T over the chunk's rows. At a sequence start it writes the gradient of the initial state.
+q_i^T over the chunk's rows. At a sequence start it writes the gradient of the initial state. With ``TURN`` it
+also writes, per chunk the sequence goes on after, <dH, J H> per rotated pair (J: a quarter turn of each pair, H the
+state leaving the chunk): what turning every later phase moves the loss by, less the final states' share (the
+caller's phase carry; it cancels where a sum of per-token phase gradients would not).
 ``chunk_bwd``: one program per (batch row, head, chunk) with the whole headdim: with H entering the chunk and dH
 at its end, every gradient of the chunk's inputs: dx, dz, dB / dC (per head, before the rotation), and per token
 the gradients of the decay's log (da), of w and gamma (the trapezoid weights) and of the phase (summed from the end
@@ -53,13 +56,16 @@ def _store_rank_sums(ptr, v, cols, N, jm, T: tl.constexpr, R: tl.constexpr, BH: 
 
 
 @triton.jit
-def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFINAL, THS, DFIN, DHS, DINIT,
-                   L, NC, H, HPG, P, NH, NA,
+def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFINAL, THS, DFIN, DHS, DINIT, HS, TURN,
+                   L, NC, H, HPG, P, NH, NA, NPB,
                    sdb, sdt, sdh, scb, sct, scr, scg, scn, sab, sat, sah, saa, srb, srt, srr, srh, srp,
                    sob, sot, soh, sop, szb, szt, szh, szp,
                    T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BLOCK_P: tl.constexpr,
                    HALVED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_MZ: tl.constexpr,
-                   HAS_MO: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_DINIT: tl.constexpr, PREC: tl.constexpr):
+                   HAS_MO: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_DINIT: tl.constexpr, HAS_TURN: tl.constexpr,
+                   PREC: tl.constexpr):
+    """TURN (rows, h, nc, NPB, a) fp32: one slot per headdim block (NPB at least their number; the caller sums
+    them)."""
     pid = tl.program_id(0)
     pp = tl.program_id(1)
     b = (pid // H).to(tl.int64)
@@ -93,6 +99,13 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFIN
         out = DHS + ((b * H + h) * NC + c) * P * N + offs_p[:, None] * N
         tl.store(out + col1[None, :], dH1.to(dtype), mask=hm)
         tl.store(out + col2[None, :], dH2.to(dtype), mask=hm)
+        if HAS_TURN:  # the sequence goes on: H leaving this chunk is the state entering the next one
+            on = (offs_j * 0 + cf) == -2
+            nxt = HS + ((b * H + h) * NC + tl.minimum(c + 1, NC - 1)) * P * N + offs_p[:, None] * N
+            s1 = tl.load(nxt + col1[None, :], mask=hm & on[None, :], other=0.0).to(tl.float32)
+            s2 = tl.load(nxt + col2[None, :], mask=hm & on[None, :], other=0.0).to(tl.float32)
+            tl.store(TURN + (((b * H + h) * NC + c) * NPB + pp) * NA + offs_j, tl.sum(dH2 * s1 - dH1 * s2, 0),
+                     mask=am & on)
 
         t, rank, lead = rows(c, T, R)
         valid = t < L
@@ -156,7 +169,7 @@ def _rotated_block(Bm, Cm, BIAS_B, BIAS_C, THS, ANG, b, h, g, c, t, rank, valid,
 
 @triton.jit
 def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, MX, MZ, MO, CFINAL, HS, THS,
-                     DHS, DX, DZ, DBH, DCH, DBB, DCB, DW, DG, DA, DPHI, DTH_TOT, DD, DMX, DMZ, DMO,
+                     DHS, DX, DZ, DBH, DCH, DBB, DCB, DW, DG, DA, DPHI, DD, DMX, DMZ, DMO,
                      L, NC, H, HPG, P, NH, NA,
                      sxb, sxt, sxh, sxp, sdb, sdt, sdh, sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn,
                      sab, sat, sah, saa, srb, srt, srr, srh, srp, sob, sot, soh, sop, szb, szt, szh, szp,
@@ -292,7 +305,6 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
         dth = per_token(q1 * dq2 - q2 * dq1 + k1 * dk2 - k2 * dk1, T, R, BJE)
         tl.store(DPHI + b * spb + h * sph + tt[:, None] * spt + offs_j[None, :],
                  tl.sum(dth, 0)[None, :] - tl.cumsum(dth, 0) + dth, mask=tm[:, None] & am[None, :])
-        tl.store(DTH_TOT + ((b * H + h) * NC + c) * NA + offs_j, tl.sum(dth, 0), mask=am)
         nm = valid[:, None] & jm[None, :]
         dc1 = tl.where(nm, dq1 * cos + dq2 * sin, 0.0)
         dc2 = tl.where(nm, dq2 * cos - dq1 * sin, 0.0)

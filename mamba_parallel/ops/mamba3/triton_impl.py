@@ -3,7 +3,7 @@
 Forward: one fused sweep per (batch row, head) over the chunks, the state in registers: the outputs and the final
 states (fp32). Backward: the state sweep (the states entering every chunk; not kept by the forward: they are larger
 than x), the reverse state-gradient sweep, the per-chunk gradients, then a few torch ops for what is a per-token chain rule
-(dt, A, trap from the decay's log and the trapezoid weights; the phase's suffix sums across chunks) and the sums
+(dt, A, trap from the decay's log and the trapezoid weights; the phases' carry across chunks) and the sums
 over heads (dB / dC per group) and chunks (dD, the MIMO scales).
 Outside the node, in plain differentiable torch: the initial state's trapezoid half step (the token before the
 sequence) is folded into the initial state, and the final k / v (the last token's rotated B and x) are gathered.
@@ -122,32 +122,48 @@ def _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z,
     return lay.unpack(y, x), lay.unpack(ypre, x), fin_ang, fin_ssm
 
 
-def _phase_carry(lay: Layout, tot, dfin_angle, T, Lk):
-    """Per-chunk phase-gradient totals (rows, h, nc, a) -> what later chunks (and the final phase) add to every
-    token of a chunk (rows, Lk, h, a)."""
-    rows, H, nc, NA = tot.shape
-    flat = tot.permute(0, 2, 1, 3).reshape(rows * nc, H, NA)
-    seq = lay.chunk_seq
-    nseq = lay.seq_final.numel()
-    dfin = flat.new_zeros(nseq, H, NA)
-    if dfin_angle is not None:
-        ok = lay.seq_final >= 0
-        dfin[ok] = dfin_angle.float()[lay.seq_final[ok]]
-    suffix = torch.cat([flat.flip(0).cumsum(0).flip(0), flat.new_zeros(1, H, NA)])  # inclusive, over all chunks
-    first, last = lay.seq_chunks
-    after = suffix[last + 1]  # what the chunks after each sequence add
-    carry = suffix[:-1] - flat - after[seq] + dfin[seq]
-    carry = carry.view(rows, nc, 1, H, NA).expand(rows, nc, T, H, NA).reshape(rows, nc * T, H, NA)[:, :Lk]
-    return carry
-
-
 def _turn(d, s, col1, col2):
     """<d, J s> per rotated pair, summed over headdim: how a state's rotation by a small angle moves the loss
     (J turns each pair (s1, s2) to (-s2, s1)). d, s (.., p, n) -> (.., a)."""
     return (d[..., col2] * s[..., col1] - d[..., col1] * s[..., col2]).sum(-2)
 
 
-def _init_angle_grad(lay: Layout, dfin_angle, dfin_ssm, fin_ssm, dinit, init_ssm, NA, halved):
+def _end_terms(lay: Layout, dfin_angle, dfin_ssm, fin_ssm, col1, col2, H, NA, like):
+    """Per sequence of the layout (nseq, h, a): what turning its final phase moves the loss by (d fin_angle) and
+    what turning its final state does (<d fin_ssm, J fin_ssm>); zeros where the final state is not returned.
+    fin_ssm is None when no phase gradient is asked for (the result is not used then)."""
+    fin = lay.seq_final
+    ok = (fin >= 0)[:, None, None]
+    f = fin.clamp(min=0)
+    ang = like.new_zeros(fin.numel(), H, NA)
+    turned = like.new_zeros(fin.numel(), H, NA)
+    if dfin_angle is not None:
+        ang = torch.where(ok, dfin_angle.float()[f], 0.0)
+    if dfin_ssm is not None and fin_ssm is not None:
+        turned = torch.where(ok, _turn(dfin_ssm.float()[f], fin_ssm[f], col1, col2), 0.0)
+    return ang, turned
+
+
+def _phase_carry(lay: Layout, turn, ends, T, Lk):
+    """What every phase after a chunk adds to the gradient of each of its tokens' phases (rows, Lk, h, a).
+
+    Turning all phases after chunk c together by delta changes the loss only through the final phase, the final
+    state and the state leaving chunk c (read as if turned back, as in _init_angle_grad): the carry is
+    d fin_angle + <d fin_ssm, J fin_ssm> - <dH, J H> at chunk c's end (``turn``, from the dstates kernel; at a
+    sequence's last chunk only d fin_angle remains). Summing the later chunks' per-token phase gradients gives the
+    same in exact arithmetic, but as a small difference of large terms: over 1000 tokens in fp16 that made the
+    angles' gradient 3e-3 off, against 8e-4 this way."""
+    rows, H, nc, _, NA = turn.shape
+    at_end = turn.sum(3).permute(0, 2, 1, 3).reshape(rows * nc, H, NA)  # the headdim blocks' slots summed
+    ang, turned = ends
+    seq = lay.chunk_seq
+    last = torch.zeros(rows * nc, dtype=torch.bool, device=turn.device)
+    last[lay.seq_chunks[1]] = True
+    carry = ang[seq] + torch.where(last[:, None, None], 0.0, turned[seq] - at_end)
+    return carry.view(rows, nc, 1, H, NA).expand(rows, nc, T, H, NA).reshape(rows, nc * T, H, NA)[:, :Lk]
+
+
+def _init_angle_grad(lay: Layout, ends, dfin_angle, dinit, init_ssm, col1, col2):
     """The gradient of every initial phase (nstates, h, a), from the states alone.
 
     Turning a sequence's initial phase by delta turns every q and k of the sequence by delta: the scores q . k and
@@ -158,19 +174,10 @@ def _init_angle_grad(lay: Layout, dfin_angle, dfin_ssm, fin_ssm, dinit, init_ssm
     (every pair q_i . k_j adds +x at token i and -x at token j), and their rounding (half-precision dot operands,
     states stored in x.dtype) does not cancel: over a thousand tokens that left a few percent of error in bf16.
     """
-    N = init_ssm.shape[-1]
-    col1, col2 = naive.rope_pairs(N, NA, "halved" if halved else "interleaved", init_ssm.device)
     dang = -_turn(dinit, init_ssm, col1, col2)
-    fin = lay.seq_final
-    ok = (lay.seq_init >= 0) & (fin >= 0)
-    if dfin_angle is not None or dfin_ssm is not None:
-        at_end = dang.new_zeros(fin.numel(), *dang.shape[1:])
-        f = fin.clamp(min=0)
-        if dfin_angle is not None:
-            at_end += dfin_angle.float()[f]
-        if dfin_ssm is not None:
-            at_end += _turn(dfin_ssm.float()[f], fin_ssm[f], col1, col2)
-        dang[lay.seq_init[ok]] += at_end[ok]
+    ang, turned = ends
+    ok = (lay.seq_init >= 0) & (lay.seq_final >= 0)
+    dang[lay.seq_init[ok]] += (ang + turned)[ok]
     if lay.empty is not None and lay.empty.numel() and dfin_angle is not None:
         # no tokens: the final phase is the initial one and the state passes through unturned (dinit is still
         # zero there: the caller adds the pass-through after this)
@@ -201,14 +208,16 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     row_t = ypres if ypres is not None else dys  # per-row layout: ypre (kept with a gate or a fold), else dy
     dx = torch.empty(rows, Lk, H, P, device=dev, dtype=x.dtype)  # per token, contiguous: dy's layout when folded
     tok_strides = _strides(dx)
+    npb = triton.cdiv(P, 16)  # a slot for every headdim block of any candidate (BLOCK_P >= 16)
+    turn = torch.zeros(rows, H, lay.nchunks, npb, NA, device=dev, dtype=f32)  # <dH, J H> at every chunk's end
     kernel = tuned(dstates_kernel, "dstates", x.dtype)
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
     kernel[grid](dys, zs, ypres, mimo_z, mimo_o, dts, As, traps, Cs, C_bias, angs, lay.init, lay.final, THS, dfin,
-                 dHS, dinit, Lk, lay.nchunks, H, H // G, P, N // 2, NA,
+                 dHS, dinit, HS, turn, Lk, lay.nchunks, H, H // G, P, N // 2, NA, npb,
                  *_strides(dts, 3), *_bc_strides(Cs), *_strides(angs), *_row_strides(row_t), *tok_strides,
                  *_strides(zs), T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=C_bias is not None,
                  HAS_Z=z is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold, HAS_DFIN=dfin is not None,
-                 HAS_DINIT=dinit is not None, PREC=dot_precision(x.dtype))
+                 HAS_DINIT=dinit is not None, HAS_TURN=True, PREC=dot_precision(x.dtype))
 
     dz = torch.empty_like(dx) if z is not None else None
     rank_axis = (R,) if R > 1 else ()
@@ -217,7 +226,6 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dCh = torch.empty_like(dBh)
     dw, dg, da = (torch.empty_like(dts) for _ in range(3))
     dphi = torch.empty(rows, Lk, H, NA, device=dev, dtype=f32)
-    dth_tot = torch.empty(rows, H, lay.nchunks, NA, device=dev, dtype=f32)
     dD = torch.empty(rows, H, lay.nchunks, device=dev, dtype=f32) if D is not None else None
     part = lambda t: torch.empty(rows, H, lay.nchunks, R, P, device=dev, dtype=f32) if t is not None else None  # noqa
     dmx, dmz, dmo = part(mimo_x), part(mimo_z), part(mimo_o)
@@ -226,7 +234,7 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     kernel = tuned(chunk_bwd_kernel, "chunk_bwd", x.dtype)
     kernel[(rows * H, lay.nchunks)](
         xs, dys, zs, ypres, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
-        THS, dHS, dx, dz, dBh, dCh, dbb, dcb, dw, dg, da, dphi, dth_tot, dD, dmx, dmz, dmo,
+        THS, dHS, dx, dz, dBh, dCh, dbb, dcb, dw, dg, da, dphi, dD, dmx, dmz, dmo,
         Lk, lay.nchunks, H, H // G, P, N // 2, NA,
         *_strides(xs), *_strides(dts, 3), *_bc_strides(Bs), *_bc_strides(Cs), *_strides(angs), *_row_strides(row_t),
         *_strides(dx), *_strides(zs), *_bc_strides(dBh)[:4], *dphi.stride()[:3],
@@ -239,14 +247,14 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dbeta[:, 1:] = dw[:, :-1]
     dbeta = dbeta.masked_fill(lay.first_tokens(T)[..., None], 0.0)  # no token before a sequence's first here
     dgt = dw + dg
-    carry = _phase_carry(lay, dth_tot, dfin_angle, T, Lk)
-    dphi = dphi + carry
+    col1, col2 = naive.rope_pairs(N, NA, "halved" if halved else "interleaved", dev)
+    ends = _end_terms(lay, dfin_angle, dfin, fin_ssm, col1, col2, H, NA, turn)
+    dphi = dphi + _phase_carry(lay, turn, ends, T, Lk)
     ddt = da * As + traps * dgt + (1 - traps) * dbeta + (dphi * angs.float()).sum(-1)
     unpack = lambda t: lay.unpack(t, x)  # noqa: E731
     hpg = H // G
     per_group = lambda t: t.view(*t.shape[:-2], G, hpg, N).sum(-2)  # noqa: E731  sum over each group's heads
-    dinit_angle = _init_angle_grad(lay, dfin_angle, dfin, fin_ssm, dinit, init_ssm, NA, halved) \
-        if need_dangle else None
+    dinit_angle = _init_angle_grad(lay, ends, dfin_angle, dinit, init_ssm, col1, col2) if need_dangle else None
     if lay.empty is not None and lay.empty.numel() and dinit is not None and dfin is not None:
         dinit[lay.empty] += dfin[lay.empty]  # a sequence without tokens hands its state through
     if not ctx.needs_input_grad[15]:
@@ -267,10 +275,11 @@ class _Mamba3Scan(torch.autograd.Function):
                 init_ssm, lay, T, halved, keep_ypre):
         y, ypre, fin_angle, fin_ssm = _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z,
                                                mimo_o, init_angle, init_ssm, lay, T, halved, keep_ypre)
-        # the initial phase's gradient reads the final state (_init_angle_grad)
-        keep_fin = init_angle is not None and ctx.needs_input_grad[14]
+        # the phases' gradients read the final state (_end_terms): a copy, a caller may update the state in place
+        keep_fin = any(ctx.needs_input_grad[i] for i in (1, 6, 14))  # dt, angles, the initial phase
         ctx.save_for_backward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
-                              init_angle, init_ssm, ypre, fin_ssm if keep_fin else None)
+                              init_angle, init_ssm, ypre, fin_ssm.clone() if keep_fin else None)
+        ctx.set_materialize_grads(False)  # the final states' gradients arrive as None when they are not used
         ctx.lay, ctx.T, ctx.halved, ctx.y_shape = lay, T, halved, y.shape
         return y, fin_angle, fin_ssm
 
