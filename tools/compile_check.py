@@ -33,7 +33,8 @@ WORKLOADS = ("variants", "tiles", "tiny")
 def _workloads(ops, which=("variants", "tiles")):
     """variants: every kernel variant (SISO / MIMO, groups, fewer rotated pairs, a bare scan, d_state 64 and 128,
     the decode step) on small tiles, bf16 and fp32; tiles: the tiles the layers run (d_state 128, headdim 64,
-    64-row chunks: SISO chunk 64, MIMO rank 4 chunk 16) in fp32, fp16 and bf16, the largest shared memory;
+    64-row chunks: SISO chunk 64, MIMO rank 4 chunk 16) in fp32, fp16 and bf16, with and without gradients, the
+    largest shared memory;
     tiny: one small fp32 scan (a quick check of this tool)."""
     import torch
 
@@ -44,8 +45,11 @@ def _workloads(ops, which=("variants", "tiles")):
 
     from mamba_parallel.ops.mamba3 import Mamba3State, triton_impl
 
-    def scan(n, kw, dtype, L=70, p=64, chunk=32, rope="interleaved"):
+    def scan(n, kw, dtype, L=70, p=64, chunk=32, rope="interleaved", inference=False):
         args = make_inputs(1, L, 2, p, n, dtype=dtype, **kw)
+        if inference:  # the forward without gradients keeps nothing for a backward (another variant)
+            with torch.no_grad():
+                triton_impl.mamba3_chunk_scan(**args, chunk_size=chunk, rope=rope, return_final_states=True)
         for t in args.values():
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 t.requires_grad_(True)
@@ -57,8 +61,8 @@ def _workloads(ops, which=("variants", "tiles")):
         yield scan(16, dict(), torch.float32, L=20, p=16, chunk=16)
     if "tiles" in which:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            yield scan(128, dict(expand_angles=True), dtype, chunk=64)
-            yield scan(128, dict(R=4, expand_angles=True), dtype, chunk=16, rope="halved")
+            yield scan(128, dict(expand_angles=True), dtype, chunk=64, inference=True)
+            yield scan(128, dict(R=4, expand_angles=True), dtype, chunk=16, rope="halved", inference=True)
     if "variants" not in which:
         return
     # d_state 64, the default 128 (the backward then takes its pairs in blocks), and a bare scan (no D, gate,
