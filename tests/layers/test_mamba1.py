@@ -257,6 +257,27 @@ def test_gpu_fused_matches_the_modular_path(dtype, monkeypatch, nan_poison):
 
 
 @pytest.mark.gpu
+def test_gpu_out_proj_in_the_node_under_autocast(monkeypatch, nan_poison):
+    """Training's setting (fp32 parameters, bf16 autocast) at mamba-130m's layer shape: out_proj inside the node
+    gives the values of out_proj as a module after it (same GEMMs) and fp32 weight gradients, keeping neither its
+    input nor its weight's bf16 copy."""
+    m = _layer(torch.float32, "cuda", d_model=768, d_state=16)
+    h = torch.randn(2, 1000, 768, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    saved = []
+    counted = lambda x: saved.append(saved_bytes(m, lambda: m(x))) or saved[-1][0]  # noqa: E731
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        inside, _ = _run(m, h, monkeypatch, fused=True, fn=counted)
+        hook = m.out_proj.register_forward_hook(lambda mod, args, out: None)
+        outside, _ = _run(m, h, monkeypatch, fused=True, fn=counted)
+        hook.remove()
+    assert saved[1][1] - saved[0][1] == 2 * (2000 * m.d_inner + m.out_proj.weight.numel())
+    assert all(g.dtype == torch.float32 for g in inside[2:])  # every parameter's gradient, out_proj's too
+    for g, r, name in zip(inside, outside, _names(m)):
+        assert g.dtype == r.dtype, name
+        assert_close(g, r, dtype=torch.bfloat16, grad=name != "out", factor=0.5, name=name)
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_reference_forward_matches_reference_ops_without_copies(monkeypatch):
     m = _layer(torch.bfloat16, "cuda")
     b, L = 2, 300
