@@ -1,7 +1,7 @@
 """Compile every Triton kernel an op launches for sm_90 on a machine without a GPU: catches what the CPU interpreter
 lets through (globals that are not constexpr, dot shapes, type mismatches, too much shared memory) before a GPU run.
 
-    python tools/compile_check.py [--ops mamba3] [--workloads variants tiles tiny] [--kernels NAME ...]
+    python tools/compile_check.py [--ops mamba3 norm layout] [--workloads variants tiles tiny] [--kernels NAME ...]
                                   [--arch 90] [--max-shared BYTES]
 
 Step one runs each op's forward and backward (and its decode step) in the CPU interpreter and records every kernel
@@ -39,6 +39,10 @@ def _workloads(ops, which=("variants", "tiles")):
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
+    if "norm" in ops:
+        yield from _norm_workloads()
+    if "layout" in ops:
+        yield from _layout_workloads()
     if "mamba3" not in ops:
         return
     from mamba3_cases import make_inputs
@@ -81,6 +85,46 @@ def _workloads(ops, which=("variants", "tiles")):
             for rope in ("interleaved", "halved"):
                 triton_impl.mamba3_state_update(state, **step, rope=rope)
             yield f"mamba3 decode step {kw} {dtype}"
+
+
+def _norm_workloads():
+    """Mamba-2's gated norm alone and with out_proj (its backward also writes the norm output, STORE_Y) at the
+    mamba2-1.3b / 2.7b widths (d_inner 4096 / 5120, one group or four), the gate on either side, and the block's
+    residual norm, in fp32, fp16 and bf16."""
+    import torch
+
+    from mamba_parallel.ops.norm import triton_impl as norm
+
+    for d, e, gs in ((4096, 2048, None), (5120, 2560, None), (5120, 2560, 1280)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for nbg in (False, True):
+                x, z = (torch.randn(6, d, dtype=dtype, requires_grad=True) for _ in range(2))
+                w = torch.ones(d, dtype=dtype, requires_grad=True)
+                W = torch.randn(e, d, dtype=dtype, requires_grad=True)
+                norm.gated_rms_norm_linear(x, z, w, W, None, 1e-5, gs, nbg).float().sum().backward()
+                norm.gated_rms_norm(x, z, w, 1e-5, gs, nbg).float().sum().backward()
+                yield f"gated norm (+ linear) d{d} group {gs} norm_before_gate {nbg} {dtype}"
+            x, r = torch.randn(6, e, dtype=dtype, requires_grad=True), torch.randn(6, e, requires_grad=True)
+            y, res = norm.add_rms_norm(x, r, torch.ones(e, dtype=dtype, requires_grad=True), 1e-5, True)
+            (y.float().sum() + res.sum()).backward()
+            yield f"add_rms_norm d{e} {dtype}"
+
+
+def _layout_workloads():
+    """Mamba-1's gate (forward, backward, backward that also writes the gate's output: STORE_OUT) and the
+    token-major copy at mamba-2.8b's d_inner."""
+    import torch
+
+    from mamba_parallel.ops.layout import triton_impl as layout
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        y = torch.randn(1, 5120, 70, dtype=dtype)
+        z = torch.randn(1, 70, 5120, dtype=dtype).transpose(1, 2)
+        out = layout._gate_fwd(y, z)
+        layout._gate_bwd(torch.randn_like(out), y, z, torch.empty_like(z))
+        layout._gate_bwd(torch.randn_like(out), y, z, torch.empty_like(z), torch.empty_like(out))
+        layout.token_major(z)
+        yield f"silu gate, token-major copy {dtype}"
 
 
 class Recorder:
@@ -241,7 +285,8 @@ def resource_usage(cubin: bytes) -> dict:
     return {k.lower(): int(m.group(1)) if m else -1 for k, m in found.items()}
 
 
-SHOWN = ("T", "R", "BH", "BP", "HALVED", "OUTPUTS", "STATES", "KEEP_YPRE", "HAS_MO")  # constexprs named per line
+SHOWN = ("T", "R", "BH", "BP", "HALVED", "OUTPUTS", "STATES", "KEEP_YPRE", "HAS_MO",  # constexprs named per line
+         "HAS_Z", "NORM_BEFORE_GATE", "HAS_RES", "STORE_DX2", "STORE_Y", "STORE_OUT", "BLOCK_N")
 
 
 def _label(launch, config) -> str:
@@ -296,7 +341,7 @@ def compile_all(path, arch, max_shared=None, kernels=None) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", nargs="+", default=["mamba3"], choices=["mamba3"],
+    ap.add_argument("--ops", nargs="+", default=["mamba3"], choices=["mamba3", "norm", "layout"],
                     help="the ops whose launches to record and compile (those with a workload here)")
     ap.add_argument("--workloads", nargs="+", default=["variants", "tiles"], choices=WORKLOADS,
                     help="which launches to record (see _workloads; default: variants and tiles)")

@@ -41,7 +41,7 @@ def _launch_shape(group_size: int) -> tuple[int, int]:
 # Backward grid: one wave of resident programs, so every SM keeps as many rows in flight as its register file
 # holds. Registers per thread of norm_bwd_kernel by kind and BLOCK_N, as ptxas reports them for sm_90 (Triton
 # 3.9, the largest over fp32 / fp16 / bf16, with and without the rebuilt output (STORE_Y), channel counts and
-# strides divisible by 16; plain = rms_norm and add_rms_norm; ``tools/compile_check.py``).
+# strides divisible by 16; plain = rms_norm and add_rms_norm; ``tools/compile_check.py --ops norm``).
 # Wider groups run one program per SM; a kernel that needs more registers than listed (odd channel counts: scalar
 # loads) only gets a second, partial wave.
 _BWD_REGS = {"plain": {512: 40, 1024: 64, 2048: 100, 4096: 128},
