@@ -388,7 +388,7 @@ class _Mamba1Inner(torch.autograd.Function):
         dxz = torch.empty_like(xz)  # in_proj's output gradient: the gate fills the z half, the conv the x half
         dout_w = dout_b = None
         if out_w is None:
-            dy = layout._gate_bwd(dout, y, z, dxz[..., d:].transpose(1, 2))
+            dy = layout._gate_bwd(dout, y, z, dxz[..., d:].transpose(1, 2), None)
         else:  # through out_proj first; the gate's backward writes its input again for the weight gradient
             dres = dout.reshape(-1, dout.shape[-1])
             dgated = dres.mm(out_w.to(out_dtype)).to(y.dtype).view(b, -1, d)

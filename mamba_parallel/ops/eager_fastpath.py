@@ -108,6 +108,11 @@ def fastpath(op, impl: Callable, *, setup_context: Optional[Callable] = None,
         if registered is not given:
             raise ValueError(f"fastpath({name}): {attr.strip('_')} is not the one the op was made / registered with")
     defaults = _defaults(impl)
+    defaulted = [i for i in mutated if i < len(defaults) and defaults[i] is not _REQUIRED]
+    if defaulted:
+        # torch 2.11 drops trailing default arguments before its in-place bookkeeping, which then indexes the
+        # mutated ones by position: an IndexError whenever the call leaves them out
+        raise ValueError(f"fastpath({name}): mutated arguments {defaulted} have defaults; make them required")
     nparams = len(defaults)
     nrequired = next((i for i, d in enumerate(defaults) if d is not _REQUIRED), nparams)  # defaults trail
     if nparams != len(op._opoverload._schema.arguments):

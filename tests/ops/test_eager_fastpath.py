@@ -6,6 +6,7 @@ CPU: the Triton kernels run in the interpreter (tiny shapes); fp32 results must 
 """
 
 import contextlib
+from typing import Optional
 
 import pytest
 import torch
@@ -204,7 +205,7 @@ def test_layout_kernels(monkeypatch, op_calls):
         assert dst._version > v
         dz = torch.empty(b, d, L)
         out = m1k.gate_fwd(y, z)
-        dy = m1k.gate_bwd(dout, y, z, dz)
+        dy = m1k.gate_bwd(dout, y, z, dz, None)
         assert (op_calls == []) == (flag == "1"), op_calls
         got[flag] = (dst.clone(), out, dy, dz)
     assert torch.equal(got["1"][0], y)
@@ -408,6 +409,18 @@ def test_adapter_rejects_wrong_registration():
         fastpath(toy_op, _toy_impl, setup_context=_toy_setup)
     with pytest.raises(ValueError, match="backward"):
         fastpath(toy_op, _toy_impl, setup_context=_toy_setup, backward=lambda ctx, a, b: (a, b, None))
+
+
+def test_adapter_rejects_defaulted_mutated_arguments():
+    """A mutated argument with a default is refused when the fast path is made (torch 2.11's in-place bookkeeping
+    indexes mutated arguments by position after dropping trailing defaults: an IndexError at the first call)."""
+
+    def fill(x: torch.Tensor, dst: torch.Tensor, extra: Optional[torch.Tensor] = None) -> None:
+        dst.copy_(x)
+
+    op = torch.library.custom_op("mamba_parallel_test::fill_defaulted_", mutates_args=("dst", "extra"))(fill)
+    with pytest.raises(ValueError, match=r"mutated arguments \[2\] have defaults"):
+        fastpath(op, fill)
 
 
 # ---------------------------------------------------------------------------------------------------- GPU

@@ -95,7 +95,7 @@ def test_gate_backward_writes_the_forward_output_on_request(dtype):
     dout = torch.randn(b, L, d, generator=torch.Generator().manual_seed(6)).to(dtype)
     dz_plain, dz = torch.empty_like(z), torch.empty_like(z)
     out = torch.empty(b, L, d, dtype=dtype)
-    dy_plain = tri._gate_bwd(dout, y, z, dz_plain)
+    dy_plain = tri._gate_bwd(dout, y, z, dz_plain, None)
     dy = tri._gate_bwd(dout, y, z, dz, out)
     assert torch.equal(out, tri._gate_fwd(y, z))
     assert torch.equal(dy, dy_plain) and torch.equal(dz, dz_plain)

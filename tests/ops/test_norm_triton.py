@@ -296,9 +296,11 @@ def test_gated_rms_norm_linear_under_autocast_gpu(nan_poison):
         got = _run(lambda *a: tri.gated_rms_norm_linear(*a, 1e-5), [x, z, w, W, b], g)
         ref = _run(_norm_then_linear(lambda x, z, w: tri.gated_rms_norm(x, z, w, 1e-5)), [x, z, w, W, b], g)
     assert got[0][0].dtype == torch.bfloat16 and got[1][3].dtype == torch.float32
-    for a, r in zip([*got[0], *got[1]], [*ref[0], *ref[1]]):
+    # nn.Linear's weight gradient is a bf16 matmul rounded to bf16 (relative RMS ~1e-3 from rounding alone); the
+    # fused node's accumulates in fp32: the gradients get the gradient bound
+    for i, (a, r) in enumerate(zip([*got[0], *got[1]], [*ref[0], *ref[1]])):
         assert a.dtype == r.dtype
-        assert_close(a, r, torch.bfloat16, factor=0.1)
+        assert_close(a, r, torch.bfloat16, grad=i >= len(got[0]), factor=0.1)
 
 
 @pytest.mark.gpu

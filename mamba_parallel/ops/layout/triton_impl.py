@@ -119,10 +119,10 @@ def _(y, z):
 
 
 def _gate_bwd(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor, dz: torch.Tensor,
-              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+              out: Optional[torch.Tensor]) -> torch.Tensor:
     """dout (b, L, d) any strides; y, z (b, d, L); writes dz (b, d, L) (any strides, e.g. the z half of in_proj's
     output gradient) and returns dy (b, d, L) contiguous in y.dtype (the scan's output gradient). ``out`` (b, L, d)
-    any strides, optional: also receives y * silu(z), the forward's output (Mamba's fused node: out_proj's input,
+    any strides, or None: also receives y * silu(z), the forward's output (Mamba's fused node: out_proj's input,
     not kept from the forward)."""
     dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
     if dy.numel():
@@ -140,7 +140,7 @@ gate_bwd = fastpath(gate_bwd_op, _gate_bwd)
 
 
 @gate_bwd_op.register_fake
-def _(dout, y, z, dz, out=None):
+def _(dout, y, z, dz, out):
     return torch.empty_like(y, memory_format=torch.contiguous_format)
 
 
@@ -174,7 +174,7 @@ class _SiluGate(torch.autograd.Function):
         y, z = ctx.saved_tensors
         want_dz = ctx.needs_input_grad[1]
         dz = ctx.z_slot.get() if want_dz and ctx.z_slot is not None else torch.empty_like(z)
-        dy = gate_bwd(dout, y, z, dz)
+        dy = gate_bwd(dout, y, z, dz, None)
         return dy, dz if want_dz else None
 
 
