@@ -1,5 +1,7 @@
 """``mamba-parallel generate``: text from a model folder (or hub name), with the API's defaults: greedy unless
 ``--do-sample``; the checkpoint's generation_config.json fills what the flags leave unset. Streams to a terminal.
+``--tp N`` under ``torchrun --nproc_per_node N``: every rank holds 1/N of the weights (a model larger than one
+GPU), all ranks decode together and rank 0 prints.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--cuda-graph", action="store_true", help="replay a captured decode step (CUDA, Mamba layers)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json (default: the one in --checkpoint, else bytes)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallel over N processes, each holding 1/N of the weights; run under "
+                        "torchrun --nproc_per_node N (default: 1)")
 
 
 def _prompt(args) -> str:
@@ -51,32 +56,83 @@ def _prompt(args) -> str:
     return text
 
 
+def _load_tensor_parallel(args, device, dtype):
+    """The checkpoint read on the host, sharded over the torchrun group (tp = world size) onto ``device``: only
+    this rank's slices reach its GPU. -> (model, whether this is rank 0, whether this call made the group)."""
+    import os
+
+    import torch.distributed as dist
+
+    from mamba_parallel.distributed.data_parallel import init_distributed
+    from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
+    from mamba_parallel.distributed.tp_plan import apply_tensor_parallel
+    from mamba_parallel.models import MambaLMHeadModel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp != world:
+        raise ConfigError(f"--tp {args.tp} needs as many processes: run under torchrun --nproc_per_node "
+                          f"{args.tp} (WORLD_SIZE is {world})")
+    if args.cuda_graph:
+        raise ConfigError("--cuda-graph does not capture tensor-parallel decoding (its collectives): leave it out "
+                          "with --tp")
+    created = not dist.is_initialized()
+    env = init_distributed(device.type)
+    model = MambaLMHeadModel.from_pretrained(args.checkpoint, device="cpu", dtype=dtype).eval()
+    dims = ParallelDims(dp_shard=1, tp=args.tp, world_size=world)
+    dims.build_mesh(env.device.type)
+    try:
+        apply_tensor_parallel(model, dims.submesh("tp"), sequence_parallel=False)
+    except ParallelConfigError as e:
+        raise ConfigError(f"--tp {args.tp}: {e}") from None
+    model.to(env.device)  # the buffers (the shards are on the mesh's device already)
+    dist.barrier()
+    return model, env.is_main, created
+
+
 def cmd_generate(args) -> int:
     import torch
 
-    from mamba_parallel.inference.text_streamer import TextStreamer
-    from mamba_parallel.input_checks import check_vocab_fits, warn_unencodable
     from mamba_parallel.models import MambaLMHeadModel
-    from mamba_parallel.train.tokenizer import tokenizer_for_checkpoint
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is visible to torch (use --device cpu)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.tp < 1:
+        raise ConfigError(f"--tp must be >= 1, got {args.tp}")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompt = _prompt(args)
     dtype = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    if args.tp > 1:
+        model, is_main, created = _load_tensor_parallel(args, device, dtype)
+        try:
+            return _generate(args, model, device, prompt, is_main)
+        finally:
+            if created:
+                torch.distributed.destroy_process_group()
     model = MambaLMHeadModel.from_pretrained(args.checkpoint, device=device, dtype=dtype).eval()
+    return _generate(args, model, device, prompt, True)
+
+
+def _generate(args, model, device, prompt: str, is_main: bool) -> int:
+    import torch
+
+    from mamba_parallel.inference.text_streamer import TextStreamer
+    from mamba_parallel.input_checks import check_vocab_fits, warn_unencodable
+    from mamba_parallel.train.tokenizer import tokenizer_for_checkpoint
+
     folder = str(model.tokenizer_folder or args.checkpoint)
     tokenizer = tokenizer_for_checkpoint(folder, args.tokenizer)
     check_vocab_fits(tokenizer.vocab_size, model.config.padded_vocab_size,
                      "--tokenizer" if args.tokenizer else f"the tokenizer of {args.checkpoint}")
-    warn_unencodable(tokenizer, prompt)
-    if tokenizer.vocab_size < model.config.vocab_size and not args.tokenizer and tokenizer.spec == "byte":
+    if is_main:  # said once under --tp
+        warn_unencodable(tokenizer, prompt)
+    if (is_main and tokenizer.vocab_size < model.config.vocab_size and not args.tokenizer
+            and tokenizer.spec == "byte"):
         print(f"mamba-parallel generate: note: no tokenizer.json in {args.checkpoint!r}: using bytes for a model "
               f"of vocab {model.config.vocab_size}; pass --tokenizer if it was trained with another", file=sys.stderr)
     ids = tokenizer.encode(prompt) or [tokenizer.eos_token_id or 0]
-    stream = sys.stdout.isatty() if args.stream is None else args.stream
+    stream = (sys.stdout.isatty() if args.stream is None else args.stream) and is_main
     eos = set(model.generation_config.eos_ids()) | ({tokenizer.eos_token_id} - {None})
     streamer = TextStreamer(tokenizer, stop_strings=tuple(args.stop), skip_ids=eos) if stream else None
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -93,7 +149,7 @@ def cmd_generate(args) -> int:
         print(prompt, end="", flush=True)
     out = model.generate(torch.tensor([ids], device=device), streamer=streamer, generator=generator,
                          cuda_graph=args.cuda_graph, **options)
-    if streamer is None:
+    if streamer is None and is_main:
         new = out[0, len(ids):].tolist()
         cut = next((i for i, t in enumerate(new) if t in eos), len(new))  # the eos token is not text
         text = tokenizer.decode(new[:cut])
