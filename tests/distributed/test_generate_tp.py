@@ -1,5 +1,6 @@
 """`mamba-parallel generate --tp 2` (two gloo ranks, as under torchrun): every rank holds half of each sharded
-weight, rank 0 prints exactly what one process prints, greedy and sampled, for Mamba-1 and a hybrid stack."""
+weight, rank 0 prints exactly what one process prints, greedy and sampled, for Mamba-1, a Mamba-2 + attention
+hybrid and Mamba-3."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dist_harness import spawn
 from mamba_parallel import MambaLMHeadModel, get_preset
 from mamba_parallel.cli import main
 
-PRESETS = ("tiny-mamba", "tiny-hybrid")
+PRESETS = ("tiny-mamba", "tiny-hybrid", "tiny-mamba3")
 RUNS = {"greedy": ["--max-new-tokens", "10"], "sampled": ["--max-new-tokens", "10", "--do-sample", "--seed", "3"]}
 
 
