@@ -8,7 +8,8 @@
 # into the repository's report with: mamba-parallel bench report --results benchmarks/results
 # On a fresh machine compiling is most of the time (minutes for the SSD section alone on an H200: three
 # implementations' autotune candidates), so every kernel is first compiled in warm-up processes, one per CPU core
-# (--precompile-workers auto; their timings are thrown away), and the timed run that follows compiles nothing. What
+# (--precompile-workers auto; their timings are thrown away; of the shapes or presets that share kernels, one
+# compiles first and the rest start from its cache), and the timed run that follows compiles nothing. What
 # does not start before --budget-s is listed as skipped; the table can also run in parts, e.g.
 #   --only ssd | --only selective_scan,generate | --only train --train-presets mamba-1.4b mamba-2.8b ...
 # each part's files land beside the others' and the report combines the rows of runs with the same settings.

@@ -6,6 +6,11 @@ warm-up runs the same sections on the same kernel shapes in ``workers`` processe
 one timed repeat, two new tokens), so the compiled binaries land in Triton's on-disk cache. The timed run then
 compiles nothing, autotunes again on an idle GPU and times exactly as it would have: nothing measured by the
 warm-up is kept (its results go to a scratch folder, and fla's on-disk autotune results are switched off in it).
+
+Jobs of one family (the SSD shapes, the Mamba-2 training presets, ...) compile the same kernels: started together,
+each would compile all of them itself, and the host's cores would spend most of the warm-up on copies. So the
+first job of a family runs alone and the others start when it has ended, finding its binaries in the cache
+(they still compile what their shapes specialise differently, and autotune on their shapes).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class Job:
     name: str
     argv: list[str]
     tail: list[str] = field(default_factory=list)  # flags after the common ones (they win: argparse keeps the last)
+    family: str = ""  # jobs compiling the same kernels; "" = a family of its own
     proc: subprocess.Popen | None = None
     started: float = 0.0
     seconds: float = 0.0
@@ -52,32 +58,46 @@ def jobs_for(a, sections, ssd_shapes, scan_shapes, out: str, fla: bool | None = 
     if "ssd" in sections:  # fla's candidates compile in a job of their own: the SSD shapes are the slowest jobs
         for s in ssd_shapes:
             argv = ["--only", "ssd", "--ssd-shape", *map(str, s), "--ssd-chunk", str(a.ssd_chunk)]
+            kind = "p{} n{} g{}".format(*s[3:])  # headdim, d_state and groups pick the tiles: other binaries
             if a.no_fla or fla is False:
-                jobs.append(Job(f"ssd {' '.join(map(str, s))}", argv))
+                jobs.append(Job(f"ssd {' '.join(map(str, s))}", argv, family=f"ssd {kind}"))
             else:
-                jobs += [Job(f"ssd {' '.join(map(str, s))}", argv, tail=["--no-fla"]),
-                         Job(f"ssd {' '.join(map(str, s))} fla", argv, tail=["--no-peer"])]
+                jobs += [Job(f"ssd {' '.join(map(str, s))}", argv, tail=["--no-fla"], family=f"ssd {kind}"),
+                         Job(f"ssd {' '.join(map(str, s))} fla", argv, tail=["--no-peer"],
+                             family=f"ssd fla {kind}")]
     if "mamba3" in sections:
-        jobs.append(Job("mamba3", ["--only", "mamba3"]))
+        jobs.append(Job("mamba3", ["--only", "mamba3"], family="mamba3"))
     if "train" in sections:
         jobs += [Job(f"train {p}", ["--only", "train", "--train-presets", p, "--train-seq-len", str(a.train_seq_len),
                                     "--train-batch", str(a.train_batch), "--train-warmup", "1", "--train-steps", "1",
-                                    "--n-layer", layers]) for p in a.train_presets]
+                                    "--n-layer", layers], family=f"train {_kind(p)}") for p in a.train_presets]
     if "selective_scan" in sections:
         jobs += [Job(f"selective_scan {' '.join(map(str, s))}", ["--only", "selective_scan", "--scan-shape",
-                                                                *map(str, s)]) for s in scan_shapes]
+                                                                *map(str, s)], family="selective_scan")
+                 for s in scan_shapes]
     if "generate" in sections:
         jobs += [Job(f"generate {m}", ["--only", "generate", "--generate-models", m, "--generate-batches",
                                        *map(str, a.generate_batches), "--prompt-len", str(a.prompt_len),
-                                       "--new-tokens", "2", "--generate-repeats", "1", "--n-layer", layers])
-                 for m in a.generate_models]
+                                       "--new-tokens", "2", "--generate-repeats", "1", "--n-layer", layers],
+                     family=f"generate {_kind(m)}") for m in a.generate_models]
     if "long_context" in sections:
         jobs.append(Job(f"long_context {a.long_preset}", ["--only", "long_context", "--long-preset", a.long_preset,
                                                           "--long-start", str(a.long_start), "--long-max",
-                                                          str(a.long_start), "--n-layer", layers]))
+                                                          str(a.long_start), "--n-layer", layers],
+                        family="long_context"))
     for j in jobs:  # a job's own flags replace the common ones they contradict (--no-peer beats --peer)
         j.argv = j.argv + [x for x in common if not ("--no-peer" in j.tail and x == "--peer")] + j.tail
     return jobs
+
+
+def _kind(preset: str) -> str:
+    """What kernels a preset's model runs: its mixer, and attention in a hybrid (an unknown name: itself)."""
+    from mamba_parallel.config import PRESETS, get_preset
+
+    if preset not in PRESETS:
+        return preset
+    cfg = get_preset(preset)
+    return (cfg.ssm_cfg or {}).get("layer", "Mamba1") + (" + attention" if cfg.attn_layer_idx else "")
 
 
 def child_env() -> dict:
@@ -98,14 +118,18 @@ def _stop(job: Job) -> None:
 
 
 def run(jobs: list[Job], workers: int, budget_s: float, log_dir: str, log, poll_s: float = 0.5) -> list[Job]:
-    """Run the jobs, ``workers`` at a time, each one's output in ``log_dir``; what has not finished after
-    ``budget_s`` seconds is stopped. -> the jobs with their status and seconds (a failed or stopped warm-up only
-    means the timed run compiles that part itself)."""
+    """Run the jobs, ``workers`` at a time (the first of each family alone, the rest of it once that one has
+    ended), each one's output in ``log_dir``; what has not finished after ``budget_s`` seconds is stopped. -> the
+    jobs with their status and seconds (a failed or stopped warm-up only means the timed run compiles that part
+    itself)."""
     if workers < 1:
         raise ValueError(f"bench all: --precompile-workers must be >= 1 to warm up, got {workers}")
     workers = min(workers, max(1, len(jobs)))
     env, t0 = child_env(), time.monotonic()
     waiting, running = list(jobs), []
+    leader: dict[str, Job] = {}
+    for job in jobs:
+        leader.setdefault(job.family or job.name, job)
     while waiting or running:
         now = time.monotonic()
         for job in list(running):
@@ -124,8 +148,13 @@ def run(jobs: list[Job], workers: int, budget_s: float, log_dir: str, log, poll_
             for job in waiting:
                 job.status = "stopped"
             waiting = []
-        while waiting and len(running) < workers:
-            job = waiting.pop(0)
+        for job in list(waiting):
+            if len(running) >= workers:
+                break
+            lead = leader[job.family or job.name]
+            if lead is not job and lead.status in ("waiting", "running"):
+                continue  # its binaries are still being compiled by the family's first job
+            waiting.remove(job)
             job.log_file = open(os.path.join(log_dir, f"{len(jobs) - len(waiting):02d}.log"), "w")
             job.started = time.monotonic()
             job.proc = subprocess.Popen([sys.executable, "-m", "mamba_parallel.bench.bench_all", *job.argv],

@@ -305,6 +305,10 @@ def test_precompile_jobs_cover_every_shape_preset_and_model():
         if "--n-layer" in j.argv:
             assert args.n_layer == precompile.WARM_LAYERS
     assert bench_all.build_parser().parse_args(jobs[3].argv).train_steps == 1
+    families = [j.family for j in jobs]  # the two SSD shapes share their kernels; the two models do not
+    assert families[:2] == ["ssd p8 n8 g1"] * 2 and len(set(families[2:])) == len(families) - 2, families
+    other = precompile.jobs_for(a, ["ssd"], [TINY_SSD, (1, 37, 2, 8, 16, 1)], [], out="/scratch")
+    assert other[0].family != other[1].family  # another d_state: other tiles, its own compile
     env = precompile.child_env()
     assert env["FLA_CACHE_RESULTS"] == "0" and "TRITON_CACHE_AUTOTUNING" not in env
     assert bench_all.build_parser().parse_args(["--precompile-workers", "auto"]).precompile_workers >= 1
@@ -342,6 +346,19 @@ def test_precompile_stops_what_the_budget_does_not_hold(tmp_path):
     assert [j.status for j in jobs] == ["stopped", "stopped"] and "[stopped]" in lines[0]
     with pytest.raises(ValueError, match="--precompile-workers"):
         precompile.run(jobs, 0, 1.0, str(tmp_path), lines.append)
+
+
+def test_precompile_starts_a_family_after_its_first_job(tmp_path):
+    """The first job of a family runs alone (the rest would compile the same kernels again beside it); the other
+    families' first jobs start at once."""
+    from mamba_parallel.bench import precompile
+
+    jobs = [precompile.Job("a1", ["--only", "nope"], family="a"), precompile.Job("a2", ["--only", "nope"], family="a"),
+            precompile.Job("b1", ["--only", "nope"], family="b")]
+    precompile.run(jobs, 3, 300.0, str(tmp_path), lambda s: None, poll_s=0.05)
+    a1, a2, b1 = jobs
+    assert all(j.status.startswith("failed") for j in jobs)  # "--only nope": a fast exit
+    assert b1.started < a2.started and a2.started >= a1.started + a1.seconds - 0.01
 
 
 def test_n_layer_cuts_the_models_and_is_recorded(ref):
