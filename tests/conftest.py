@@ -25,6 +25,30 @@ def _no_autotuning():
         yield
 
 
+def end_process_if_cuda_broke(synchronize, exit_process, log) -> None:
+    """After a test: a device fault (an illegal address, an invalid program counter) leaves the process's CUDA
+    context unusable and every later test in it would fail with the same error. The faulting test has already
+    failed and been reported; the process ends here, and under xdist a fresh worker takes the remaining tests."""
+    try:
+        synchronize()
+    except RuntimeError as e:  # torch.AcceleratorError is one: errors that survive to a synchronize are sticky
+        log(f"conftest: the CUDA context is broken ({str(e).splitlines()[0]}); ending this test process\n")
+        exit_process(70)
+
+
+@pytest.fixture(autouse=True)
+def _cuda_context_check():
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        import sys
+
+        def log(msg):
+            sys.stderr.write(msg)
+            sys.stderr.flush()
+
+        end_process_if_cuda_broke(torch.cuda.synchronize, os._exit, log)
+
+
 @pytest.fixture
 def ops_backend():
     """``ops_backend(name)``: the ops run on ``name`` ("naive" | "triton" | "auto", ops.use_backend) for the rest

@@ -8,6 +8,9 @@
 # commands while the machine is held). The suite runs alone on the GPU: anything sharing its memory turns tests
 # into out-of-memory failures.
 #
+# A test that faults the device (an illegal address) fails, and its worker process ends after it: a fresh worker
+# runs the rest, instead of every later test in that process failing on the broken CUDA context (tests/conftest.py).
+#
 # The peer comes from .peer/ (its install.sh makes it importable); the tests that need it skip without it.
 # Expected on an H200: ~8 min for the whole suite with 8 workers (compiling the kernels is most of it).
 set -u -o pipefail
