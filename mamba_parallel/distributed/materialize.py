@@ -68,7 +68,7 @@ def init_sharded_weights(model: nn.Module, config, device: torch.device | str, s
         load_model_state_dict(model, {"lm_head.weight": head}, strict=False)
 
 
-def _shared(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+def tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     """(module, attribute) pairs that hold one Parameter together (a tied LM head), grouped."""
     by_id: dict[int, list] = {}
     for _, mod in model.named_modules(remove_duplicate=False):
@@ -79,18 +79,23 @@ def _shared(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [g for g in by_id.values() if len(g) > 1]
 
 
+def retie_after_to_empty(groups: list[list[tuple[nn.Module, str]]]) -> None:
+    """``to_empty`` gives each module its own new Parameter: tie the groups ``tied_groups`` found before it again."""
+    for group in groups:
+        first = getattr(*group[0])
+        for mod, name in group[1:]:
+            if getattr(mod, name) is not first:
+                setattr(mod, name, first)
+
+
 def materialize(model: nn.Module, config, device: torch.device | str, seed: int,
                 buffer_device: torch.device | str | None = None) -> None:
     """``to_empty`` on ``device`` (each rank allocates only its shards; parameters shared before, as a tied LM
     head, are shared after), then ``init_sharded_weights``. ``buffer_device``: where buffers (rotary tables) go
     afterwards, when the parameters stay on the host (CPU offload: FSDP2 moves parameters, not buffers)."""
-    shared = _shared(model)
+    groups = tied_groups(model)
     model.to_empty(device=device)
-    for group in shared:  # to_empty gives each module its own new Parameter: tie them again
-        first = getattr(*group[0])
-        for mod, name in group[1:]:
-            if getattr(mod, name) is not first:
-                setattr(mod, name, first)
+    retie_after_to_empty(groups)
     init_sharded_weights(model, config, device, seed)
     if buffer_device is not None:
         for mod in model.modules():

@@ -57,14 +57,18 @@ def _prompt(args) -> str:
 
 
 def _load_tensor_parallel(args, device, dtype):
-    """The checkpoint read on the host, sharded over the torchrun group (tp = world size) onto ``device``: only
-    this rank's slices reach its GPU. -> (model, whether this is rank 0, whether this call made the group)."""
+    """The checkpoint read on the host, the model built on the meta device, sharded over the torchrun group
+    (tp = world size) and materialised on this rank's device with only its own slices of the weights: no GPU ever
+    holds the whole model. -> (model, whether this is rank 0, whether this call made the process group)."""
     import os
 
+    import torch
     import torch.distributed as dist
 
     from mamba_parallel.distributed.data_parallel import init_distributed
+    from mamba_parallel.distributed.materialize import retie_after_to_empty, tied_groups
     from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
+    from mamba_parallel.distributed.state_dict import load_model_state_dict
     from mamba_parallel.distributed.tp_plan import apply_tensor_parallel
     from mamba_parallel.models import MambaLMHeadModel
 
@@ -77,16 +81,30 @@ def _load_tensor_parallel(args, device, dtype):
                           "with --tp")
     created = not dist.is_initialized()
     env = init_distributed(device.type)
-    model = MambaLMHeadModel.from_pretrained(args.checkpoint, device="cpu", dtype=dtype).eval()
+    full = MambaLMHeadModel.from_pretrained(args.checkpoint, device="cpu", dtype=dtype)  # host memory
+    model = MambaLMHeadModel(full.config, device="meta", dtype=next(full.parameters()).dtype)
     dims = ParallelDims(dp_shard=1, tp=args.tp, world_size=world)
     dims.build_mesh(env.device.type)
     try:
         apply_tensor_parallel(model, dims.submesh("tp"), sequence_parallel=False)
     except ParallelConfigError as e:
         raise ConfigError(f"--tp {args.tp}: {e}") from None
-    model.to(env.device)  # the buffers (the shards are on the mesh's device already)
+    groups = tied_groups(model)
+    model.to_empty(device=env.device)
+    retie_after_to_empty(groups)
+    load_model_state_dict(model, full.state_dict())  # each rank keeps its slices
+    own = dict(model.named_buffers())
+    theirs = {n for n, _ in full.named_buffers()}
+    if set(own) != theirs:  # a buffer the sharded model has and the checkpoint's does not would stay unset
+        raise RuntimeError(f"generate --tp: the sharded model's buffers differ from the model's: "
+                           f"{sorted(set(own) ^ theirs)}")
+    with torch.no_grad():
+        for name, buf in full.named_buffers():  # rotary tables and other buffers, never sharded
+            own[name].copy_(buf)
+    model.generation_config, model.tokenizer_folder = full.generation_config, full.tokenizer_folder
+    del full
     dist.barrier()
-    return model, env.is_main, created
+    return model.eval(), env.is_main, created
 
 
 def cmd_generate(args) -> int:
