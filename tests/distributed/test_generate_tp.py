@@ -84,3 +84,23 @@ def test_tp_needs_as_many_processes(folders, capsys):
     assert "--tp 2 needs as many processes" in err and "WORLD_SIZE is 1" in err
     assert main(_argv(folders["tiny-mamba"], ["--tp", "0"])) == 2
     assert "--tp must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("preset", PRESETS)
+def test_gpu_torchrun_tp2_prints_what_one_gpu_prints(folders, preset):
+    """Under torchrun on two GPUs (NCCL, Triton kernels), fp32 greedy: the text of one GPU."""
+    import os
+    import subprocess
+    import sys
+
+    argv = _argv(folders[preset], ["--max-new-tokens", "10", "--dtype", "fp32"])
+    argv[argv.index("cpu")] = "cuda"
+    want = _printed(argv)
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "mamba_parallel.cli", *argv, "--tp", "2"], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout == want
