@@ -135,24 +135,17 @@ def run_layer(shapes, layers, dtype, device, warmup, reps, log=say, deadline=Non
             if name != "ours":
                 built[name] = cls(d_model, layer_idx=0, device=device)
                 built[name].load_state_dict(ours.state_dict())
-        timed = {"fwd": ({}, {}), "fwd+bwd": ({}, {})}
+        calls = {}
         for name, layer in built.items():
             def fwd(layer=layer):
                 with torch.autocast(torch.device(device).type, dtype=DTYPES[dtype], enabled=cuda):
                     return layer(x)
 
-            def both(layer=layer):
+            def both(layer=layer):  # every parameter's gradient too, as a training step computes them
                 fwd(layer).float().square().mean().backward()
                 layer.zero_grad(set_to_none=True)
-            for mode, fn in (("fwd", fwd), ("fwd+bwd", both)):
-                if kernels.context_lost():
-                    timed[mode][0][name], timed[mode][1][name] = None, kernels.context_lost()
-                    continue
-                try:
-                    timed[mode][0][name], timed[mode][1][name] = median_ms(fn, device, warmup, reps), None
-                except Exception as e:
-                    timed[mode][0][name], timed[mode][1][name] = None, error_text(e)
-                    kernels.after_failure(name, device)
+            calls[name] = {"fwd": fwd, "fwd+bwd": both}
+        timed = kernels.time_in_turns(calls, device, warmup, reps)
         new = kernels.rows_for_case(f"layer d_model {d_model} b{b} L{L}", timed, section="layer")
         for r in new:
             log(f"mamba3 {r['case']} {r['metric']}: " + ", ".join(f"{s} {r.get(s)}" for s in built))

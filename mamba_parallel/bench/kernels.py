@@ -68,45 +68,53 @@ def after_failure(side: str, device) -> None:
         _lost.append(f"not run: the CUDA context was lost after the {side} side failed ({error_text(e)})")
 
 
-def time_sides(sides: dict, inputs: dict, grad_names: tuple[str, ...], device, dy=None, modes=MODES,
-               warmup: int = 3, reps: int = 10, rounds: int = 2) -> dict:
-    """{mode: ({side: ms or None}, {side: error or None}, {side: spread or None})} for every side's op on the same
-    inputs. The sides take turns ``rounds`` times (ours, peer, ..., ours, peer, ...), so a slow moment of the GPU
-    or host does not fall on one side only; ms is the median of all timed calls, spread the slowest round's
-    median over the fastest's (1.0: the rounds agree; a ratio nearer 1 than the spread is noise)."""
+def time_in_turns(calls: dict, device, warmup: int = 3, reps: int = 10, rounds: int = 2) -> dict:
+    """``calls``: {side: {mode: no-argument callable}} -> {mode: ({side: ms or None}, {side: error or None},
+    {side: spread or None})}. The sides take turns ``rounds`` times (ours, peer, ..., ours, peer, ...), so a slow
+    moment of the GPU or host does not fall on one side only; ms is the median of all timed calls, spread the
+    slowest round's median over the fastest's (1.0: the rounds agree; a ratio nearer 1 than the spread is noise)."""
+    modes = list(dict.fromkeys(m for per_mode in calls.values() for m in per_mode))
     out = {}
     for mode in modes:
-        calls = {side: [] for side in sides}
+        sides = [side for side in calls if mode in calls[side]]
+        timed = {side: [] for side in sides}
         medians = {side: [] for side in sides}
         errors = {side: None for side in sides}
         for r in range(rounds):
-            for side, fn in sides.items():
+            for side in sides:
                 if errors[side] is not None:
                     continue
                 if context_lost():  # nothing more runs here; a side with a round timed keeps it
-                    if not calls[side]:
+                    if not timed[side]:
                         errors[side] = context_lost()
                     continue
                 try:
-                    ms = time_calls(mode_fn(fn, inputs, grad_names, mode, dy), device, warmup if r == 0 else 1, reps)
+                    ms = time_calls(calls[side][mode], device, warmup if r == 0 else 1, reps)
                 except Exception as e:  # recorded in the row; the table goes on
                     errors[side] = error_text(e)
                     after_failure(side, device)
                     continue
-                calls[side] += ms
+                timed[side] += ms
                 medians[side].append(statistics.median(ms))
-        times = {side: statistics.median(calls[side]) if errors[side] is None else None for side in sides}
+        times = {side: statistics.median(timed[side]) if errors[side] is None else None for side in sides}
         spread = {side: max(m) / min(m) if errors[side] is None and min(m) > 0 else None
                   for side, m in medians.items()}
         out[mode] = (times, errors, spread)
     return out
 
 
+def time_sides(sides: dict, inputs: dict, grad_names: tuple[str, ...], device, dy=None, modes=MODES,
+               warmup: int = 3, reps: int = 10, rounds: int = 2) -> dict:
+    """``time_in_turns`` of every side's op on the same inputs, in each of ``modes`` (see ``mode_fn``)."""
+    calls = {side: {mode: mode_fn(fn, inputs, grad_names, mode, dy) for mode in modes} for side, fn in sides.items()}
+    return time_in_turns(calls, device, warmup, reps, rounds)
+
+
 def rows_for_case(case: str, timed: dict, **extra) -> list[dict]:
-    """``timed``: {mode: (times, errors[, spread])} as time_sides gives it."""
+    """``timed``: {mode: (times, errors, spread)} as time_in_turns gives it."""
     rows = []
-    for mode, (times, errors, *spread) in timed.items():
-        spread = {k: v for k, v in (spread[0] if spread else {}).items() if v is not None}
+    for mode, (times, errors, spread) in timed.items():
+        spread = {k: v for k, v in spread.items() if v is not None}
         rows.append(make_row(case, MODE_LABELS[mode], "ms", "lower", times, errors, mode=mode,
                              **({"spread": spread} if spread else {}), **extra))
     return rows

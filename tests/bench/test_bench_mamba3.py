@@ -66,6 +66,8 @@ def test_every_section_runs_with_the_stand_in_peer():
     for r in rows:
         assert not r.get("errors"), r
         assert r["ours"] > 0 and r["peer"] > 0 and r["x_peer"] > 0
+    layer = [r for r in rows if r["section"] == "layer"]  # timed in turns like the kernels: a spread per side
+    assert all(set(r["spread"]) == {"ours", "peer"} for r in layer), layer
 
 
 def test_train_side_by_side_runs_a_mamba3_preset():
