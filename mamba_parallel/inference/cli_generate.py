@@ -60,8 +60,6 @@ def _load_tensor_parallel(args, device, dtype):
     """The checkpoint read on the host, the model built on the meta device, sharded over the torchrun group
     (tp = world size) and materialised on this rank's device with only its own slices of the weights: no GPU ever
     holds the whole model. -> (model, whether this is rank 0, whether this call made the process group)."""
-    import os
-
     import torch
     import torch.distributed as dist
 
@@ -72,15 +70,15 @@ def _load_tensor_parallel(args, device, dtype):
     from mamba_parallel.distributed.tp_plan import apply_tensor_parallel
     from mamba_parallel.models import MambaLMHeadModel
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.tp != world:
-        raise ConfigError(f"--tp {args.tp} needs as many processes: run under torchrun --nproc_per_node "
-                          f"{args.tp} (WORLD_SIZE is {world})")
     if args.cuda_graph:
         raise ConfigError("--cuda-graph does not capture tensor-parallel decoding (its collectives): leave it out "
                           "with --tp")
     created = not dist.is_initialized()
-    env = init_distributed(device.type)
+    env = init_distributed(device.type)  # torchrun's group (none when run alone)
+    world = env.world_size
+    if args.tp != world:
+        raise ConfigError(f"--tp {args.tp} needs as many processes: run under torchrun --nproc_per_node "
+                          f"{args.tp} (WORLD_SIZE is {world})")
     full = MambaLMHeadModel.from_pretrained(args.checkpoint, device="cpu", dtype=dtype)  # host memory
     model = MambaLMHeadModel(full.config, device="meta", dtype=next(full.parameters()).dtype)
     dims = ParallelDims(dp_shard=1, tp=args.tp, world_size=world)
