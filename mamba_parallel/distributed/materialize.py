@@ -31,6 +31,19 @@ def _load(model: nn.Module, buffers: dict, prefix: str, part: nn.Module) -> None
 
 
 @torch.no_grad()
+def load_single_device_model(model: nn.Module, single: nn.Module) -> None:
+    """Fill ``model`` (materialised with ``to_empty``, any layout) with the values of ``single``, the same model on
+    one device: every rank keeps its own slices of the parameters; the buffers (rotary tables), never sharded,
+    are copied whole. Both must hold the same parameters and buffers."""
+    own, theirs = _buffers(model), dict(single.named_buffers())
+    if set(own) != set(theirs):  # one the sharded model has and the other not would stay unset
+        raise RuntimeError(f"load_single_device_model: the buffers differ: {sorted(set(own) ^ set(theirs))}")
+    load_model_state_dict(model, {k: v.detach() for k, v in single.state_dict(keep_vars=True).items()})
+    for k, b in theirs.items():
+        own[k].copy_(b)
+
+
+@torch.no_grad()
 def init_sharded_weights(model: nn.Module, config, device: torch.device | str, seed: int) -> None:
     """Fill ``model`` (materialised with ``to_empty``, any layout) with the single-device initial values."""
     from mamba_parallel.layers import init

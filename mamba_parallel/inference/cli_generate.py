@@ -60,13 +60,11 @@ def _load_tensor_parallel(args, device, dtype):
     """The checkpoint read on the host, the model built on the meta device, sharded over the torchrun group
     (tp = world size) and materialised on this rank's device with only its own slices of the weights: no GPU ever
     holds the whole model. -> (model, whether this is rank 0, whether this call made the process group)."""
-    import torch
     import torch.distributed as dist
 
     from mamba_parallel.distributed.data_parallel import init_distributed
-    from mamba_parallel.distributed.materialize import retie_after_to_empty, tied_groups
+    from mamba_parallel.distributed.materialize import load_single_device_model, retie_after_to_empty, tied_groups
     from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
-    from mamba_parallel.distributed.state_dict import load_model_state_dict
     from mamba_parallel.distributed.tp_plan import apply_tensor_parallel
     from mamba_parallel.models import MambaLMHeadModel
 
@@ -90,15 +88,7 @@ def _load_tensor_parallel(args, device, dtype):
     groups = tied_groups(model)
     model.to_empty(device=env.device)
     retie_after_to_empty(groups)
-    load_model_state_dict(model, full.state_dict())  # each rank keeps its slices
-    own = dict(model.named_buffers())
-    theirs = {n for n, _ in full.named_buffers()}
-    if set(own) != theirs:  # a buffer the sharded model has and the checkpoint's does not would stay unset
-        raise RuntimeError(f"generate --tp: the sharded model's buffers differ from the model's: "
-                           f"{sorted(set(own) ^ theirs)}")
-    with torch.no_grad():
-        for name, buf in full.named_buffers():  # rotary tables and other buffers, never sharded
-            own[name].copy_(buf)
+    load_single_device_model(model, full)  # each rank keeps its slices
     model.generation_config, model.tokenizer_folder = full.generation_config, full.tokenizer_folder
     del full
     dist.barrier()
