@@ -317,6 +317,23 @@ def test_gpu_launches_fit_a_smaller_device(autotune, monkeypatch, nan_poison):
     assert any(n > limit for n in needs) and any(n <= limit for n in needs), needs
 
 
+def test_backward_writes_every_turn_slot_whatever_block_ran_before(monkeypatch):
+    """The dstates kernel keeps one slot per headdim block and the caller sums them all: with wider blocks than an
+    earlier launch (an autotuner's trial) the slots past them must be zeroed, not left to the trial. Fresh
+    allocations are NaN here, so a slot no program writes fails the gradients."""
+    from mamba_parallel.ops.mamba3.triton_common import _c, tuned
+
+    orig_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: orig_empty(*a, **k).fill_(float("nan"))
+                        if k.get("dtype", torch.get_default_dtype()).is_floating_point else orig_empty(*a, **k))
+    entry = list(tuned.table["dstates"])
+    entry[1] = _c(1, 1, BLOCK_P=32)  # two blocks of headdim 64: the slots of blocks 3 and 4 (of 16 columns) unused
+    monkeypatch.setattr(tuned, "table", {**tuned.table, "dstates": tuple(entry)})
+    monkeypatch.setattr(tuned, "_cache", {})
+    args = make_inputs(1, 37, 1, 64, 16, init=False)
+    check_against_reference(args, dict(chunk_size=16), torch.float32)
+
+
 def test_large_chunk_sizes_are_split_into_kernel_chunks():
     """chunk_size 128 (or MIMO 64 x rank 4) is more rows than one tile: the kernels split it, same result."""
     args = make_inputs(1, 70, 2, 8, 16, dtype=torch.float32, device=DEV, init=False)

@@ -65,7 +65,8 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFIN
                    HAS_MO: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_DINIT: tl.constexpr, HAS_TURN: tl.constexpr,
                    PREC: tl.constexpr):
     """TURN (rows, h, nc, NPB, a) fp32: one slot per headdim block (NPB at least their number; the caller sums
-    them)."""
+    them; every element written here, the slots no block of this launch owns
+    zeroed)."""
     pid = tl.program_id(0)
     pp = tl.program_id(1)
     b = (pid // H).to(tl.int64)
@@ -104,8 +105,11 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFIN
             nxt = HS + ((b * H + h) * NC + tl.minimum(c + 1, NC - 1)) * P * N + offs_p[:, None] * N
             s1 = tl.load(nxt + col1[None, :], mask=hm & on[None, :], other=0.0).to(tl.float32)
             s2 = tl.load(nxt + col2[None, :], mask=hm & on[None, :], other=0.0).to(tl.float32)
-            tl.store(TURN + (((b * H + h) * NC + c) * NPB + pp) * NA + offs_j, tl.sum(dH2 * s1 - dH1 * s2, 0),
-                     mask=am & on)
+            turn = TURN + ((b * H + h) * NC + c) * NPB * NA + offs_j
+            tl.store(turn + pp * NA, tl.where(on, tl.sum(dH2 * s1 - dH1 * s2, 0), 0.0), mask=am)
+            if pp == tl.num_programs(1) - 1:  # the slots past this launch's blocks (an autotuner's trial launch
+                for q in range(pp + 1, NPB):  # with narrower blocks wrote there; the caller sums every slot)
+                    tl.store(turn + q * NA, tl.zeros((BH,), dtype=tl.float32), mask=am)
 
         t, rank, lead = rows(c, T, R)
         valid = t < L

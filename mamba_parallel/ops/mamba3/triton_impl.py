@@ -209,7 +209,7 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dx = torch.empty(rows, Lk, H, P, device=dev, dtype=x.dtype)  # per token, contiguous: dy's layout when folded
     tok_strides = _strides(dx)
     npb = triton.cdiv(P, 16)  # a slot for every headdim block of any candidate (BLOCK_P >= 16)
-    turn = torch.zeros(rows, H, lay.nchunks, npb, NA, device=dev, dtype=f32)  # <dH, J H> at every chunk's end
+    turn = torch.empty(rows, H, lay.nchunks, npb, NA, device=dev, dtype=f32)  # <dH, J H> at every chunk's end
     kernel = tuned(dstates_kernel, "dstates", x.dtype)
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
     kernel[grid](dys, zs, ypres, mimo_z, mimo_o, dts, As, traps, Cs, C_bias, angs, lay.init, lay.final, THS, dfin,
