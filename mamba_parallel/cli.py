@@ -68,7 +68,8 @@ def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark (side by side with mamba_ssm when it imports)",
                        description="Runs mamba_parallel.bench.bench_<NAME>.main(args): ssd, selective_scan, train, "
                                    "generate, long_context (each with --peer / --no-peer), all (every one, then "
-                                   "the report), ops, scaling; also profile_train and report (docs/performance.md).")
+                                   "the report), ops, scaling; also profile_train, profile_decode and report "
+                                   "(docs/performance.md).")
     p.add_argument("name", help="benchmark name, e.g. train, all, report")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
 
@@ -200,7 +201,7 @@ def cmd_convert(args) -> int:
 
 
 # Modules of mamba_parallel/bench that are commands (the rest are their shared parts).
-BENCH_COMMANDS = ("profile_train", "report")
+BENCH_COMMANDS = ("profile_train", "profile_decode", "report")
 
 
 def cmd_verify(args) -> int:
@@ -212,7 +213,7 @@ def cmd_verify(args) -> int:
 
 
 def bench_names() -> list[str]:
-    """The names `mamba-parallel bench NAME` accepts: bench_<NAME>.py, profile_train.py and report.py."""
+    """The names `mamba-parallel bench NAME` accepts: bench_<NAME>.py and BENCH_COMMANDS."""
     import pkgutil
 
     import mamba_parallel.bench as pkg
