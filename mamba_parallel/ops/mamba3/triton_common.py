@@ -116,9 +116,10 @@ _CONFIGS = {
                 _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z"],
                 [_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=64)]),
     # the backward holds ~20 chunk-sized tiles: more warps spread its registers; BJ pairs at a time (at most all
-    # of them) keep one pair block's tiles live instead of all of them. One candidate per operand width: tuning
-    # over 16 warps and BJ = 64 as well gave wrong dt gradients and a fault on an H200 (Triton 3.6), and a
-    # candidate comes back only once it passes test_gpu_every_candidate_alone
+    # of them) keep one pair block's tiles live instead of all of them. One candidate per operand width: with 16
+    # warps and BJ = 64 as well, the autotuner's timing of this kernel faulted once on an H200 (Triton 3.6; the
+    # wrong dt gradients seen beside it came from dstates' turn slots, since fixed); a candidate comes back once it
+    # passes test_gpu_every_candidate_alone and a tuned run
     "chunk_bwd": ([_c(8, 1, BJ=32)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
 }
 tuned = Tuner(_CONFIGS)
