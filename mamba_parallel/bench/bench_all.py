@@ -7,10 +7,11 @@ Sections (``--only`` picks some; ``kernels`` = ``ssd`` + ``selective_scan``): th
 their standard shapes, one training step of eight presets (seq 2048 x batch 8), generation of three models at
 batch 1 and 64, and the longest mamba2-1.3b sequence one GPU trains; ``--only mamba3`` adds the Mamba-3 kernels
 and layer (bench_mamba3.py). Each section writes its JSON as soon as it
-ends (``<out>/<date>-<device>/<bench>.json``); a failing row keeps its error and the run goes on. ``--budget-s``:
-presets / models not started by then are listed as skipped (the run then still writes the report).
-``--precompile-workers N`` first compiles every kernel the run will time in N parallel warm-up processes
-(precompile.py), their timings thrown away: on a fresh machine that takes the compile time off the budget.
+ends (``<out>/<date>-<device>/<bench>.json``; mamba3 rewrites it after every row); a failing row keeps its error
+and the run goes on. ``--budget-s``: presets / models / rows not started by then are listed as skipped (the run
+then still writes the report). ``--precompile-workers N`` first compiles every kernel the run will time in N
+parallel warm-up processes (precompile.py), their timings thrown away: on a fresh machine that takes the compile
+time off the budget; the SSD and Mamba-3 warm-ups split their autotune candidates between processes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from mamba_parallel.bench import peer as peer_mod
+from mamba_parallel.bench import candidates, peer as peer_mod
 from mamba_parallel.bench.results import error_text, publish, say
 from mamba_parallel.bench.timing import Deadline
 
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--precompile-only", action="store_true",
                     help="warm up and stop: fills Triton's on-disk cache for a timed run that follows on the same "
                          "machine (with --precompile-workers)"),
+    ap.add_argument("--warmup-candidates", type=candidates.parse, default=None, metavar="I/K",
+                    help="internal, set on the warm-up processes of --precompile-workers: every autotuned kernel "
+                         "tries only its candidates I, I+K, I+2K, ... (K processes compile disjoint binaries)")
     ap.add_argument("--git-commit", default=None, metavar="SHA",
                     help="the commit to record in the results (default: the checkout's, when it has .git)")
     g = ap.add_argument_group("sizes (defaults: the published set)")
@@ -113,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                                       long_context_probe, train_side_by_side)
 
     a = build_parser().parse_args(argv)
+    if a.warmup_candidates is not None:  # before any kernel runs: every autotuner of this process is sliced
+        candidates.install(a.warmup_candidates)
     sections = parse_only(a.only)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     peer = peer_mod.resolve_peer(a.peer, a.peer_impl, log=say)
@@ -123,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     scan_shapes = [tuple(s) for s in a.scan_shape] if a.scan_shape else bench_selective_scan.SHAPES
     deadline = Deadline(a.budget_s)
     say(f"bench all: {', '.join(sections)} on {device} with peer {peer.name if peer else 'none'}"
-        f"{' and fla' if fla_fn else ''}{f', budget {a.budget_s:.0f} s' if a.budget_s else ''}")
+        f"{' and fla' if fla_fn else ''}{f', budget {a.budget_s:.0f} s' if a.budget_s else ''}"
+        f"{f', autotune candidates {a.warmup_candidates} only' if a.warmup_candidates else ''}")
     if a.precompile_workers:
         import tempfile
 
@@ -131,13 +138,15 @@ def main(argv: list[str] | None = None) -> int:
 
         scratch = tempfile.mkdtemp(prefix="mamba-parallel-precompile-")
         jobs = precompile.jobs_for(a, sections, ssd_shapes, scan_shapes, out=f"{scratch}/results",
-                                   fla=fla_fn is not None)
+                                   fla=fla_fn is not None, workers=a.precompile_workers)
         precompile.run(jobs, a.precompile_workers, a.precompile_s, scratch, say)
     if a.precompile_only:
         if not a.precompile_workers:
             raise SystemExit("bench all: --precompile-only needs --precompile-workers N (N >= 1)")
         say("bench all: warm-up done (--precompile-only: nothing timed)")
         return 0
+    # written row by row, as measured (each row can compile for minutes): a run cut short keeps what it timed
+    files = {"mamba3": bench_mamba3.ResultFile(device, peer, a.out, git_commit=a.git_commit)}
     runs = {
         "ssd": lambda: bench_ssd.run(ssd_shapes, "bf16", device, peer, fla_fn, a.ssd_chunk, a.kernel_warmup,
                                      a.kernel_reps, deadline=deadline),
@@ -151,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         "long_context": lambda: long_context_probe.run(a.long_preset, peer, device, a.long_start, a.long_max,
                                                        n_layer=a.n_layer),
         "mamba3": lambda: bench_mamba3.run(peer, device, "bf16", warmup=a.kernel_warmup, reps=a.kernel_reps,
-                                           deadline=deadline),
+                                           deadline=deadline, save=files["mamba3"]),
     }
     failed = []
     for name in sections:
@@ -170,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        publish(result, device, peer, fla_fn if name == "ssd" else None, a.out, git_commit=a.git_commit)
+        publish(result, device, peer, fla_fn if name == "ssd" else None,
+                files[name].final() if name in files else a.out, git_commit=a.git_commit)
         say(f"== {name}: {time.monotonic() - t0:.0f} s")
     if a.report:
         from mamba_parallel.bench import report
@@ -178,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         report.main(["--results", a.out, "--out", a.report] + (["--plots", a.plots] if a.plots else []))
     say(f"bench all: done in {time.monotonic() - deadline.start:.0f} s"
         f"{'; not completed: ' + ', '.join(failed) if failed else ''}")
+    if a.warmup_candidates is not None:
+        say(candidates.summary(a.warmup_candidates))  # read back by the warm-up's summary line
     return 1 if failed else 0
 
 

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from mamba_parallel.bench import kernels, peer as peer_mod
 from mamba_parallel.bench.peer import PeerUnavailable
 from mamba_parallel.bench.peer_mamba3 import mamba3_side, ours_scan, ours_step
-from mamba_parallel.bench.results import error_text, make_row, publish, say
+from mamba_parallel.bench.results import (error_text, make_row, publish, run_metadata, say, side_names,
+                                          side_versions, write_result)
 from mamba_parallel.bench.timing import DTYPES, median_ms, time_calls
 
 # (b, L, h, p, n, R): h = 24 / 32 / 64 are the heads of the 180m / 440m / 1.5b presets' layers (d_inner / 64)
@@ -62,10 +63,43 @@ def case_name(shape) -> str:
     return ("MIMO R{} ".format(R) if R > 1 else "") + f"b{b} L{L} h{h} p{p} n{n}"
 
 
-def run_scan(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None) -> list[dict]:
-    return kernels.time_shapes("mamba3", shapes, lambda shape: scan_inputs(*shape, DTYPES[dtype], device), case_name,
-                               sides, grad_names, device, warmup, reps, log, extra=lambda shape: {"section": "scan"},
-                               deadline=deadline)
+def run_scan(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None, on_row=None) -> list[dict]:
+    """Every shape x mode x side -> rows, each logged (and handed to ``on_row``) as soon as it is measured; a
+    shape's start is logged before its first call compiles (a cut run shows where it was); rows not started
+    before ``deadline`` passed are skipped."""
+    rows = []
+
+    def keep(new):
+        for r in new:
+            rows.append(r)
+            if on_row is not None:
+                on_row(r)
+
+    for shape in shapes:
+        case = case_name(shape)
+        why = kernels.not_startable(deadline)
+        if why:
+            keep(kernels.skipped_rows(case, sides, why=why, section="scan"))
+            log(f"mamba3 scan {case}: {why}")
+            continue
+        log(f"mamba3 scan {case}: timing {', '.join(sides)} (a new shape compiles and autotunes first)")
+        inputs = scan_inputs(*shape, DTYPES[dtype], device)
+        dy, names = torch.randn_like(inputs["x"]), grad_names(inputs)
+        for mode in kernels.MODES:
+            why = kernels.not_startable(deadline)
+            if why:
+                keep(kernels.skipped_rows(case, sides, modes=(mode,), why=why, section="scan"))
+                log(f"mamba3 scan {case} {kernels.MODE_LABELS[mode]}: {why}")
+                continue
+            timed = kernels.time_sides(sides, inputs, names, device, dy, modes=(mode,), warmup=warmup, reps=reps)
+            new = kernels.rows_for_case(case, timed, section="scan")
+            for r in new:
+                log(f"mamba3 scan {r['case']} {r['metric']}: " + ", ".join(f"{s} {r.get(s)}" for s in sides))
+            keep(new)
+        del inputs, dy
+        if torch.device(device).type == "cuda" and not kernels.context_lost():
+            torch.cuda.empty_cache()
+    return rows
 
 
 def per_call_ms(fn, device, warmup: int, reps: int, calls: int = 20) -> float:
@@ -85,16 +119,24 @@ def per_call_ms(fn, device, warmup: int, reps: int, calls: int = 20) -> float:
     return statistics.median(time_calls(graph.replay, device, 2, reps)) / calls
 
 
-def run_step(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None) -> list[dict]:
+def run_step(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None, on_row=None) -> list[dict]:
     from mamba_parallel.ops.mamba3 import Mamba3State
 
     rows = []
+
+    def keep(row):
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
     for b, h, p, n in shapes:
         why = kernels.not_startable(deadline)
         if why:
-            rows.append(make_row(f"b{b} h{h} p{p} n{n}", "decode step", "us", "lower", {s: None for s in sides},
-                                 {s: why for s in sides}, section="step"))
+            keep(make_row(f"b{b} h{h} p{p} n{n}", "decode step", "us", "lower", {s: None for s in sides},
+                          {s: why for s in sides}, section="step"))
+            log(f"mamba3 step b{b} h{h} p{p} n{n}: {why}")
             continue
+        log(f"mamba3 step b{b} h{h} p{p} n{n}: timing {', '.join(sides)}")
         tok = {k: (v[:, 0] if k in ("x", "z", "B", "C", "dt", "A", "trap", "angles") else v)
                for k, v in scan_inputs(b, 1, h, p, n, 1, DTYPES[dtype], device).items() if k != "chunk_size"}
         times, errors = {}, {}
@@ -111,22 +153,32 @@ def run_step(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None)
                 kernels.after_failure(name, device)
         row = make_row(f"b{b} h{h} p{p} n{n}", "decode step", "us", "lower", times, errors, section="step")
         log(f"mamba3 step {row['case']}: " + ", ".join(f"{s} {row.get(s)}" for s in sides))
-        rows.append(row)
+        keep(row)
     return rows
 
 
-def run_layer(shapes, layers, dtype, device, warmup, reps, log=say, deadline=None) -> list[dict]:
-    """Both sides' Mamba3 mixer with the same weights (ours' state dict loaded into the peer's)."""
+def run_layer(shapes, layers, dtype, device, warmup, reps, log=say, deadline=None, on_row=None) -> list[dict]:
+    """Both sides' Mamba3 mixer with the same weights (ours' state dict loaded into the peer's); rows logged as
+    they are measured, as in ``run_scan``."""
     from mamba_parallel.layers.mamba3 import Mamba3
 
     cuda = torch.device(device).type == "cuda"
     rows = []
+
+    def keep(new):
+        for r in new:
+            rows.append(r)
+            if on_row is not None:
+                on_row(r)
+
     for d_model, b, L in shapes:
+        case = f"layer d_model {d_model} b{b} L{L}"
         why = kernels.not_startable(deadline)
         if why:
-            rows += kernels.skipped_rows(f"layer d_model {d_model} b{b} L{L}", layers, ("fwd", "fwd+bwd"), why=why,
-                                         section="layer")
+            keep(kernels.skipped_rows(case, layers, ("fwd", "fwd+bwd"), why=why, section="layer"))
+            log(f"mamba3 {case}: {why}")
             continue
+        log(f"mamba3 {case}: timing {', '.join(layers)}")
         x = torch.randn(b, L, d_model, device=device)
         torch.manual_seed(0)
         ours = Mamba3(d_model, layer_idx=0, device=device)
@@ -145,21 +197,29 @@ def run_layer(shapes, layers, dtype, device, warmup, reps, log=say, deadline=Non
                 fwd(layer).float().square().mean().backward()
                 layer.zero_grad(set_to_none=True)
             calls[name] = {"fwd": fwd, "fwd+bwd": both}
-        timed = kernels.time_in_turns(calls, device, warmup, reps)
-        new = kernels.rows_for_case(f"layer d_model {d_model} b{b} L{L}", timed, section="layer")
-        for r in new:
-            log(f"mamba3 {r['case']} {r['metric']}: " + ", ".join(f"{s} {r.get(s)}" for s in built))
-        rows += new
-        del built, ours, x
+        for mode in ("fwd", "fwd+bwd"):
+            why = kernels.not_startable(deadline)
+            if why:
+                keep(kernels.skipped_rows(case, layers, (mode,), why=why, section="layer"))
+                log(f"mamba3 {case} {kernels.MODE_LABELS[mode]}: {why}")
+                continue
+            timed = kernels.time_in_turns({name: {mode: c[mode]} for name, c in calls.items()}, device, warmup,
+                                          reps)
+            new = kernels.rows_for_case(case, timed, section="layer")
+            for r in new:
+                log(f"mamba3 {r['case']} {r['metric']}: " + ", ".join(f"{s} {r.get(s)}" for s in built))
+            keep(new)
+        del built, ours, x, calls
         if cuda and not kernels.context_lost():
             torch.cuda.empty_cache()
     return rows
 
 
 def run(peer, device, dtype="bf16", sections=SECTIONS, scan_shapes=SCAN_SHAPES, step_shapes=STEP_SHAPES,
-        layer_shapes=LAYER_SHAPES, warmup=3, reps=10, log=say, deadline=None) -> dict:
+        layer_shapes=LAYER_SHAPES, warmup=3, reps=10, log=say, deadline=None, save=None) -> dict:
     """The chosen sections -> the result's settings and rows (see results.py); what is not started before
-    ``deadline`` (timing.Deadline) passed is listed as skipped."""
+    ``deadline`` (timing.Deadline) passed is listed as skipped. ``save(result)``: called after every row with the
+    result so far (``ResultFile`` writes it), so a run cut short leaves what it measured."""
     from mamba_parallel.layers.mamba3 import Mamba3
 
     theirs = None
@@ -170,18 +230,48 @@ def run(peer, device, dtype="bf16", sections=SECTIONS, scan_shapes=SCAN_SHAPES, 
             log(f"peer: {e}; timing ours alone")
     with_peer = lambda ours, attr: {"ours": ours, **({"peer": getattr(theirs, attr)} if theirs else {})}  # noqa
     rows = []
+    result = {"bench": "mamba3", "title": "Mamba-3 scan, decode step and layer",
+              "settings": {"dtype": dtype, "chunk_size": CHUNK, "mimo_chunk_size": MIMO_CHUNK, "warmup": warmup,
+                           "reps": reps, "sections": list(sections),
+                           "inputs": "a Mamba-3 layer's raw scan inputs; each side's preparation timed with it",
+                           "sides": ["ours"] + (["peer"] if theirs else [])},
+              "rows": rows}
+
+    def keep(row):
+        rows.append(row)
+        if save is not None:
+            save(result)
+
     if "scan" in sections:
-        rows += run_scan(scan_shapes, with_peer(ours_scan, "scan"), dtype, device, warmup, reps, log, deadline)
+        run_scan(scan_shapes, with_peer(ours_scan, "scan"), dtype, device, warmup, reps, log, deadline, keep)
     if "step" in sections:
-        rows += run_step(step_shapes, with_peer(ours_step, "step"), dtype, device, warmup, reps, log, deadline)
+        run_step(step_shapes, with_peer(ours_step, "step"), dtype, device, warmup, reps, log, deadline, keep)
     if "layer" in sections:
-        rows += run_layer(layer_shapes, with_peer(Mamba3, "layer"), dtype, device, warmup, reps, log, deadline)
-    return {"bench": "mamba3", "title": "Mamba-3 scan, decode step and layer",
-            "settings": {"dtype": dtype, "chunk_size": CHUNK, "mimo_chunk_size": MIMO_CHUNK, "warmup": warmup,
-                         "reps": reps, "sections": list(sections),
-                         "inputs": "a Mamba-3 layer's raw scan inputs; each side's preparation timed with it",
-                         "sides": ["ours"] + (["peer"] if theirs else [])},
-            "rows": rows}
+        run_layer(layer_shapes, with_peer(Mamba3, "layer"), dtype, device, warmup, reps, log, deadline, keep)
+    return result
+
+
+class ResultFile:
+    """``save`` for ``run``: writes the result so far as a run's JSON, always to the file the first write picked
+    (``results.write_result``: ``path`` a .json file or a results folder), marked ``"partial": true``; ``publish``
+    to ``.path`` then replaces it with the whole result. No ``path``: writes nothing."""
+
+    def __init__(self, device, peer, path, git_commit: str | None = None):
+        self.device, self.peer, self.target, self.git_commit = device, peer, path, git_commit
+        self.path = None
+        self._meta = None
+
+    def __call__(self, result: dict) -> None:
+        if not self.target:
+            return
+        if self._meta is None:  # once: the commit and versions do not change during a run
+            self._meta = run_metadata(self.device, side_versions(self.peer), git_commit=self.git_commit)
+        self.path = write_result({**result, "partial": True, "meta": self._meta,
+                                  "side_names": side_names(self.peer)}, self.path or self.target)
+
+    def final(self):
+        """Where ``publish`` writes the whole result: the partial file when there is one."""
+        return self.path or self.target
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,8 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a, device, peer, deadline = kernels.parse_run_args(build_parser(), argv)
-    result = run(peer, device, a.dtype, a.sections, warmup=a.warmup, reps=a.reps, deadline=deadline)
-    publish(result, device, peer, None, a.json)
+    partial = ResultFile(device, peer, a.json)
+    result = run(peer, device, a.dtype, a.sections, warmup=a.warmup, reps=a.reps, deadline=deadline, save=partial)
+    publish(result, device, peer, None, partial.final())
     return 0
 
 

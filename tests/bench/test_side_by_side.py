@@ -343,7 +343,7 @@ def test_precompile_stops_what_the_budget_does_not_hold(tmp_path):
     jobs = [precompile.Job("sleep", ["--only", "nope"]), precompile.Job("never", ["--only", "nope"])]
     lines = []
     precompile.run(jobs, 1, 0.0, str(tmp_path), lines.append)
-    assert [j.status for j in jobs] == ["stopped", "stopped"] and "[stopped]" in lines[0]
+    assert [j.status for j in jobs] == ["stopped", "stopped"] and "[stopped]" in lines[-1]
     with pytest.raises(ValueError, match="--precompile-workers"):
         precompile.run(jobs, 0, 1.0, str(tmp_path), lines.append)
 
