@@ -7,6 +7,11 @@ norm, then the embedding and an untied head) one block at a time on a single-dev
 rank keeps its own slice of it (``load_model_state_dict(..., strict=False)``: FSDP2 shards, tensor-parallel
 segments, pipeline stages — a block another stage owns is drawn and dropped, so the random stream stays in step).
 Peak memory: one full block (or the embedding) beside the shards. No collective: every rank draws the same values.
+
+``load_sharded_checkpoint(model, checkpoint)`` fills the same kind of model from a checkpoint folder
+(``models.formats.open_checkpoint``) the same way, but finer: tensor by tensor, each rank reads off the file only
+the box of every tensor it holds (its rows / columns of a sharded segment, all of a replicated one). Peak memory:
+one rank-sized slice of one tensor beside the shards; the whole model is never in host memory.
 """
 
 from __future__ import annotations
@@ -14,7 +19,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from mamba_parallel.distributed.state_dict import _clean, load_model_state_dict
+from mamba_parallel.distributed.state_dict import _clean, _views, canonical_name, load_model_state_dict
+
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover
+    DTensor = ()
 
 
 def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -41,6 +52,67 @@ def load_single_device_model(model: nn.Module, single: nn.Module) -> None:
     load_model_state_dict(model, {k: v.detach() for k, v in single.state_dict(keep_vars=True).items()})
     for k, b in theirs.items():
         own[k].copy_(b)
+
+
+def _local_box(t: torch.Tensor, view, idx: int | None) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """(the tensor this rank writes, the box of the canonical single-device tensor it holds). ``view``/``idx``: the
+    ShardView and segment index of a tensor-parallel parameter (None for any other tensor)."""
+    if isinstance(t, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local()
+    else:
+        shape, offset, local = tuple(t.shape), (0,) * t.dim(), t
+    offset = list(offset)
+    if idx is not None:  # a segment of a fused parameter starts where the ones before it end
+        offset[view.dim] += sum(view.sizes[:idx])
+    return local, tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+@torch.no_grad()
+def load_sharded_checkpoint(model: nn.Module, checkpoint, progress: bool | None = False) -> None:
+    """Fill ``model`` (materialised with ``to_empty``, any layout: tensor-parallel segments, DTensor shards, plain
+    tensors) from ``checkpoint`` (``models.formats.open_checkpoint``), reading off the file only the part of each
+    tensor this rank holds, one tensor at a time, in the model's dtypes. The checkpoint is checked first against
+    the single-device model of its config (``Checkpoint.plan``: missing, unexpected, mis-shaped tensors are one
+    error naming the file, the tensors and both shapes); a model tensor the checkpoint cannot fill is an error,
+    never left as ``to_empty``'s garbage."""
+    from mamba_parallel.models.formats import CheckpointError
+    from mamba_parallel.models.lm import MambaLMHeadModel
+    from mamba_parallel.models.tensor_layout import EMBEDDING, LM_HEAD
+    from mamba_parallel.progress import progress_bar
+
+    twin = MambaLMHeadModel(checkpoint.config, device="meta")  # the single-device names and shapes, no memory
+    expected = {n: tuple(t.shape) for n, t in twin.state_dict(keep_vars=True).items()}
+    transient = sorted(n for n, _ in twin.named_buffers() if n not in expected)
+    if transient:  # not in a checkpoint: nothing would set them here
+        raise CheckpointError(f"{checkpoint.path}: the model has buffers no checkpoint stores, which a sharded "
+                              f"load cannot fill: {transient}")
+    del twin
+    checkpoint.plan(expected)
+    views = _views(model)
+    tensors = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())]
+    with progress_bar(f"loading {checkpoint.folder.name}", total=len(tensors), enabled=progress) as advance:
+        for fqn, t in tensors:
+            advance()
+            canon, idx = canonical_name(_clean(fqn))
+            if canon not in expected:
+                raise CheckpointError(f"{checkpoint.path}: the model holds {canon!r} ({fqn}), which the "
+                                      f"single-device model of this config does not")
+            # a head tied to the embedding is stored once (or not at all): read the embedding's rows
+            source = EMBEDDING if (canon == LM_HEAD and checkpoint.tied) else canon
+            local, index = _local_box(t, views.get(canon), idx)
+            tied_check = source == EMBEDDING and checkpoint.tied
+            # the tie is checked on the file's values, on the host: read them uncast, the cast is then copy_'s
+            cast = None if tied_check or not local.is_floating_point() else local.dtype
+            value = checkpoint.read(source, torch.device("cpu") if tied_check else local.device, cast, index)
+            if value.shape != local.shape:
+                box = ", ".join(f"{sl.start}:{sl.stop}" for sl in index)
+                raise CheckpointError(f"{checkpoint.path}: {canon}[{box}] read as {tuple(value.shape)}, but this "
+                                      f"rank holds {tuple(local.shape)} of it")
+            if tied_check:
+                checkpoint.check_tied_head(index, value)
+            local.copy_(value)
+            del value
 
 
 @torch.no_grad()

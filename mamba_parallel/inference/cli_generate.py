@@ -57,16 +57,13 @@ def _prompt(args) -> str:
 
 
 def _load_tensor_parallel(args, device, dtype):
-    """The checkpoint read on the host, the model built on the meta device, sharded over the torchrun group
-    (tp = world size) and materialised on this rank's device with only its own slices of the weights: no GPU ever
-    holds the whole model. -> (model, whether this is rank 0, whether this call made the process group)."""
+    """The model built on the meta device, sharded over the torchrun group (tp = world size) and materialised on
+    this rank's device, then filled from the checkpoint tensor by tensor, each rank reading off the file only its
+    own slices: neither host memory nor any GPU ever holds the whole model.
+    -> (model, whether this is rank 0, whether this call made the process group)."""
     import torch.distributed as dist
 
     from mamba_parallel.distributed.data_parallel import init_distributed
-    from mamba_parallel.distributed.materialize import load_single_device_model, retie_after_to_empty, tied_groups
-    from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
-    from mamba_parallel.distributed.tp_plan import apply_tensor_parallel
-    from mamba_parallel.models import MambaLMHeadModel
 
     if args.cuda_graph:
         raise ConfigError("--cuda-graph does not capture tensor-parallel decoding (its collectives): leave it out "
@@ -77,8 +74,27 @@ def _load_tensor_parallel(args, device, dtype):
     if args.tp != world:
         raise ConfigError(f"--tp {args.tp} needs as many processes: run under torchrun --nproc_per_node "
                           f"{args.tp} (WORLD_SIZE is {world})")
-    full = MambaLMHeadModel.from_pretrained(args.checkpoint, device="cpu", dtype=dtype)  # host memory
-    model = MambaLMHeadModel(full.config, device="meta", dtype=next(full.parameters()).dtype)
+    try:
+        return _load_shards(args, dtype, env, world), env.is_main, created
+    except BaseException:
+        if created:  # a bad checkpoint: the error is said and the group this call made is left cleanly
+            dist.destroy_process_group()
+        raise
+
+
+def _load_shards(args, dtype, env, world):
+    """This rank's tensor-parallel model (``_load_tensor_parallel``), in the group ``env`` joined."""
+    import torch.distributed as dist
+
+    from mamba_parallel.distributed.materialize import load_sharded_checkpoint, retie_after_to_empty, tied_groups
+    from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
+    from mamba_parallel.distributed.tp_plan import apply_tensor_parallel
+    from mamba_parallel.models import MambaLMHeadModel
+    from mamba_parallel.models.formats import open_checkpoint
+
+    # shapes and dtypes only; a legacy torch file (read whole, on every rank) is refused
+    ckpt = open_checkpoint(args.checkpoint, lazy_only=True)
+    model = MambaLMHeadModel(ckpt.config, device="meta", dtype=ckpt.dtype(dtype))
     dims = ParallelDims(dp_shard=1, tp=args.tp, world_size=world)
     dims.build_mesh(env.device.type)
     try:
@@ -88,11 +104,10 @@ def _load_tensor_parallel(args, device, dtype):
     groups = tied_groups(model)
     model.to_empty(device=env.device)
     retie_after_to_empty(groups)
-    load_single_device_model(model, full)  # each rank keeps its slices
-    model.generation_config, model.tokenizer_folder = full.generation_config, full.tokenizer_folder
-    del full
+    load_sharded_checkpoint(model, ckpt)  # each rank reads its own slices
+    ckpt.attach_metadata(model)
     dist.barrier()
-    return model.eval(), env.is_main, created
+    return model.eval()
 
 
 def cmd_generate(args) -> int:

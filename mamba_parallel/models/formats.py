@@ -12,7 +12,9 @@ fields (``d_model``, ``n_layer``) -> mamba_ssm; no config.json but params.json -
 as Mamba-Codestral's repository does, reads config.json unless ``format="mistral"``). Loading builds the model on
 the meta device and assigns the checkpoint's tensors, read one by one, so the weights exist once, on ``device`` in
 ``dtype`` ("auto": the dtype they were saved in), never initialised. A ``org/name`` that is not a folder is fetched
-from the Hugging Face hub when huggingface_hub is installed (models/hub.py).
+from the Hugging Face hub when huggingface_hub is installed (models/hub.py). ``open_checkpoint`` is the reading
+alone (names, pieces, casts, a tied head), whole tensors or boxes of them: the sharded loader of ``generate --tp``
+(distributed/materialize.py) reads each rank's slices through it.
 """
 
 from __future__ import annotations
@@ -199,6 +201,107 @@ def resolve_folder(path: str | Path, format: str | None = None, revision: str | 
         raise CheckpointError(str(e)) from e
 
 
+class Checkpoint:
+    """A checkpoint folder opened for reading (``open_checkpoint``): its config, and its tensors by OUR names, read
+    whole or one box at a time. The one place a format's conversion lives (names, the pieces a fused tensor is
+    stored as, dtype casts, a tied head): ``load_pretrained`` and the sharded loader
+    (``distributed.materialize.load_sharded_checkpoint``) both read through it."""
+
+    def __init__(self, folder: Path, fmt: str, raw: dict, config: MambaConfig, reader: WeightReader):
+        self.folder, self.format, self.raw, self.config, self.reader = folder, fmt, raw, config, reader
+        self.layout = _layout(fmt, config, raw if fmt == "hf" else None)
+        self.tied = bool(config.tie_embeddings)
+        self.sources: dict[str, list[tuple[str, int | None]]] | None = None  # by plan()
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    @property
+    def path(self) -> Path:
+        """The weights file (or shard index): what errors name."""
+        return self.reader.path
+
+    def dtype(self, dtype="auto") -> torch.dtype:
+        return resolve_dtype(dtype, self.raw, self.reader)
+
+    def plan(self, expected: dict[str, tuple[int, ...]]) -> dict[str, list[tuple[str, int | None]]]:
+        """Match the model's tensors (our name -> shape) with the file's: CheckpointError naming the file and every
+        missing, unexpected and mis-shaped tensor (both shapes); then ``read`` knows where each one is."""
+        what = f"{'params.json' if self.format == 'mistral' else 'config.json'} ({_describe(self.config)})"
+        try:
+            self.sources = plan_load(self.layout, expected, self.reader.shapes, self.tied, str(self.path),
+                                     what).sources
+        except LayoutError as e:
+            raise CheckpointError(str(e)) from e
+        self._shapes = dict(expected)
+        return self.sources
+
+    def read(self, name: str, device: torch.device, dtype: torch.dtype | None,
+             index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Our tensor ``name`` (``plan`` first), or only the box ``index`` of it (one slice per dim, steps of 1),
+        on ``device``, floating values cast to ``dtype``. A tensor stored in pieces (concatenated along dim 0) reads
+        only the pieces the box's rows fall in."""
+        pieces = self.sources[name]
+        if len(pieces) == 1:
+            return self.reader.read(pieces[0][0], device, dtype, index)
+        if index is None:
+            return torch.cat([self.reader.read(n, device, dtype) for n, _ in pieces], dim=0)
+        start, stop, _ = index[0].indices(self._shapes[name][0])
+        parts, at = [], 0
+        for file_name, rows in pieces:
+            lo, hi = max(start, at), min(stop, at + rows)
+            if lo < hi:
+                parts.append(self.reader.read(file_name, device, dtype, (slice(lo - at, hi - at), *index[1:])))
+            at += rows
+        if not parts:  # an empty box
+            parts = [self.reader.read(pieces[0][0], device, dtype, (slice(0, 0), *index[1:]))]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def check_tied_head(self, index: tuple[slice, ...] | None = None, embedding: torch.Tensor | None = None) -> None:
+        """A stored head must equal the embedding it is tied to (mamba_ssm stores both, sharing one storage);
+        ``index``: compare only that box (each rank its own, so together they compare all); ``embedding``: that
+        box of the embedding as already read (in the file's dtype), not read again."""
+        if not (self.tied and LM_HEAD in self.sources):
+            return
+        head_name, emb_name = self.sources[LM_HEAD][0][0], self.sources[EMBEDDING][0][0]
+        if self.reader.same_storage(head_name, emb_name):
+            return
+        cpu = torch.device("cpu")
+        if embedding is None:
+            embedding = self.reader.read(emb_name, cpu, None, index)
+        if not torch.equal(self.reader.read(head_name, cpu, None, index), embedding.to(cpu)):
+            raise CheckpointError(f"{self.path}: the config ties the embeddings but {head_name} differs from "
+                                  f"{emb_name}")
+
+    def attach_metadata(self, model: nn.Module) -> None:
+        """``model.generation_config`` (generation_config.json, else config.json's token ids) and
+        ``model.tokenizer_folder`` (this folder when it holds tokenizer files)."""
+        try:
+            model.generation_config = GenerationConfig.from_folder(self.folder, self.raw if self.format == "hf" else {})
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+        model.tokenizer_folder = self.folder if any((self.folder / f).is_file() for f in TOKENIZER_FILES) else None
+
+
+def open_checkpoint(path: str | Path, format: str | None = None, revision: str | None = None,
+                    lazy_only: bool = False, verify: bool = True) -> Checkpoint:
+    """A checkpoint folder (or hub name) opened: its manifest verified (``verify``), format detected, config read,
+    weights indexed (shapes and dtypes only; no tensor data is read). ``lazy_only``: refuse weights that can only
+    be read whole (a legacy torch file)."""
+    folder = resolve_folder(path, format, revision)
+    if verify and folder.is_dir():  # its manifest (ours) is checked before anything is read; a folder from
+        try:                        # elsewhere has none
+            verify_before_load(str(folder))
+        except ManifestError as e:
+            raise CheckpointError(str(e)) from None
+    fmt, raw = _detect(folder, format)
+    config = _config(folder, fmt, raw)
+    try:
+        reader = WeightReader(find_weights(folder, (MISTRAL_WEIGHTS,) if fmt == "mistral" else WEIGHT_FILES),
+                              lazy_only=lazy_only)
+    except WeightsFileError as e:
+        raise CheckpointError(str(e)) from e
+    return Checkpoint(folder, fmt, raw, config, reader)
+
+
 def load_pretrained(path: str | Path, device: torch.device | str | None = None, dtype="auto",
                     model_cls: type | None = None, format: str | None = None, revision: str | None = None,
                     torch_dtype=None, progress: bool | None = False) -> nn.Module:
@@ -211,50 +314,26 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None, 
     The model's ``generation_config`` comes from generation_config.json (else config.json's token ids); a folder
     with tokenizer files is remembered as ``model.tokenizer_folder`` (save_pretrained copies them).
     """
-    if torch_dtype is not None:
-        if dtype not in (None, "auto"):
-            raise CheckpointError("pass dtype or torch_dtype (the same option), not both")
-        dtype = torch_dtype
-    folder = resolve_folder(path, format, revision)
-    if folder.is_dir():  # its manifest (ours) is checked before anything is read; a folder from elsewhere has none
-        try:
-            verify_before_load(str(folder))
-        except ManifestError as e:
-            raise CheckpointError(str(e)) from None
-    fmt, raw = _detect(folder, format)
-    config = _config(folder, fmt, raw)
-    try:
-        reader = WeightReader(find_weights(folder, (MISTRAL_WEIGHTS,) if fmt == "mistral" else WEIGHT_FILES))
-    except WeightsFileError as e:
-        raise CheckpointError(str(e)) from e
+    dtype = _one_dtype(dtype, torch_dtype)
+    ckpt = open_checkpoint(path, format, revision)
     if model_cls is None:
         from mamba_parallel.models.lm import MambaLMHeadModel as model_cls
     device = torch.device("cpu" if device is None else device)
-    model = model_cls(config, device="meta", dtype=resolve_dtype(dtype, raw, reader))  # no memory, no init
-
-    layout = _layout(fmt, config, raw if fmt == "hf" else None)
-    expected = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
-    tied = bool(config.tie_embeddings)
-    try:
-        plan = plan_load(layout, expected, reader.shapes, tied, str(reader.path),
-                         f"{'params.json' if fmt == 'mistral' else 'config.json'} ({_describe(config)})")
-    except LayoutError as e:
-        raise CheckpointError(str(e)) from e
+    model = model_cls(ckpt.config, device="meta", dtype=ckpt.dtype(dtype))  # no memory, no init
+    sources = ckpt.plan({n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()})
 
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    if tied and LM_HEAD in plan.sources:
-        _check_tied_head(reader, plan.sources[LM_HEAD][0][0], plan.sources[EMBEDDING][0][0])
+    tied = ckpt.tied
+    ckpt.check_tied_head()
     state = {}
-    with progress_bar(f"loading {folder.name}", total=len(plan.sources), enabled=progress) as advance:
-        for name, pieces in plan.sources.items():
+    with progress_bar(f"loading {ckpt.folder.name}", total=len(sources), enabled=progress) as advance:
+        for name in sources:
             advance()
             if tied and name == LM_HEAD:
                 continue
             like = params.get(name, buffers.get(name))
-            cast = like.dtype if like.is_floating_point() else None
-            parts = [reader.read(file_name, device, cast) for file_name, _ in pieces]
-            state[name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            state[name] = ckpt.read(name, device, like.dtype if like.is_floating_point() else None)
     model.load_state_dict(state, strict=False, assign=True)
     del state
     if tied:
@@ -270,22 +349,17 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None, 
                 p.__dict__.setdefault(key, value)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if left:
-        raise CheckpointError(f"{reader.path}: these tensors were not loaded (still on the meta device): {left}")
-    try:
-        model.generation_config = GenerationConfig.from_folder(folder, raw if fmt == "hf" else {})
-    except ValueError as e:
-        raise CheckpointError(str(e)) from e
-    model.tokenizer_folder = folder if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
+        raise CheckpointError(f"{ckpt.path}: these tensors were not loaded (still on the meta device): {left}")
+    ckpt.attach_metadata(model)
     return model.eval()  # as transformers returns it (no layer here behaves differently in training mode)
 
 
-def _check_tied_head(reader: WeightReader, head: str, embedding: str) -> None:
-    """A stored head must equal the embedding it is tied to (mamba_ssm stores both, sharing one storage)."""
-    if reader.same_storage(head, embedding):
-        return
-    cpu = torch.device("cpu")
-    if not torch.equal(reader.read(head, cpu, None), reader.read(embedding, cpu, None)):
-        raise CheckpointError(f"{reader.path}: the config ties the embeddings but {head} differs from {embedding}")
+def _one_dtype(dtype, torch_dtype):
+    if torch_dtype is None:
+        return dtype
+    if dtype not in (None, "auto"):
+        raise CheckpointError("pass dtype or torch_dtype (the same option), not both")
+    return torch_dtype
 
 
 # ---- saving ---------------------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 Accepted in any folder: ``model.safetensors``, ``pytorch_model.bin`` (read with ``weights_only=True``), and their
 sharded forms (``*.index.json`` with a ``weight_map``); Mistral's ``consolidated.safetensors``. Shapes and dtypes
 are known before any data is read, so a checkpoint is checked against the model first; ``.bin`` files are
-memory-mapped, so only one tensor at a time is materialised. Writing shards past a size, as transformers does
-(``model-00001-of-00003.safetensors`` + ``model.safetensors.index.json``).
+memory-mapped, so only one tensor at a time is materialised, and ``read(..., index=)`` materialises only a box of
+one (safetensors' ``get_slice``; of a ``.bin``, a view of the mapped file). Writing shards past a size, as
+transformers does (``model-00001-of-00003.safetensors`` + ``model.safetensors.index.json``).
 """
 
 from __future__ import annotations
@@ -53,10 +54,14 @@ def weight_files_in(folder: Path) -> list[str]:
 
 
 class WeightReader:
-    """Lazy access to the tensors of one weights file or shard index: ``shapes`` first, then ``read(name)``."""
+    """Lazy access to the tensors of one weights file or shard index: ``shapes`` first, then ``read(name)``.
 
-    def __init__(self, path: Path):
+    ``lazy_only``: refuse a file that can only be read whole (a legacy, pre-zip torch file cannot be memory-mapped)
+    rather than load all of it."""
+
+    def __init__(self, path: Path, lazy_only: bool = False):
         self.path = path
+        self.lazy_only = lazy_only
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype | None] = {}  # None: a dtype torch has no name for
         self._source: dict[str, object] = {}  # name -> safe_open handle or (mmapped) tensor
@@ -86,7 +91,7 @@ class WeightReader:
                 self.dtypes[name] = getattr(torch, _SAFETENSORS_DTYPES.get(sl.get_dtype(), ""), None)
                 self._source[name] = handle
             return
-        state = _torch_load(file)
+        state = _torch_load(file, self.lazy_only)
         for name, t in state.items():
             if not isinstance(t, torch.Tensor):
                 raise WeightsFileError(f"{file}: entry {name!r} is a {type(t).__name__}, not a tensor")
@@ -111,23 +116,34 @@ class WeightReader:
         return (isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor) and ta.shape == tb.shape
                 and ta.stride() == tb.stride() and ta.data_ptr() == tb.data_ptr())
 
-    def read(self, name: str, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
-        """A fresh tensor (never backed by the file) on ``device``; floating tensors cast to ``dtype``."""
+    def read(self, name: str, device: torch.device, dtype: torch.dtype | None,
+             index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """A fresh tensor (never backed by the file) on ``device``; floating tensors cast to ``dtype``.
+        ``index``: one slice per dim; only that box is read off the file."""
         src = self._source[name]
         from_file = isinstance(src, torch.Tensor)  # memory-mapped: must be copied off the file
-        t = src if from_file else src.get_tensor(name)  # safetensors hands out a fresh tensor already
+        if from_file:
+            t = src if index is None else src[index]  # a view: pages are read by the copy below
+        else:  # safetensors hands out a fresh tensor already, reading only the slice's bytes
+            t = src.get_tensor(name) if index is None else src.get_slice(name)[index]
         cast = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
         return t.to(device=device, dtype=cast, copy=from_file)
 
 
-def _torch_load(file: Path) -> dict:
+def _torch_load(file: Path, lazy_only: bool = False) -> dict:
     try:
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
             if "mmap" not in str(e) and "zipfile" not in str(e):
                 raise
+            if lazy_only:
+                raise WeightsFileError(
+                    f"{file}: a legacy (pre-zip) torch file, which cannot be memory-mapped and would be read whole "
+                    f"into memory; re-save it (mamba-parallel convert SRC DST --format mamba_ssm) first") from None
             state = torch.load(file, map_location="cpu", weights_only=True)  # legacy (pre-zip) format
+    except WeightsFileError:
+        raise
     except Exception as e:
         raise WeightsFileError(f"{file}: cannot be read as a weights-only torch checkpoint ({e})") from e
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
