@@ -12,8 +12,9 @@ Data flow for hidden (b, L, d_model):
 a gradient arena, ops/grad_arena.py); the conv's output is made token-major once for x_proj and the scan
 (``ops.token_major``); the gate writes out_proj's (b, L, d_inner) input (``ops.silu_gate``). In backward the conv
 and the gate write dx and dz straight into in_proj's output gradient: torch concatenates and transposes nothing.
-``recompute`` (a subset of conv, dt, gate; layers/recompute.py, docs/memory.md) rebuilds the conv output (its
-token-major copy), the scan's delta and out_proj's input in the backward instead of keeping them.
+``recompute`` (a subset of conv, dt, gate, states; layers/recompute.py, docs/memory.md) rebuilds the conv output
+(its token-major copy), the scan's delta and out_proj's input in the backward instead of keeping them; ``states``
+keeps one selective-scan checkpoint per SCAN_CHECKPOINT_EVERY chunks (the scan's backward rebuilds the others).
 
 ``bcdt_rms_norm`` (Falcon-Mamba): x_proj's three outputs dt_low (dt_rank), B and C (d_state) each pass through a
 weightless RMS norm (eps ``bcdt_rms_eps``, computed in fp32) before dt_proj and the scan, in the reference, the
@@ -48,7 +49,8 @@ from mamba_parallel.layers import init
 from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
 from mamba_parallel.layers.out_proj import fusable_linear
 from mamba_parallel.layers.packing import resolve_seq_idx
-from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, recompute_set, run_saving
+from mamba_parallel.layers.recompute import (NOTHING, SCAN_CHECKPOINT_EVERY, RecomputeInBackward, recompute_plan,
+                                             recompute_set, run_saving)
 from mamba_parallel.layers.seq_ops import SequenceOps
 from mamba_parallel.ops._common import linear_dtype
 from mamba_parallel.ops.backend import triton_available, use_triton
@@ -103,12 +105,12 @@ class Mamba1Ops(SequenceOps):
     and the sum of x_proj's output over channel shards (the identity here)."""
 
     def scan(self, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
-             return_last_state=False, seq_idx=None):
+             return_last_state=False, seq_idx=None, checkpoint_every=1):
         """``ops.selective_scan``: u / delta / z (b, d, L), A (d, n), B / C (b, n, L) -> y (b, d, L)
-        [, last_state (b, d, n) fp32]."""
+        [, last_state (b, d, n) fp32]; one state checkpoint kept per ``checkpoint_every`` chunks."""
         return ops.selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
                                   initial_state=initial_state, return_last_state=return_last_state,
-                                  seq_idx=seq_idx)
+                                  seq_idx=seq_idx, checkpoint_every=checkpoint_every)
 
     def channel_sum(self, t: torch.Tensor) -> torch.Tensor:
         """x_proj's output (b, r + 2n, L) from this device's d_inner channels -> the sum over all channels."""
@@ -133,7 +135,7 @@ class Mamba(nn.Module):
         # Falcon-Mamba's weightless RMS norms on dt_low, B and C (None: off)
         self.bcdt_rms_eps = float(bcdt_rms_eps) if bcdt_rms_norm else None
         self.layer_idx = layer_idx
-        self.recompute = recompute_set(recompute)  # conv, dt, gate: rebuilt in the backward, not kept
+        self.recompute = recompute_set(recompute)  # conv, dt, gate, states: rebuilt in the backward, not kept
         # training on the Triton path: the middle as one autograd node (``_Mamba1Inner`` below); False: the
         # reference forward, op by op (e.g. to compare, or to run the sub-modules' forward hooks)
         self.use_fused_path = bool(use_fused_path)
@@ -199,10 +201,13 @@ class Mamba(nn.Module):
             raise ValueError(f"Mamba: in_proj gives {xz.shape[-1]} features, expected 2 * d_inner = {2 * d_inner}")
         if conv_state is None and self.use_fused_path and self.seq_ops.local and fused_ok(xz):
             plan = recompute_plan(self)
+            every = self._scan_checkpoint_every()
             if fusable_linear(self.out_proj):  # out_proj in the node: its input is not kept ("gate": nothing left)
-                return _fused_middle(self, xz, seq_idx, recompute_conv="conv" in plan, out_proj=self.out_proj)
+                return _fused_middle(self, xz, seq_idx, recompute_conv="conv" in plan, out_proj=self.out_proj,
+                                     checkpoint_every=every)
             if plan <= _FUSED_RECOMPUTE:  # one autograd node (below); it always rebuilds dt
-                return self.out_proj(_fused_middle(self, xz, seq_idx, recompute_conv="conv" in plan))
+                return self.out_proj(_fused_middle(self, xz, seq_idx, recompute_conv="conv" in plan,
+                                                   checkpoint_every=every))
         # channels-last (b, d_inner, L) views of xz, whose gradient the conv and the gate write in place
         x, z = (_channels_last(t) for t in split_with_grad_arena(xz, [d_inner, d_inner], dim=-1))
 
@@ -211,6 +216,9 @@ class Mamba(nn.Module):
             resume = inference_params.seqlen_offset > 0  # chunked prefill continues from the cached states
             conv_kwargs = dict(initial_state=conv_state[:b] if resume else None, return_final_state=True)
             scan_kwargs = dict(initial_state=ssm_state[:b] if resume else None, return_last_state=True)
+        elif self._scan_checkpoint_every() > 1 and type(self.seq_ops).scan is Mamba1Ops.scan:
+            # (context parallelism's own scan takes no checkpoint_every: it keeps one checkpoint per chunk)
+            scan_kwargs = dict(checkpoint_every=self._scan_checkpoint_every())
         conv_in = x
         x = self._conv(x, seq_idx, **conv_kwargs)  # reads the strided view; may keep its layout
         if conv_state is not None:
@@ -252,6 +260,11 @@ class Mamba(nn.Module):
         with rebuilt:  # out_proj keeps its input for the weight gradient
             return self.out_proj(gated)
 
+    def _scan_checkpoint_every(self) -> int:
+        """Chunks of the selective scan per kept state checkpoint: SCAN_CHECKPOINT_EVERY with recompute "states"
+        (a scan argument: compiled too), else 1."""
+        return SCAN_CHECKPOINT_EVERY if "states" in self.recompute else 1
+
     def _conv(self, x: torch.Tensor, seq_idx: torch.Tensor | None, **state_kwargs):
         """x (b, d_inner, L) any strides -> silu(causal depthwise conv(x)) (b, d_inner, L), any layout."""
         return self.seq_ops.conv(x, self.conv1d.weight[:, 0, :], self.conv1d.bias, activation="silu",
@@ -289,7 +302,8 @@ class Mamba(nn.Module):
 # - forward: the conv writes its output token-major directly (no layout copy), B and C become fp32 in one copy
 #   (kept for the backward: the scan would otherwise convert them again there), A = -exp(A_log) is built
 #   state-major once (the kernels' layout); delta (d_inner values per token) is not kept: the backward runs its
-#   small matmul again, and with recompute "conv" the conv too;
+#   small matmul again, and with recompute "conv" the conv too; with "states" the scan keeps one checkpoint per
+#   SCAN_CHECKPOINT_EVERY chunks;
 # - out_proj (optional): its input, the gate's output, lives only inside the forward; the backward forms its input
 #   gradient first (d_gated = dout @ W), the gate's backward kernel also writes the gate's output again, and
 #   out_proj's weight gradient follows (dout^T @ gated: nn.Linear's GEMMs); its weight is kept as given (an fp32
@@ -304,7 +318,7 @@ class Mamba(nn.Module):
 # forward hooks do not run.
 
 # recompute items the node without out_proj handles (dt always); "gate" there: the reference forward
-_FUSED_RECOMPUTE = frozenset({"conv", "dt"})
+_FUSED_RECOMPUTE = frozenset({"conv", "dt", "states"})
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -345,7 +359,8 @@ def _conv_token_major(conv, x, w2, conv_b, seq_idx):
 class _Mamba1Inner(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xz, conv_w, conv_b, xproj_w, dt_w, dt_b, A_log, D, out_w, out_b, seq_idx, d_inner: int, r: int,
-                n: int, recompute_conv: bool, bcdt_eps: float | None, out_dtype: torch.dtype | None):
+                n: int, recompute_conv: bool, bcdt_eps: float | None, out_dtype: torch.dtype | None,
+                checkpoint_every: int):
         conv, scan, layout = _kernels()
         b = xz.shape[0]
         d, cdt = d_inner, xz.dtype
@@ -364,7 +379,8 @@ class _Mamba1Inner(torch.autograd.Function):
         D32, dtb32 = D.float(), dt_b.float()
         sid = seq_idx.to(torch.int32) if seq_idx is not None else None
         path = scan.scan_path(xc, dt, None, A, B4)
-        y, _, ckpt, _ = scan.scan_forward(xc, dt, A, B4, C4, D32, None, dtb32, None, sid, True, False, b, True, path)
+        y, _, ckpt, _ = scan.scan_forward(xc, dt, A, B4, C4, D32, None, dtb32, None, sid, True, False, b, True, path,
+                                          checkpoint_every=checkpoint_every)
         out = layout._gate_fwd(y, z)  # (b, L, d) contiguous: out_proj's input
         if out_w is not None:  # out_proj as nn.Linear computes it (out_dtype: autocast's); its input is not kept
             out = F.linear(out.to(out_dtype), out_w.to(out_dtype), None if out_b is None else out_b.to(out_dtype))
@@ -372,7 +388,7 @@ class _Mamba1Inner(torch.autograd.Function):
         ctx.save_for_backward(xz, conv_w, conv_b, wx, wdt, None if recompute_conv else xc, x_dbl, B4, C4, A, D32,
                               dtb32, sid, ckpt, y, seq_idx, rstd, out_w)
         ctx.meta = (d, r, n, path, D.dtype, dt_b.dtype, A_log.dtype, out_dtype,
-                    out_b.dtype if out_b is not None else None)
+                    out_b.dtype if out_b is not None else None, checkpoint_every)
         return out
 
     @staticmethod
@@ -381,7 +397,7 @@ class _Mamba1Inner(torch.autograd.Function):
         conv, scan, layout = _kernels()
         xz, conv_w, conv_b, wx, wdt, xc, x_dbl, B4, C4, A, D32, dtb32, sid, ckpt, y, seq_idx, rstd, out_w = \
             ctx.saved_tensors
-        d, r, n, path, d_dtype, dtb_dtype, alog_dtype, out_dtype, outb_dtype = ctx.meta
+        d, r, n, path, d_dtype, dtb_dtype, alog_dtype, out_dtype, outb_dtype, checkpoint_every = ctx.meta
         need = ctx.needs_input_grad
         b = xz.shape[0]
         x, z = _xz_views(xz, d)
@@ -406,7 +422,8 @@ class _Mamba1Inner(torch.autograd.Function):
         dx_dbl = torch.empty_like(x_dbl)  # x_proj's output gradient: [ddt_low | dB | dC]
         du, ddt, dA_log, _, _, dD, _, ddtb, _ = scan.scan_backward(
             xc, dt, A, B4, C4, D32, None, dtb32, None, sid, ckpt, xc.new_empty((0,)), dy, None, True, False, path,
-            dB_out=dx_dbl[:, r:r + n].unsqueeze(1), dC_out=dx_dbl[:, r + n:].unsqueeze(1), dA_scale=A)
+            dB_out=dx_dbl[:, r:r + n].unsqueeze(1), dC_out=dx_dbl[:, r + n:].unsqueeze(1), dA_scale=A,
+            checkpoint_every=checkpoint_every)
         del dy, dt  # activation-sized: free before the next ones are made (peak memory of the largest models)
         torch.bmm(_expand(wdt.t(), b), ddt, out=dx_dbl[:, :r])
         dwdt = torch.bmm(ddt, x_dbl[:, :r].transpose(1, 2)).sum(0, dtype=torch.float32)  # (d, r)
@@ -419,15 +436,17 @@ class _Mamba1Inner(torch.autograd.Function):
                                               dxz[..., :d].transpose(1, 2))
         grads = (dxz, dw2.view_as(conv_w), dcb if conv_b is not None else None, dwx, dwdt, ddtb.to(dtb_dtype),
                  dA_log.to(alog_dtype), dD.to(d_dtype), dout_w, dout_b)
-        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None, None, None)
+        return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None, None, None,
+                None)
 
 
 def _fused_middle(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None, recompute_conv: bool = False,
-                  out_proj: nn.Linear | None = None) -> torch.Tensor:
+                  out_proj: nn.Linear | None = None, checkpoint_every: int = 1) -> torch.Tensor:
     """xz (b, L, 2 d_inner) in_proj's output -> y * silu(z) (b, L, d_inner) contiguous (out_proj's input), the
     middle of ``layer`` as one autograd node; with ``out_proj`` (a plain nn.Linear) -> out_proj(y * silu(z))
     (b, L, d_model), out_proj in the node too. ``recompute_conv``: rebuild the conv output in the backward instead
-    of keeping it. Call only where ``fused_ok`` allows and ``layer.seq_ops`` are local."""
+    of keeping it. ``checkpoint_every``: the scan's chunks per kept state checkpoint. Call only where ``fused_ok``
+    allows and ``layer.seq_ops`` are local."""
     conv1d, dt_proj = layer.conv1d, layer.dt_proj
     out_w = out_b = out_dtype = None
     if out_proj is not None:
@@ -435,4 +454,4 @@ def _fused_middle(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None, 
         out_dtype = linear_dtype(xz, out_w)  # the gate's output has xz's dtype
     return _Mamba1Inner.apply(xz, conv1d.weight, conv1d.bias, layer.x_proj.weight, dt_proj.weight, dt_proj.bias,
                               layer.A_log, layer.D, out_w, out_b, seq_idx, layer.d_inner, layer.dt_rank,
-                              layer.d_state, recompute_conv, layer.bcdt_rms_eps, out_dtype)
+                              layer.d_state, recompute_conv, layer.bcdt_rms_eps, out_dtype, checkpoint_every)

@@ -1,11 +1,11 @@
 """Recompute: activations a layer rebuilds in the backward instead of keeping them.
 
 Why: our Mamba-2 layer kept ~74.8 KB/token/layer for the backward against mamba_ssm's ~46.8 (docs/memory.md).
-Listing ``conv``, ``dt``, ``gate`` (and ``states``, inside the Triton SSD op) trades one more cheap kernel per layer
-in the backward for that memory. ``gate`` acts only where out_proj does not run inside the node of the op before it
-(layers/out_proj.py), which keeps no out_proj input at all. The choice is a layer attribute
-(``Mamba(recompute=...)``; ``apply_recompute(model, items)``; ``train --recompute``) read in the forward: the
-backward rebuilds exactly what that forward did not keep.
+Listing ``conv``, ``dt``, ``gate`` (and ``states``, inside the Triton SSD op and Mamba's selective scan) trades one
+more cheap kernel per layer in the backward for that memory. ``gate`` acts only where out_proj does not run inside
+the node of the op before it (layers/out_proj.py), which keeps no out_proj input at all. The choice is a layer
+attribute (``Mamba(recompute=...)``; ``apply_recompute(model, items)``; ``train --recompute``) read in the forward:
+the backward rebuilds exactly what that forward did not keep.
 
 How: ``RecomputeInBackward`` is a ``saved_tensors_hooks`` context: tensors saved inside it that are views of a
 registered target are packed as (offset, shape, strides); the first unpack in the backward runs the target's
@@ -22,13 +22,19 @@ from typing import Callable, Iterable, NamedTuple
 
 import torch
 
+# Mamba's "states": the selective scan keeps one fp32 state checkpoint per this many of its chunks (of 16
+# tokens on a GPU) instead of one per chunk (ops.selective_scan's checkpoint_every)
+SCAN_CHECKPOINT_EVERY = 8
+
 # What a layer may rebuild in the backward instead of keeping (the names ``--recompute`` takes).
 RECOMPUTE_ITEMS = {
     "conv": "the conv output (Mamba, Mamba2): one more depthwise conv",
     "dt": "Mamba's dt_proj output (the scan's delta): one more (d_inner x dt_rank) matmul",
     "gate": "out_proj's input (Mamba: y * silu(z); Mamba2: the gated norm's output) where the norm / gate + "
             "out_proj node does not apply (layers/out_proj.py; elsewhere nothing is kept): one more gate / norm pass",
-    "states": "Mamba2's dt / decay and chunk states (Triton SSD op): one more state pass (ops/ssd/triton_impl.py)",
+    "states": "Mamba2's dt / decay and chunk states (Triton SSD op): one more state pass (ops/ssd/triton_impl.py); "
+              f"Mamba's selective-scan checkpoints: one kept per {SCAN_CHECKPOINT_EVERY} chunks (128 tokens on a "
+              "GPU), the states in between rebuilt by one more forward scan in the backward",
 }
 NOTHING: frozenset[str] = frozenset()
 

@@ -13,7 +13,7 @@ from helpers import saved_bytes
 from mamba_parallel import ops
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
-from mamba_parallel.layers.recompute import apply_recompute
+from mamba_parallel.layers.recompute import SCAN_CHECKPOINT_EVERY, apply_recompute
 from mamba_parallel.ops.selective_scan.launch import chunk_tokens
 
 pytest.importorskip("triton")
@@ -66,10 +66,17 @@ def test_mamba2_saved_bytes_match_the_table(triton_backend, recompute):
     assert saved == _mamba2_expected(m, b, L, recompute)
 
 
+def _scan_checkpoints(L, recompute: str) -> int:
+    """The selective scan's kept state checkpoints: one per chunk (8 tokens in the interpreter), with "states"
+    one per SCAN_CHECKPOINT_EVERY chunks."""
+    nchunks = -(-L // chunk_tokens(L, interp=True))
+    return -(-nchunks // SCAN_CHECKPOINT_EVERY) if "states" in recompute else nchunks
+
+
 def _mamba1_fused_expected(m, b, L, recompute: str):
     """The fused training node's rows of docs/memory.md's Mamba table (fp32: B and C are views of x_dbl), bytes."""
     di, n, r = m.d_inner, m.d_state, m.dt_rank
-    nchunks = -(-L // chunk_tokens(L, interp=True))
+    nchunks = _scan_checkpoints(L, recompute)
     per_token = (m.d_model                # in_proj input
                  + 2 * di                 # in_proj output xz (the conv input and z are views)
                  + (r + 2 * n)            # x_proj output x_dbl (dt_low, B, C: views)
@@ -78,15 +85,17 @@ def _mamba1_fused_expected(m, b, L, recompute: str):
         per_token += di                   # conv output, token-major
     # no delta (rebuilt by its matmul), no gate output (out_proj is in the node: rebuilt by the gate's backward)
     return F32 * (b * L * per_token
-                  + b * nchunks * n * di  # scan state checkpoints, one per chunk
+                  + b * nchunks * n * di  # scan state checkpoints, one per chunk ("states": per 8 chunks)
                   + di * n)               # A = -exp(A_log), state-major
 
 
-@pytest.mark.parametrize("recompute", ["", "conv,dt,gate"])
-def test_mamba1_fused_saved_bytes_match_the_table(triton_backend, recompute):
+@pytest.mark.parametrize("recompute,L", [("", 20), ("conv,dt,gate", 20), ("states", 20), ("", 72), ("states", 72),
+                                         ("conv,states", 72)])
+def test_mamba1_fused_saved_bytes_match_the_table(triton_backend, recompute, L):
+    """L = 72: 9 chunks of 8 tokens, 9 checkpoints, 2 with "states" (L = 20: 3 and 1)."""
     m = _mamba1(fused=True)
     apply_recompute(m, recompute)
-    b, L = 2, 20
+    b = 2
     h = torch.randn(b, L, m.d_model, requires_grad=True)
     _, saved = saved_bytes(m, lambda: m(h))
     assert saved == _mamba1_fused_expected(m, b, L, recompute)
@@ -104,12 +113,18 @@ def _run_with_grads(m, h, **kw):
 
 @pytest.mark.parametrize("layer,packed,items", [("mamba2", False, "conv,gate,states"),
                                                 ("mamba2", True, "conv,gate,states"),
-                                                ("mamba1", False, "conv,dt,gate")])
+                                                ("mamba1", False, "conv,dt,gate"),
+                                                ("mamba1", False, "states"),
+                                                ("mamba1", True, "conv,dt,gate,states"),
+                                                ("mamba1_fused", False, "states"),
+                                                ("mamba1_fused", True, "conv,states")])
 def test_recompute_is_bit_exact_and_drops_what_it_rebuilds(triton_backend, layer, packed, items):
-    m = _mamba2() if layer == "mamba2" else _mamba1()
+    m = _mamba2() if layer == "mamba2" else _mamba1(fused=layer == "mamba1_fused")
     b, L = (1, 32) if packed else (2, 24)
+    if "mamba1" in layer and "states" in items:
+        b, L = (1, 72) if packed else (2, 72)  # 9 chunks: two groups of 8
     h = torch.randn(b, L, m.d_model)
-    kw = {"cu_seqlens": torch.tensor([0, 11, 32], dtype=torch.int32)} if packed else {}
+    kw = {"cu_seqlens": torch.tensor([0, 11, L], dtype=torch.int32)} if packed else {}
     ref_out, ref_dh, ref_grads, ref_saved = _run_with_grads(m, h, **kw)
     apply_recompute(m, items)
     out, dh, grads, saved = _run_with_grads(m, h, **kw)
@@ -122,8 +137,12 @@ def test_recompute_is_bit_exact_and_drops_what_it_rebuilds(triton_backend, layer
         nc = 1 + 2 if packed else -(-L // m.chunk_size)  # packed: sequences of 11 and 21 tokens, 1 + 2 chunks
         per_chunk = 2 * m.nheads * m.chunk_size + m.nheads * m.headdim * m.d_state
         dropped = F32 * (b * L * (m.d_inner + 2 * m.ngroups * m.d_state) + (1 if packed else b) * nc * per_chunk)
-    else:
-        dropped = F32 * b * L * 3 * m.d_inner
+    else:  # conv output, delta, gate output (each d_inner per token: the fused node keeps the conv output only);
+        # "states": the scan checkpoints but one per 8 chunks (packed: the scan runs over the whole row)
+        fused = layer == "mamba1_fused"
+        per_token = sum(item in items for item in (("conv",) if fused else ("conv", "dt", "gate")))
+        ckpts = _scan_checkpoints(L, "") - _scan_checkpoints(L, items)
+        dropped = F32 * (b * L * per_token * m.d_inner + b * ckpts * m.d_state * m.d_inner)
     assert ref_saved - saved == dropped
 
 

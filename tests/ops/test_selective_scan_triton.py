@@ -58,15 +58,15 @@ def make_inputs(b=2, d=8, L=19, n=4, g=None, dtype=torch.float32, device="cpu", 
     return kw
 
 
-def run_both(kw, grads=True, path=None):
-    """(triton y, last, grads) on kernel path ``path`` (None: the default) and (reference in fp64: y, last, grads)
-    for the same random cotangents."""
+def run_both(kw, grads=True, path=None, checkpoint_every=1):
+    """(triton y, last, grads) on kernel path ``path`` (None: the default), one checkpoint per
+    ``checkpoint_every`` chunks, and (reference in fp64: y, last, grads) for the same random cotangents."""
     leaves = [k for k in GRAD_NAMES if isinstance(kw.get(k), torch.Tensor)] if grads else []
     ours = {k: (v.detach().clone().requires_grad_(k in leaves) if isinstance(v, torch.Tensor) else v)
             for k, v in kw.items()}
     ref = {k: (v.detach().double().requires_grad_(k in leaves) if isinstance(v, torch.Tensor)
                and v.is_floating_point() else v) for k, v in kw.items()}
-    y, last = triton_impl.selective_scan(**ours, return_last_state=True, path=path)
+    y, last = triton_impl.selective_scan(**ours, return_last_state=True, path=path, checkpoint_every=checkpoint_every)
     yr, lastr = naive.selective_scan(**ref, return_last_state=True)
     out = {"y": (y, yr), "last_state": (last, lastr)}
     if grads:
@@ -242,6 +242,107 @@ def test_row_paths_step_aside():
         resolved(kw, "v4")
 
 
+# ------------------------------------------------------------- CPU: one checkpoint per K chunks (checkpoint_every)
+
+def _grads_equal(a, c):
+    """Two run_both results hold the same values bit for bit."""
+    for name in a:
+        assert torch.equal(a[name][0], c[name][0]), name
+
+
+@pytest.mark.parametrize("L,K", [(45, 2), (45, 4), (45, 16), (57, 4)])
+def test_checkpoint_every_all_gradients(K, L, generic):
+    """Chunks of 8 tokens: L = 45 is 6 chunks (the last partial; with K = 4 the last group has 2 of 4 chunks),
+    L = 57 is 8; K = 16 is one group for the whole sequence. Every output and gradient against the reference,
+    and bit for bit what one checkpoint per chunk gives (the rebuilt states are the forward's, recomputed)."""
+    kw = make_inputs(L=L, n=3 if L == 57 else 4)
+    out = run_both(kw, path=generic, checkpoint_every=K)
+    check(out, torch.float32)
+    _grads_equal(out, run_both(kw, path=generic))
+
+
+@pytest.mark.parametrize("K", [2, 4])
+def test_checkpoint_every_minimal_arguments(K):
+    """No z, D, delta_bias, initial state."""
+    check(run_both(make_inputs(L=45, full=False, with_init=False), checkpoint_every=K), torch.float32)
+
+
+@pytest.mark.parametrize("K", [2, 4])
+@pytest.mark.parametrize("mode,with_init", [("seq_idx", True), ("cu_seqlens", True), ("cu_seqlens", False)])
+def test_checkpoint_every_packed(K, mode, with_init):
+    """Restarts inside rebuilt chunks: seq_idx, and packed sequences with their own initial states."""
+    kw = make_inputs(b=1 if mode == "cu_seqlens" else 2, L=43, mode=mode, with_init=with_init)
+    out = run_both(kw, checkpoint_every=K)
+    check(out, torch.float32)
+    _grads_equal(out, run_both(kw))
+
+
+@pytest.mark.parametrize("K", [2, 4])
+def test_checkpoint_every_grouped_bc_fp16(K, generic):
+    check(run_both(make_inputs(d=8, g=2, L=37, dtype=torch.float16), path=generic, checkpoint_every=K),
+          torch.float16)
+
+
+@pytest.mark.parametrize("path,mode", [(launch.ROW_PER_THREAD, None), (launch.TWO_ROWS_PER_CHANNEL, "seq_idx"),
+                                       (launch.TWO_ROWS_STATE_LOOP, None)])
+def test_checkpoint_every_row_paths_emulated(path, mode):
+    """The row-per-thread paths' code with K = 4 (the unrolled forward stores only the groups' states; the
+    backward's rebuild runs token chains): 5 chunks, the last group of one partial chunk."""
+    kw = make_inputs(d=32, L=35, n=4, mode=mode)
+    assert resolved(kw, path) == path
+    out = run_both(kw, path=path, checkpoint_every=4)
+    check(out, torch.float32)
+    _grads_equal(out, run_both(kw, path=path))
+
+
+@pytest.mark.parametrize("path", [launch.GENERIC, launch.TWO_ROWS_PER_CHANNEL])
+def test_checkpoint_every_keeps_every_kth_state(path):
+    """K = 1 keeps one (b, n, d) state per chunk as before; K keeps every K-th of them, the same values, and
+    cdiv(nchunks, K) of them (K past the chunk count: the initial state only)."""
+    d = 32 if path in launch.ROW_LAYOUT_PATHS else 8
+    kw = make_inputs(d=d, L=45, n=4)
+    args = (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["delta_bias"],
+            kw["initial_state"], None, True, False, 2)
+    run = resolved(kw, path)
+    assert run == path
+    y1, last1, ck1, _ = triton_impl.scan_forward(*args, True, run)
+    assert ck1.shape == (2, 6, 4, d)
+    for K in (2, 4, 64):
+        y, last, ck, _ = triton_impl.scan_forward(*args, True, run, checkpoint_every=K)
+        assert ck.shape == (2, -(-6 // K), 4, d)
+        assert torch.equal(ck, ck1[:, ::K]) and torch.equal(y, y1) and torch.equal(last, last1)
+
+
+def test_checkpoint_every_is_checked():
+    kw = make_inputs(L=9)
+    for bad in (0, 3, -2, True, 2.0, "4"):
+        with pytest.raises(ValueError, match="checkpoint_every must be a power of two"):
+            public_selective_scan(**kw, checkpoint_every=bad)
+    with use_backend("naive"):  # the reference ignores it, but the check is the public op's
+        with pytest.raises(ValueError, match="checkpoint_every"):
+            public_selective_scan(**kw, checkpoint_every=6)
+        assert_close(public_selective_scan(**kw, checkpoint_every=4), naive.selective_scan(**kw), name="y")
+
+
+def test_checkpoint_every_backward_needs_the_forwards():
+    kw = make_inputs(L=45, full=False, with_init=False)
+    args = (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], None, None, None, None, None, False, False, 2)
+    run = resolved(kw, None)
+    _, _, ck, ypre = triton_impl.scan_forward(*args, True, run, checkpoint_every=4)
+    with pytest.raises(RuntimeError, match="one kept per 2"):
+        triton_impl.scan_backward(*args[:10], ck, ypre, torch.ones_like(kw["u"]), None, False, False, run,
+                                  checkpoint_every=2)
+
+
+def test_checkpoint_every_custom_op_registration():
+    kw = make_inputs(L=27, d=4, n=2, b=1)
+    args = (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["delta_bias"],
+            kw["initial_state"], None, True, False, 1, True, launch.GENERIC, 2)
+    args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    torch.library.opcheck(selective_scan_fwd, args, test_utils=("test_schema", "test_faketensor",
+                                                               "test_autograd_registration"))
+
+
 # ------------------------------------------------------------------------------------------------------ GPU
 
 GPU_SUBSET = ((torch.bfloat16, None), (torch.bfloat16, "cu_seqlens"), (torch.float32, "seq_idx"))
@@ -296,3 +397,24 @@ def test_gpu_channels_last_inputs(path, L, nan_poison):
         kw[k] = kw[k].transpose(1, 2).contiguous().transpose(1, 2)
     assert resolved(kw, path) in GENERIC_PATHS
     check(run_both(kw, path=path), torch.bfloat16, factor=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [2, 8, 64])
+@pytest.mark.parametrize("path", (None,) + ROW_PATHS + GENERIC_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_gpu_checkpoint_every(dtype, path, K, nan_poison):
+    """One checkpoint per K chunks of 16 tokens on every path: L = 704 is 44 chunks (K = 8: the last group has 4
+    of 8; K = 64: one group), the scratch and carries NaN-poisoned; packed sequences and unaligned rows (the
+    generic code) on the default path. The named paths run K = 8 only."""
+    if path is not None and K != 8:
+        pytest.skip("the named paths run K = 8")
+    kw = make_inputs(b=2, d=256, L=704, n=16, dtype=dtype, device="cuda", g=2)
+    if path is not None:
+        assert resolved(kw, path) == path
+    check(run_both(kw, path=path, checkpoint_every=K), dtype, factor=2.0)
+    if path is None:
+        for mode, L in (("cu_seqlens", 700), ("seq_idx", 704), (None, 700)):
+            kw = make_inputs(b=1 if mode == "cu_seqlens" else 2, d=256, L=L, n=16, dtype=dtype, device="cuda",
+                             mode=mode)
+            check(run_both(kw, checkpoint_every=K), dtype, factor=2.0)

@@ -18,7 +18,8 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
                    D: torch.Tensor | None = None, z: torch.Tensor | None = None,
                    delta_bias: torch.Tensor | None = None, delta_softplus: bool = False,
                    initial_state: torch.Tensor | None = None, return_last_state: bool = False,
-                   seq_idx: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None):
+                   seq_idx: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                   checkpoint_every: int = 1):
     """The selective SSM of Mamba-1 over a whole sequence.
 
     u, delta, z (b, d, L); A (d, n) real (negative); B, C (b, n, L) or grouped (b, g, n, L) with g dividing d
@@ -28,6 +29,10 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
     seq_idx (b, L) int32 (non-decreasing): the state restarts from zero where it changes. cu_seqlens (nseq+1,)
     int32 with b == 1: packed sequences, each starting from its own initial_state (nseq, d, n).
     Returns y (b, d, L) in u.dtype [, last_state (b, d, n) or (nseq, d, n) with cu_seqlens, in fp32].
+    checkpoint_every K (a power of two; Triton path with gradients): the forward keeps the fp32 state entering
+    every K-th chunk of the kernels' S-token chunks (S = 16 on a GPU, less for L < 16; 8 in the interpreter), i.e.
+    (b, cdiv(L, S K), n, d), and the backward rebuilds the states entering the other chunks (one more forward scan
+    in the backward). 1: one per chunk (the fastest). The results do not depend on it (the reference ignores it).
     """
     op = "selective_scan"
     check_ndim(op, "u", u, (3,), "(b, d, L)")
@@ -56,10 +61,14 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
     if nseq is not None and seq_idx is not None:
         raise ValueError(f"{op}: pass seq_idx or cu_seqlens, not both")
     check_shape(op, "initial_state", initial_state, ("nseq" if nseq else "b", nseq or b), ("d", d), ("n", n))
+    if (not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool) or checkpoint_every < 1
+            or checkpoint_every & (checkpoint_every - 1)):
+        raise ValueError(f"{op}: checkpoint_every must be a power of two >= 1 (chunks per kept state), got "
+                         f"{checkpoint_every!r}")
     if use_triton(u, op=op, has_kernel=_kernel() is not None):
         check_int32_span(op, per_row=True, u=u, delta=delta, z=z, B=B, C=C)  # the kernels offset rows in int64
         return _kernel().selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
-                                        return_last_state, seq_idx, cu_seqlens)
+                                        return_last_state, seq_idx, cu_seqlens, checkpoint_every=checkpoint_every)
     return naive.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
                                 return_last_state, seq_idx, cu_seqlens)
 

@@ -105,6 +105,13 @@ def chunk_tokens(seqlen: int, interp: bool) -> int:
     return min(8 if interp else 16, max(_next_pow2(seqlen), 2))
 
 
+def checkpoint_group(every: int, nchunks: int) -> int:
+    """K: the chunks per kept checkpoint that the kernels run with for ``checkpoint_every`` = ``every`` (a power
+    of two) over ``nchunks`` chunks. One group covers the whole sequence once ``every`` reaches it, so K stops at
+    the next power of two >= nchunks (a scratch of K slots, not more); 1 is one checkpoint per chunk."""
+    return min(every, _next_pow2(nchunks))
+
+
 def _chunk_and_vec(s: ScanShape, interp: bool) -> tuple[int, int]:
     """The chunk, and one 16-byte vector of u per thread and vector (4 tokens in the interpreter, so that tests
     cover both levels of the generic token scans)."""

@@ -8,6 +8,11 @@ between chunks is g = a dh at the chunk's first token (0 where a sequence starts
 state). Both scans, the carries and the sums over tokens (dA, dD, d delta_bias) stay inside each thread; only
 dB / dC sum over channels: per program by ``tl.reduce`` (shuffles + shared memory) into (b, d / BD, n, L)
 partials, or per warp by lane shuffles (LANE_SUM, triton_lanes.py). One row (thread) per channel.
+
+With checkpoints every CK chunks (CK > 1) the program first runs the forward recurrence over each group's chunks
+(from the group's checkpoint, into a small scratch of its own, (CK, n, BD) fp32 that stays in L2) and then walks
+the group's chunks in reverse as above, reading the rebuilt states: CK times fewer checkpoints kept between the
+passes for one more forward scan (without y) in the backward.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ import triton.language as tl
 
 from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags
 from mamba_parallel.ops.selective_scan.triton_lanes import rows_lane, warp_channel_sum
-from mamba_parallel.ops.selective_scan.triton_tiles import (delta_tile, first_token, load_tile, scan_adjoint,
-                                                            scan_forward, state_row, store_tile)
+from mamba_parallel.ops.selective_scan.triton_tiles import (delta_tile, first_token, last_token, load_tile,
+                                                            scan_adjoint, scan_forward, state_row, store_tile)
 
 
 @triton.jit
@@ -27,18 +32,64 @@ def _add2(a1, b1, a2, b2):
 
 
 @triton.jit
+def _rebuild_group(u_ptr, dt_ptr, B_base, A_ptr, h0_ptr, sid_ptr, ckpt_ptr, scr_ptr, pid_b, c0, cg, nk, L, dim,
+                   dstate, ngroups, s_row, drow, bias, su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sB_n, sB_l, ssid_b, v_idx,
+                   p_idx, tok, tok2, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_H0: tl.constexpr,
+                   HAS_SID: tl.constexpr, VARLEN: tl.constexpr, FAST_EXP: tl.constexpr, BD: tl.constexpr,
+                   P: tl.constexpr, V: tl.constexpr, SEQ: tl.constexpr, CK: tl.constexpr):
+    """The states entering chunks cg .. cg + nk of group cg / CK -> scr slots 0 .. nk (b, CK, n, d), by the
+    forward's recurrence over chunks cg .. cg + nk - 1 from the group's checkpoint (no y: only each chunk's last
+    state is stored). Every row reads back only what it stored itself (SEQ: the row-per-thread layout), else a
+    barrier guards the slots."""
+    dn = dim * dstate
+    src = ckpt_ptr + (pid_b * ngroups + cg // CK) * dn + s_row
+    dst = scr_ptr + pid_b * CK * dn + s_row
+    for n in range(dstate):
+        tl.store(dst + n * dim, tl.load(src + n * dim))
+    if not SEQ:
+        tl.debug_barrier()
+    for j in range(nk):
+        t0 = (cg + j) * (P * V)
+        t = t0 + tok
+        mt = t < L
+        t2 = t0 + tok2
+        mt2 = t2 < L
+        u = load_tile(u_ptr + pid_b * su_b, c0, su_d, su_l, t0, L, P, BD, V, 1)
+        _, dt = delta_tile(dt_ptr + pid_b * sdt_b, c0, sdt_d, sdt_l, t0, L, mt, bias, P, BD, V, 1, HAS_DTB,
+                           SOFTPLUS)
+        dtu = dt * u
+        if HAS_SID:
+            s_cur, start, _ = segment_flags(sid_ptr + pid_b * ssid_b, t, mt, L, mt, VARLEN)
+        h_in = dst + j * dn
+        for n in range(dstate):
+            A_n = tl.load(A_ptr + s_row + n * dim).to(tl.float32)[None, :, None]
+            B_n = state_row(B_base, n, sB_n, sB_l, t2, mt2)
+            a = exp2(dt * (A_n * LOG2E), FAST_EXP)
+            bx = dtu * B_n
+            if HAS_SID:
+                if VARLEN and HAS_H0:  # a packed sequence starts from its own initial state
+                    hin = tl.load(h0_ptr + s_cur * dn + drow + n, mask=start, other=0.0).to(tl.float32)
+                    bx += a * hin
+                a = tl.where(start, 0.0, a)
+            hs = scan_forward(a, bx, tl.load(h_in + n * dim), v_idx, p_idx, P, V, SEQ)
+            tl.store(h_in + dn + n * dim, last_token(hs, v_idx, p_idx, P, V))
+        if not SEQ:
+            tl.debug_barrier()
+
+
+@triton.jit
 def selective_scan_bwd_kernel(
     u_ptr, dt_ptr, z_ptr, B_ptr, C_ptr, A_ptr, D_ptr, dtb_ptr, h0_ptr, sid_ptr, ckpt_ptr, ypre_ptr, dy_ptr,
     dlast_ptr,
-    du_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, ddtb_ptr, dh0_ptr, adj_ptr, _pad_ptr,
-    L, dim, dstate, d_per_group, nchunks, nblk, _pad_n,
+    du_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, ddtb_ptr, dh0_ptr, adj_ptr, scr_ptr,
+    L, dim, dstate, d_per_group, nchunks, nblk, ngroups,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
     sB_b, sB_g, sB_n, sB_l, sC_b, sC_g, sC_n, sC_l, ssid_b,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_SID: tl.constexpr, VARLEN: tl.constexpr, HAS_DLAST: tl.constexpr,
     FAST_EXP: tl.constexpr, BD: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
     LANE_SUM: tl.constexpr = False, LP: tl.constexpr = 0, LV: tl.constexpr = 0, UNROLL: tl.constexpr = 1,
-    STAGES: tl.constexpr = 1, EMU: tl.constexpr = False,
+    STAGES: tl.constexpr = 1, EMU: tl.constexpr = False, CK: tl.constexpr = 1,
 ):
     """One program: channels [pid * BD, +BD) of sequence pid_b, chunks of P * V tokens walked in reverse.
 
@@ -50,8 +101,10 @@ def selective_scan_bwd_kernel(
     LANE_SUM (the row-per-thread layout only; P = 2^LP, V = 2^LV): dB / dC partials per warp of 32 channels
     (nblk = d / 32) by lane shuffles (triton_lanes.py) instead of per program by ``tl.reduce``.
     UNROLL states per iteration of the state loop, pipelined over STAGES stages.
-    _pad_ptr / _pad_n: unused (the host passes adj and nchunks), as the forward's: the argument list whose code
-    was timed.
+    scr_ptr / ngroups: unused with CK == 1 (the host passes adj and nchunks), as the forward's: the argument list
+    whose code was timed. CK > 1: ckpt (b, ngroups = cdiv(nchunks, CK), n, d) holds the state entering every
+    CK-th chunk; before walking a group's chunks the program rebuilds the states entering them into its own
+    slots of scr (b, CK, n, d) fp32 (``_rebuild_group``), which the walk then reads as checkpoints.
     EMU (tests): the lane paths with the shuffles emulated, so that the interpreter runs them.
     """
     pid = tl.program_id(0)
@@ -111,7 +164,16 @@ def selective_scan_bwd_kernel(
             dy = dy * zv * sig
         if HAS_D:
             dD_acc += tl.sum(tl.sum(dy * u, axis=2), axis=0)
-        ck = ckpt_ptr + (pid_b * nchunks + c) * dn + s_row
+        if CK > 1:
+            j = c % CK  # the chunk's place in its group
+            if (j == CK - 1) | (c == nchunks - 1):  # the group's last chunk, walked first
+                _rebuild_group(u_ptr, dt_ptr, B_base, A_ptr, h0_ptr, sid_ptr, ckpt_ptr, scr_ptr, pid_b, c0, c - j, j,
+                               L, dim, dstate, ngroups, s_row, drow, bias, su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sB_n,
+                               sB_l, ssid_b, v_idx, p_idx, tok, tok2, HAS_DTB, SOFTPLUS, HAS_H0, HAS_SID, VARLEN,
+                               FAST_EXP, BD, P, V, LANE_SUM, CK)
+            ck = scr_ptr + (pid_b * CK + j) * dn + s_row
+        else:
+            ck = ckpt_ptr + (pid_b * nchunks + c) * dn + s_row
         adj_in = adj_ptr + (pid_b * 2 + (c + 1) % 2) * dn + s_row  # g entering from chunk c + 1
         adj_out = adj_ptr + (pid_b * 2 + c % 2) * dn + s_row
 

@@ -6,7 +6,8 @@ R = 2 each channel has two rows (two neighbouring lanes), each scanning half of 
 the same work, and one pairwise sum of y per chunk. The state carried to the next chunk goes through a small
 state-major buffer (the state loop is a runtime loop, so a register carry per state is not expressible); with the
 row-per-thread layout (LANES) each thread reads back what it wrote, otherwise a barrier guards it. With gradients
-the buffer keeps the state entering every chunk: the checkpoints the backward recomputes from.
+the buffer keeps the state entering every chunk, or every CK-th chunk (the rest then pass through a carry pair):
+the checkpoints the backward recomputes from.
 
 With a constexpr state count (NS: two rows per channel, n / 2 <= 8 states per row) the state loop is unrolled
 instead: A and the carries stay in registers for the whole sequence (slots of a tile), the next state's B / C rows
@@ -29,7 +30,7 @@ from mamba_parallel.ops.selective_scan.triton_tiles import (_at, _put, delta_til
 @triton.jit
 def selective_scan_fwd_kernel(
     u_ptr, dt_ptr, z_ptr, B_ptr, C_ptr, A_ptr, D_ptr, dtb_ptr, h0_ptr, sid_ptr,
-    y_ptr, ypre_ptr, hlast_ptr, st_ptr, _pad_ptr,
+    y_ptr, ypre_ptr, hlast_ptr, st_ptr, carry_ptr,
     L, dim, dstate, d_per_group, nchunks, nslots, _pad_n,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
     sB_b, sB_g, sB_n, sB_l, sC_b, sC_g, sC_n, sC_l, ssid_b,
@@ -38,6 +39,7 @@ def selective_scan_fwd_kernel(
     FAST_EXP: tl.constexpr, BD: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
     R: tl.constexpr = 1, LANES: tl.constexpr = False, UNROLL: tl.constexpr = 1, STAGES: tl.constexpr = 1,
     EMU: tl.constexpr = False, NS: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, CKPT: tl.constexpr = True,
+    CK: tl.constexpr = 1,
 ):
     """One program: channels [pid_d * BD, +BD) of sequence pid_b, chunks of S = P * V tokens; R (1 or 2, dividing
     n) rows per channel, row R c + h scanning states [h n / R, (h + 1) n / R). LANES: the row-per-thread layout is
@@ -47,8 +49,10 @@ def selective_scan_fwd_kernel(
     A (n, d) and st (b, nslots, n, d) fp32 are state-major, so that a warp's accesses to one state are one
     coalesced 128-byte access; slot c % nslots holds the state entering chunk c (slot 0 filled by the host).
     Writes y (b, d, L) contiguous, ypre (y before the z gate) when SAVE_YPRE, hlast (b or nseq, d, n) fp32.
-    _pad_ptr / _pad_n: unused (the host passes st and nchunks); they keep the argument list whose code was timed:
-    at the unrolled forward's 168-register cap ptxas allocates by it (without them: 24 B of spills on sm_90).
+    carry_ptr / _pad_n: unused with CK == 1 (the host passes st and nchunks); they keep the argument list whose
+    code was timed: at the unrolled forward's 168-register cap ptxas allocates by it (without them: 24 B of spills
+    on sm_90). CK > 1 (with CKPT): st (b, nslots = cdiv(nchunks, CK), n, d) keeps only the state entering every
+    CK-th chunk; the others pass through carry (b, 2, n, d), ping-pong.
     UNROLL states per iteration of the state loop, pipelined over STAGES stages.
     NS > 0 (LANES, no VARLEN, NS / R <= S): n = NS known, the row's states unrolled; st is then only written when
     CKPT (checkpoints for the backward). PREFETCH > 0: prefetch u / delta / z that many chunks ahead (GPU only).
@@ -105,9 +109,21 @@ def selective_scan_fwd_kernel(
         dtu = dt * u
         if HAS_SID:
             s_cur, start, end = segment_flags(sid_ptr + pid_b * ssid_b, t, mt, L, mt, VARLEN)
-        st_in = st_ptr + (pid_b * nslots + c % nslots) * dn + s_row
+        if CK > 1:  # checkpoints at the groups' first chunks, the carry pair between them
+            if c % CK == 0:
+                st_in = st_ptr + (pid_b * nslots + c // CK) * dn + s_row
+            else:
+                st_in = carry_ptr + (pid_b * 2 + c % 2) * dn + s_row
+        else:
+            st_in = st_ptr + (pid_b * nslots + c % nslots) * dn + s_row
         if c + 1 < nchunks:
-            st_out = st_ptr + (pid_b * nslots + (c + 1) % nslots) * dn + s_row
+            if CK > 1:
+                if (c + 1) % CK == 0:
+                    st_out = st_ptr + (pid_b * nslots + (c + 1) // CK) * dn + s_row
+                else:
+                    st_out = carry_ptr + (pid_b * 2 + (c + 1) % 2) * dn + s_row
+            else:
+                st_out = st_ptr + (pid_b * nslots + (c + 1) % nslots) * dn + s_row
             st_step = dim
         else:
             st_out = hlast_ptr + pid_b * dn + d_off
@@ -131,7 +147,11 @@ def selective_scan_fwd_kernel(
                 hc = _put(hc, h_last, k // V, k % V, P, V)
                 if CKPT:
                     if c + 1 < nchunks:
-                        tl.store(st_out + k * dim, h_last)
+                        if CK > 1:  # the registers carry the state; only the groups' checkpoints are stored
+                            if (c + 1) % CK == 0:
+                                tl.store(st_out + k * dim, h_last)
+                        else:
+                            tl.store(st_out + k * dim, h_last)
         else:
             # UNROLL states per iteration: independent work for the scheduler. With the row-per-thread layout the
             # loop is software-pipelined over 2 stages: the next states' A / carry / B / C rows are fetched (async

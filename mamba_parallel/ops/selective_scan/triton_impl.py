@@ -3,7 +3,8 @@
 Arguments are already validated by ``mamba_parallel.ops.selective_scan.selective_scan``. Varlen input is turned into
 a per-token sequence id (b, L) int32 here: ``seq_idx`` as given, or derived from ``cu_seqlens`` (then
 ``varlen=True``: initial / last states are per packed sequence). The backward recomputes the states from
-checkpoints taken every chunk of S tokens, so the (b, d, n, L) states are never stored. Carries, checkpoints, A and
+checkpoints taken every chunk of S tokens (or every K chunks, ``checkpoint_every``: the backward then rebuilds the
+states entering the chunks in between first), so the (b, d, n, L) states are never stored. Carries, checkpoints, A and
 dA are state-major ((., n, d)): a warp's accesses to one state are one coalesced access.
 
 ``path`` (launch.py) is the kernel path: the caller picks it once (``scan_path``, or the default request of
@@ -102,15 +103,18 @@ def _tile_meta(run: launch.Launch) -> dict:
 def scan_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                  D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
                  initial_state: torch.Tensor | None, sid: torch.Tensor | None, delta_softplus: bool,
-                 varlen: bool, nstates: int, save_ckpt: bool, path: str) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                  torch.Tensor, torch.Tensor]:
+                 varlen: bool, nstates: int, save_ckpt: bool, path: str,
+                 checkpoint_every: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """u, delta, z (b, d, L); A (d, n); B, C (b, [g,] n, L); sid (b, L) int32 -> y (b, d, L),
-    last_state (nstates, d, n) fp32, checkpoints (b, nchunks, n, d) fp32 (state-major; empty unless save_ckpt),
-    ypre (b, d, L) = y before the z gate (empty unless save_ckpt and z is given). path: launch.FORWARD_PATHS."""
+    last_state (nstates, d, n) fp32, checkpoints (b, cdiv(nchunks, checkpoint_every), n, d) fp32 (state-major: the
+    states entering chunks 0, K, 2K, ..; empty unless save_ckpt), ypre (b, d, L) = y before the z gate (empty
+    unless save_ckpt and z is given). path: launch.FORWARD_PATHS; checkpoint_every K: a power of two (pass the
+    same to ``scan_backward``)."""
     b, d, L = u.shape
     n = A.shape[1]
     run = _plan(u, delta, z, A, B, varlen, path).fwd
     nchunks = triton.cdiv(L, run.chunk)
+    ck = launch.checkpoint_group(checkpoint_every, nchunks) if save_ckpt else 1
     B4, C4 = _bc32(B), _bc32(C)
     dev, f32 = u.device, torch.float32
     y = torch.empty((b, d, L), device=dev, dtype=u.dtype)
@@ -119,8 +123,9 @@ def scan_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch
                  else torch.zeros((nstates, d, n), device=dev, dtype=f32))
     else:
         hlast = torch.empty((nstates, d, n), device=dev, dtype=f32)
-    nslots = nchunks if save_ckpt else min(nchunks, 2)  # the checkpoints, or a ping-pong carry
+    nslots = triton.cdiv(nchunks, ck) if save_ckpt else min(nchunks, 2)  # the checkpoints, or a ping-pong carry
     states = torch.empty((b, nslots, n, d), device=dev, dtype=f32)
+    carry = torch.empty((b, 2, n, d), device=dev, dtype=f32) if ck > 1 else states  # between the checkpoints
     if initial_state is not None and not varlen:
         states[:, 0] = initial_state.transpose(1, 2)
     else:
@@ -134,10 +139,10 @@ def scan_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch
         meta.update(NS=run.unrolled_states, PREFETCH=run.prefetch)
     selective_scan_fwd_kernel[(d // run.block_d, b)](
         u, delta, zz, B4, C4, A.t().contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), y, ypre, hlast,
-        states, states, L, d, n, d // B4.shape[1], nchunks, nslots, nchunks, *_strides(u, delta, zz, B4, C4, sid),
+        states, carry, L, d, n, d // B4.shape[1], nchunks, nslots, nchunks, *_strides(u, delta, zz, B4, C4, sid),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, SAVE_YPRE=save_ckpt and z is not None,
-        FAST_EXP=_on_gpu(u), R=run.rows, LANES=run.row_layout, CKPT=save_ckpt, **meta,
+        FAST_EXP=_on_gpu(u), R=run.rows, LANES=run.row_layout, CKPT=save_ckpt, CK=ck, **meta,
     )
     ckpt = states if save_ckpt else states.new_empty((0,))
     return y, hlast, ckpt, ypre
@@ -147,12 +152,14 @@ selective_scan_fwd = torch.library.custom_op("mamba_parallel::selective_scan_fwd
 
 
 @selective_scan_fwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates, save_ckpt, path):
+def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates, save_ckpt, path,
+      checkpoint_every=1):
     b, d, L = u.shape
     n = A.shape[1]
     nchunks = triton.cdiv(L, launch.chunk_tokens(L, interp=not _on_gpu(u)))
     return (u.new_empty((b, d, L)), u.new_empty((nstates, d, n), dtype=torch.float32),
-            u.new_empty((b, nchunks, n, d) if save_ckpt else (0,), dtype=torch.float32),
+            u.new_empty((b, triton.cdiv(nchunks, checkpoint_every), n, d) if save_ckpt else (0,),
+                        dtype=torch.float32),
             u.new_empty((b, d, L) if save_ckpt and z is not None else (0,)))
 
 
@@ -161,20 +168,25 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
                   initial_state: torch.Tensor | None, sid: torch.Tensor | None, ckpt: torch.Tensor,
                   ypre: torch.Tensor, dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool,
                   varlen: bool, path: str, dB_out: torch.Tensor | None = None, dC_out: torch.Tensor | None = None,
-                  dA_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
+                  dA_scale: torch.Tensor | None = None, checkpoint_every: int = 1) -> list[torch.Tensor]:
     """Gradients [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state] in the inputs' dtypes and
     shapes; an absent optional input gets an empty tensor. path: the forward's. B / C: (b, [g,] n, L) of any dtype
     (e.g. the layer's bf16 views, or fp32 (b, g, n, L) tensors a caller converted once for the forward: no copy
     then). dB_out / dC_out (B-shaped (b, [g,] n, L), any strides and dtype, e.g. slices of the caller's x_proj
     output gradient): dB / dC are written there and the list holds empty placeholders for them. dA_scale (d, n):
-    the returned dA is dA * dA_scale (A = -exp(A_log) with dA_scale = A gives d A_log)."""
+    the returned dA is dA * dA_scale (A = -exp(A_log) with dA_scale = A gives d A_log). checkpoint_every: the
+    forward's; with K > 1 the states entering the chunks between checkpoints are rebuilt into a (b, K, n, d) fp32
+    scratch (each program its own channels' slots) before each group of K chunks is walked in reverse."""
     b, d, L = u.shape
     n = A.shape[1]
     run = _plan(u, delta, z, A, B, varlen, path).bwd
     nchunks = triton.cdiv(L, run.chunk)
-    if ckpt.shape != (b, nchunks, n, d):
+    ck = launch.checkpoint_group(checkpoint_every, nchunks)
+    ngroups = triton.cdiv(nchunks, ck)
+    if ckpt.shape != (b, ngroups, n, d):
         raise RuntimeError(f"selective_scan_bwd: checkpoints {tuple(ckpt.shape)} do not match chunks of "
-                           f"{run.chunk} tokens (path {path!r}): pass the forward's path and tensors")
+                           f"{run.chunk} tokens, one kept per {checkpoint_every} (path {path!r}): pass the "
+                           "forward's path, checkpoint_every and tensors")
     for name, out, like in (("dB_out", dB_out, B), ("dC_out", dC_out, C)):
         if out is not None and out.shape != like.shape:
             raise ValueError(f"selective_scan_bwd: {name} {tuple(out.shape)} must have B / C's shape "
@@ -194,6 +206,9 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     dD = torch.empty((b, d), device=dev, dtype=f32) if D is not None else None
     ddtb = torch.empty((b, d), device=dev, dtype=f32) if delta_bias is not None else None
     adj = torch.zeros((b, 2, n, d), device=dev, dtype=f32)  # ping-pong adjoint carries
+    # the states entering a group's chunks, rebuilt from its checkpoint: each program reads back only its own
+    # channels' slots, so (b, ck, n, d) of them stay in L2 while the group is walked
+    scratch = torch.empty((b, ck, n, d), device=dev, dtype=f32) if ck > 1 else adj
     h0 = initial_state.contiguous() if initial_state is not None else None
     dl = dlast.contiguous() if dlast is not None else None
     if dl is not None and not varlen:  # read per chunk and state: state-major
@@ -214,11 +229,11 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     selective_scan_bwd_kernel[(d // bd, b)](
         u, delta, zz, B4, C4, A.t().contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), ckpt,
         ypre if z is not None else du, dy, opt(dl),
-        du, ddt, opt(dz), dBp, dCp, dA, opt(dD), opt(ddtb), opt(dh0), adj, adj,
-        L, d, n, d // G, nchunks, nblk, nchunks, *_strides(u, delta, zz, B4, C4, sid),
+        du, ddt, opt(dz), dBp, dCp, dA, opt(dD), opt(ddtb), opt(dh0), adj, scratch,
+        L, d, n, d // G, nchunks, nblk, ngroups if ck > 1 else nchunks, *_strides(u, delta, zz, B4, C4, sid),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, HAS_DLAST=dl is not None,
-        FAST_EXP=_on_gpu(u), LANE_SUM=run.row_layout, **meta,
+        FAST_EXP=_on_gpu(u), LANE_SUM=run.row_layout, CK=ck, **meta,
     )
     empty = lambda: u.new_empty((0,))  # noqa: E731  (distinct tensors: custom-op outputs may not alias)
     dB = torch.empty(B.shape, device=dev, dtype=B.dtype) if dB_out is None else dB_out
@@ -239,10 +254,10 @@ def _scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Te
               D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
               initial_state: torch.Tensor | None, sid: torch.Tensor | None, ckpt: torch.Tensor,
               ypre: torch.Tensor, dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool,
-              varlen: bool, path: str) -> list[torch.Tensor]:
+              varlen: bool, path: str, checkpoint_every: int = 1) -> list[torch.Tensor]:
     """The custom op's body: ``scan_backward`` with fresh outputs for every gradient."""
     return scan_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, dlast,
-                         delta_softplus, varlen, path)
+                         delta_softplus, varlen, path, checkpoint_every=checkpoint_every)
 
 
 selective_scan_bwd = torch.library.custom_op("mamba_parallel::selective_scan_bwd", mutates_args=())(_scan_bwd)
@@ -251,16 +266,17 @@ fastpath(selective_scan_bwd, _scan_bwd)
 
 @selective_scan_bwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, dlast, delta_softplus, varlen,
-      path):
+      path, checkpoint_every=1):
     like = lambda t: torch.empty_like(t) if t is not None else u.new_empty((0,))  # noqa: E731
     return [torch.empty_like(u), torch.empty_like(delta), torch.empty_like(A), torch.empty_like(B),
             torch.empty_like(C), like(D), like(z), like(delta_bias), like(initial_state)]
 
 
 def _setup_context(ctx, inputs, output):
-    u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates, save_ckpt, path = inputs
+    (u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates, save_ckpt, path,
+     checkpoint_every) = inputs
     ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, output[2], output[3])
-    ctx.delta_softplus, ctx.varlen, ctx.path = delta_softplus, varlen, path
+    ctx.delta_softplus, ctx.varlen, ctx.path, ctx.checkpoint_every = delta_softplus, varlen, path, checkpoint_every
 
 
 def _backward(ctx, dy, dlast, _dckpt, _dypre):
@@ -270,11 +286,11 @@ def _backward(ctx, dy, dlast, _dckpt, _dypre):
     if dy is None:  # only last_state reached the loss
         dy = torch.zeros_like(u)
     grads = eager(selective_scan_bwd)(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy,
-                                      dlast, ctx.delta_softplus, ctx.varlen, ctx.path)
+                                      dlast, ctx.delta_softplus, ctx.varlen, ctx.path, ctx.checkpoint_every)
     du, ddt, dA, dB, dC, dD, dz, ddtb, dh0 = grads
     none_if_absent = lambda g, t: g if t is not None else None  # noqa: E731
     return (du, ddt, dA, dB, dC, none_if_absent(dD, D), none_if_absent(dz, z), none_if_absent(ddtb, delta_bias),
-            none_if_absent(dh0, initial_state), None, None, None, None, None, None)
+            none_if_absent(dh0, initial_state), None, None, None, None, None, None, None)
 
 
 selective_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -282,10 +298,10 @@ fastpath(selective_scan_fwd, scan_forward, setup_context=_setup_context, backwar
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
-                   return_last_state=False, seq_idx=None, cu_seqlens=None, path=None):
+                   return_last_state=False, seq_idx=None, cu_seqlens=None, path=None, checkpoint_every=1):
     """Same contract as ``mamba_parallel.ops.selective_scan.selective_scan`` (u (b, d, L) -> y (b, d, L)
     [, last_state (b or nseq, d, n) fp32]). ``path`` (launch.FORWARD_PATHS; tests and benchmarks): the kernel path
-    to run instead of the default, where the shape and layout allow it."""
+    to run instead of the default, where the shape and layout allow it. ``checkpoint_every``: as the public op's."""
     b, d, L = u.shape
     if L == 0:  # nothing to scan: the reference handles the empty edge case
         from mamba_parallel.ops.selective_scan import naive
@@ -303,5 +319,5 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save_ckpt = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     y, last, _, _ = eager(selective_scan_fwd)(u, delta, A, B, C, D, z, delta_bias, initial_state, sid,
-                                              delta_softplus, varlen, nstates, save_ckpt, path)
+                                              delta_softplus, varlen, nstates, save_ckpt, path, checkpoint_every)
     return (y, last) if return_last_state else y
