@@ -1,6 +1,6 @@
 """bench_scaling: layouts (pipeline ones, several dp modes), commands, table / plot writer, merging; the textbook
 bubble, loss_match; and CUDA-graph decode (GPU only). The side-by-side benchmarks and the report:
-test_side_by_side.py; tools/two_gpu.sh: test_two_gpu_script.py. No test asserts a timing."""
+test_side_by_side.py; tools/two_gpu.sh: test_two_gpu_script.py; tools/recompute_trade.sh here. No test asserts a timing."""
 
 import json
 import shlex
@@ -238,3 +238,31 @@ def test_loss_match(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(SystemExit, match="line 1 is not JSON"):
         loss_match.main([ref, str(tmp_path / "bad.jsonl")])
+
+
+# ---- tools/recompute_trade.sh -------------------------------------------------------------------------------------
+def test_recompute_trade_runs_every_choice_and_tabulates(tmp_path):
+    """The script's loop and table, with bench_train replaced by a stub that writes its JSON (the real one is a GPU
+    run): one run per preset x choice, the items passed as --recompute, tokens/s relative to keeping everything."""
+    import os
+    import subprocess
+
+    stub = tmp_path / "python"
+    stub.write_text(f"""#!{sys.executable}
+import json, subprocess, sys
+args = sys.argv[1:]
+if args[:2] != ["-m", "mamba_parallel.bench.bench_train"]:
+    sys.exit(subprocess.call([{sys.executable!r}, *args]))
+flags = dict(zip(args, args[1:]))
+tps = {{"": 100.0, "states": 95.0, "conv,states": 90.0}}[flags["--recompute"]]
+json.dump({{"tokens_per_s": tps, "peak_mem_gib": tps / 10, "final_loss": 2.5}}, open(flags["--json"], "w"))
+""")
+    stub.chmod(0o755)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(["bash", os.path.join(root, "tools", "recompute_trade.sh"), "mamba2-1.3b", "mamba-2.8b"],
+                         env={**os.environ, "OUT": str(tmp_path), "PYTHON": str(stub)}, cwd=root,
+                         capture_output=True, text=True, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| mamba")]
+    assert len(rows) == 6
+    assert "| mamba-2.8b | conv,states | 90 | 0.900 | 9.0 | 2.5 |" in rows
+    assert "| mamba2-1.3b | none | 100 | 1.000 | 10.0 | 2.5 |" in rows
