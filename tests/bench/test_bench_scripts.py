@@ -1,6 +1,6 @@
 """bench_scaling: layouts (pipeline ones, several dp modes), commands, table / plot writer, merging; the textbook
-bubble, loss_match; and CUDA-graph decode (GPU only). The side-by-side benchmarks and the report:
-test_side_by_side.py; tools/two_gpu.sh: test_two_gpu_script.py; tools/recompute_trade.sh here. No test asserts a timing."""
+bubble, loss_match; CUDA-graph decode (GPU only); tools/recompute_trade.sh. The side-by-side benchmarks and the
+report: test_side_by_side.py; tools/two_gpu.sh: test_two_gpu_script.py. No test asserts a timing."""
 
 import json
 import shlex
