@@ -63,10 +63,8 @@ def case_name(shape) -> str:
     return ("MIMO R{} ".format(R) if R > 1 else "") + f"b{b} L{L} h{h} p{p} n{n}"
 
 
-def run_scan(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None, on_row=None) -> list[dict]:
-    """Every shape x mode x side -> rows, each logged (and handed to ``on_row``) as soon as it is measured; a
-    shape's start is logged before its first call compiles (a cut run shows where it was); rows not started
-    before ``deadline`` passed are skipped."""
+def _collector(on_row):
+    """-> (rows, keep): ``keep(new_rows)`` appends them and hands each to ``on_row`` (when given) at once."""
     rows = []
 
     def keep(new):
@@ -74,6 +72,14 @@ def run_scan(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None,
             rows.append(r)
             if on_row is not None:
                 on_row(r)
+    return rows, keep
+
+
+def run_scan(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None, on_row=None) -> list[dict]:
+    """Every shape x mode x side -> rows, each logged (and handed to ``on_row``) as soon as it is measured; a
+    shape's start is logged before its first call compiles (a cut run shows where it was); rows not started
+    before ``deadline`` passed are skipped."""
+    rows, keep = _collector(on_row)
 
     for shape in shapes:
         case = case_name(shape)
@@ -122,12 +128,8 @@ def per_call_ms(fn, device, warmup: int, reps: int, calls: int = 20) -> float:
 def run_step(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None, on_row=None) -> list[dict]:
     from mamba_parallel.ops.mamba3 import Mamba3State
 
-    rows = []
-
-    def keep(row):
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
+    rows, add = _collector(on_row)
+    keep = lambda row: add([row])  # noqa: E731
 
     for b, h, p, n in shapes:
         why = kernels.not_startable(deadline)
@@ -163,13 +165,7 @@ def run_layer(shapes, layers, dtype, device, warmup, reps, log=say, deadline=Non
     from mamba_parallel.layers.mamba3 import Mamba3
 
     cuda = torch.device(device).type == "cuda"
-    rows = []
-
-    def keep(new):
-        for r in new:
-            rows.append(r)
-            if on_row is not None:
-                on_row(r)
+    rows, keep = _collector(on_row)
 
     for d_model, b, L in shapes:
         case = f"layer d_model {d_model} b{b} L{L}"
