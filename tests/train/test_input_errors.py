@@ -184,6 +184,14 @@ def test_a_full_output_folder_says_how_many_bytes(tmp_path, capsys, monkeypatch)
     _one_line(capsys, rc, "no space left on the device of", "about 1.1 MB needed for the token files, 1.0 KB free")
 
 
+def test_a_run_that_saves_nothing_needs_no_room_for_a_checkpoint(tmp_path, capsys, monkeypatch):
+    (tmp_path / "a.txt").write_text(TEXT)
+    assert cli.main(["prepare-data", str(tmp_path / "a.txt"), "--out", str(tmp_path / "tok")]) == 0
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    assert _train(tmp_path, "--save-every", "0", "--no-save-final", data=tmp_path / "tok") == 0
+    assert _train(tmp_path, "--save-every", "0", data=tmp_path / "tok") == 2  # the final model still needs room
+
+
 def test_a_disk_that_fills_during_a_checkpoint_save(tmp_path, capsys, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
