@@ -521,10 +521,10 @@ def _train(cfg: TrainConfig, at_exit: contextlib.ExitStack) -> dict:
     ckpt_bytes = _checkpoint_bytes(n_params)
     # Room for what this run will write: checkpoints only when it saves them, the final model only with save_final
     # (an interrupted run still tries one checkpoint; its write error then names the folder).
-    saves = [(ckpt_bytes, "one checkpoint")] if cfg.save_every or cfg.save_final else []
-    saves += [(4 * n_params, "the final model")] if cfg.save_final else []
-    if saves:
-        run_folder.agree(check_space, cfg.out, sum(n for n, _ in saves), " and ".join(w for _, w in saves))
+    if cfg.save_final:
+        run_folder.agree(check_space, cfg.out, ckpt_bytes + 4 * n_params, "one checkpoint and the final model")
+    elif cfg.save_every:
+        run_folder.agree(check_space, cfg.out, ckpt_bytes, "one checkpoint")
     model, _ = build_parallel_model(config, cfg, env, dims, resuming=resume_from is not None)
     if dims.pp > 1:
         model.__dict__["dims"] = dims
