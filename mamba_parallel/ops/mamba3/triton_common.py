@@ -98,20 +98,15 @@ def per_rank(v, T: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
 # headdim columns per program (the sweeps and the forward outputs are independent per headdim column). Every
 # candidate fits an H100 / H200's shared memory at d_state 128, headdim 64 and 64-row chunks (tools/compile_check.py
 # checks it; docs/kernels/mamba3.md has the figures); ops/tuning.py drops those a smaller GPU cannot hold. The fp32
-# lists put first what ptxas compiles without large spills (with fp32 tiles some candidates get 32 registers and
-# 12 - 30 KB of stack per thread): an untuned launch runs the first.
+# lists put first what ptxas compiles without large spills: an untuned launch runs the first.
 _CONFIGS = {
-    # scan_fwd writing the states entering every chunk instead of outputs (the backward's recomputation)
-    "states": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
-               _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R"],
-               [_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=64)]),
-    # the fused forward holds the state (BLOCK_P, n) in registers beside a chunk's tiles: more warps spread them;
-    # BLOCK_P = 32 doubles the programs (for small batch x heads) at the price of rotating B / C twice. Two stages
-    # prefetch the next chunk's B, C, x into shared memory; with fp32 operands those buffers and the dots' fp32
-    # tiles need 270 - 330 KB (an H200 has 227 KiB), so fp32 loads each chunk in turn (106 - 115 KB)
-    "scan_fwd": ([_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=64), _c(8, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=32)],
-                 _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z", "HAS_MO", "KEEP_YPRE"],
-                 [_c(8, 1, BLOCK_P=32), _c(4, 1, BLOCK_P=32), _c(8, 1, BLOCK_P=64), _c(4, 1, BLOCK_P=64)]),
+    # the forward sweep holds the state (BLOCK_P, n) in registers beside a chunk's q, k, u tiles; BLOCK_P = 32
+    # doubles the programs (for small batch x heads) at the price of reading q and k twice. Two stages prefetch
+    # the next chunk's q, k, x into shared memory
+    "scan_fwd": ([_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=64), _c(8, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=32),
+                  _c(4, 3, BLOCK_P=32)],
+                 _c(1, 1, BLOCK_P=16), ["P", "BN", "T", "R", "HAS_Z", "HAS_MO", "KEEP_YPRE", "KEEP_STATES"],
+                 [_c(8, 1, BLOCK_P=32), _c(4, 1, BLOCK_P=32), _c(8, 1, BLOCK_P=64), _c(4, 2, BLOCK_P=32)]),
     "dstates": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
                 _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z"],
                 [_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=64)]),

@@ -1,8 +1,9 @@
 """Triton path of the Mamba-3 scan (SISO and MIMO): one autograd node around the kernels of triton_fwd / triton_bwd.
 
-Forward: one fused sweep per (batch row, head) over the chunks, the state in registers: the outputs and the final
-states (fp32). Backward: the state sweep (the states entering every chunk; not kept by the forward: they are larger
-than x), the reverse state-gradient sweep, the per-chunk gradients, then a few torch ops for what is a per-token chain rule
+Forward: the phase entering every chunk and the rotated B / C (chunk-parallel, triton_rotate), then one sweep per
+(batch row, head) over the chunks, the state in registers: the outputs and the final states (fp32); when a
+backward will follow, also the states entering every chunk (x.dtype). Backward: the reverse state-gradient sweep,
+the per-chunk gradients, then a few torch ops for what is a per-token chain rule
 (dt, A, trap from the decay's log and the trapezoid weights; the phases' carry across chunks) and the sums
 over heads (dB / dC per group) and chunks (dD, the MIMO scales).
 Outside the node, in plain differentiable torch: the initial state's trapezoid half step (the token before the
@@ -23,7 +24,8 @@ from mamba_parallel.ops.mamba3.naive import Mamba3State
 from mamba_parallel.ops.mamba3.triton_bwd import chunk_bwd_kernel, dstates_kernel
 from mamba_parallel.ops.mamba3.triton_common import block, dot_precision, tuned
 from mamba_parallel.ops.mamba3.triton_fwd import scan_fwd_kernel
-from mamba_parallel.ops.mamba3.triton_layout import Layout, make_layout
+from mamba_parallel.ops.mamba3.triton_layout import Layout, bc_strides, make_layout, row_strides, strides
+from mamba_parallel.ops.mamba3.triton_rotate import chunk_phases, rotated_bc
 
 
 MAX_ROWS = 64  # rows (tokens x rank) of one chunk's tiles: 64 x 64 fp32 score tiles stay in registers
@@ -39,48 +41,6 @@ def supports(x, dt, A, B, *args) -> bool:
     return R & (R - 1) == 0
 
 
-def _strides(t, n=4):
-    return tuple(t.stride()) if t is not None else (0,) * n
-
-
-def _bc_strides(t):
-    """B / C (b, L, [R,] g, n) -> (sb, st, sr, sg, sn) (sr = 0 for SISO)."""
-    if t.dim() == 5:
-        return tuple(t.stride())
-    sb, st, sg, sn = t.stride()
-    return sb, st, 0, sg, sn
-
-
-def _row_strides(t):
-    """Per-row outputs (b, L, [R,] h, p) -> (sb, st, sr, sh, sp) (sr = 0 for SISO); zeros for None."""
-    if t is None:
-        return (0,) * 5
-    if t.dim() == 5:
-        return tuple(t.stride())
-    sb, st, sh, sp = t.stride()
-    return sb, st, 0, sh, sp
-
-
-def _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, lay: Layout, T, halved):
-    """The forward's sweep without its outputs -> states entering every chunk (rows, h, nc, p, n) in x.dtype,
-    phases (rows, h, nc, a)."""
-    rows, Lk, H, P = xs.shape
-    R, G, N, NA = _rank(Bs), Bs.shape[-2], Bs.shape[-1], angs.shape[3]
-    dev = xs.device
-    HS = torch.empty(rows, H, lay.nchunks, P, N, device=dev, dtype=xs.dtype)
-    THS = torch.empty(rows, H, lay.nchunks, NA, device=dev, dtype=torch.float32)
-    kernel = tuned(scan_fwd_kernel, "states", xs.dtype)
-    grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
-    kernel[grid](xs, dts, As, traps, Bs, None, B_bias, None, angs, None, None, mimo_x, None, None, init_ssm,
-                 init_angle, lay.init, lay.final, None, None, None, None, HS, THS, Lk, lay.nchunks, H, H // G, P, N // 2,
-                 NA, *_strides(xs), *_strides(dts, 3), *_bc_strides(Bs), *(0,) * 5, *_strides(angs), *(0,) * 4,
-                 *(0,) * 5, *(0,) * 4,
-                 T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_D=False, HAS_Z=False,
-                 HAS_MX=mimo_x is not None, HAS_MZ=False, HAS_MO=False, HAS_INIT=init_ssm is not None,
-                 KEEP_YPRE=False, OUTPUTS=False, STATES=True, PREC=dot_precision(xs.dtype))
-    return HS, THS
-
-
 def _pack_all(lay: Layout, *ts):
     return tuple(lay.pack(t) for t in ts)
 
@@ -90,36 +50,39 @@ def _scalars(dt, A, trap):
 
 
 def _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle, init_ssm, lay,
-             T, halved, keep_ypre):
-    """-> y, y before the gate and the fold (when kept, for the backward), final phase and state (fp32)."""
+             T, halved, for_backward):
+    """-> y, y before the gate and the fold (for the backward, with a gate or a fold), final phase and state
+    (fp32), and for the backward (None without for_backward) the states (x.dtype) and phases entering every
+    chunk."""
     dt, A, trap = _scalars(dt, A, trap)
     xs, dts, As, traps, Bs, Cs, angs, zs = _pack_all(lay, x, dt, A, trap, B, C, angles, z)
     rows, Lk, H, P = xs.shape
-    R, G, N, NA = _rank(B), B.shape[-2], B.shape[-1], angs.shape[3]
+    R, N = _rank(B), B.shape[-1]
     dev = x.device
+    ths, fin_ang = chunk_phases(lay, angs, dts, init_angle, T)
+    kt, qt = rotated_bc(Bs, Cs, B_bias, C_bias, angs, dts, ths, lay, T, H, halved)
     rank_axis = (R,) if R > 1 else ()
     fold = mimo_o is not None
     y = torch.empty(rows, Lk, *(() if fold else rank_axis), H, P, device=dev, dtype=x.dtype)
-    keep_ypre = keep_ypre and (z is not None or fold)  # the backward of the gate / the fold reads y before them
+    hs = torch.empty(rows, H, lay.nchunks, P, N, device=dev, dtype=x.dtype) if for_backward else None
+    keep_ypre = for_backward and (z is not None or fold)  # the backward of the gate / the fold reads y before them
     ypre = torch.empty(rows, Lk, *rank_axis, H, P, device=dev, dtype=x.dtype) if keep_ypre else None
     row_t = ypre if ypre is not None else (y if not fold else None)  # the per-row layout (None: none written)
     fin_ssm = torch.empty(lay.nstates, H, P, N, device=dev, dtype=torch.float32)
-    fin_ang = torch.empty(lay.nstates, H, NA, device=dev, dtype=torch.float32)
+    kst = kt.stride()
     kernel = tuned(scan_fwd_kernel, "scan_fwd", x.dtype)
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
-    kernel[grid](xs, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, zs, mimo_x, mimo_z, mimo_o, init_ssm,
-                 init_angle, lay.init, lay.final, y, ypre, fin_ssm, fin_ang, None, None, Lk, lay.nchunks, H, H // G, P,
-                 N // 2, NA,
-                 *_strides(xs), *_strides(dts, 3), *_bc_strides(Bs), *_bc_strides(Cs), *_strides(angs),
-                 *_strides(zs), *_row_strides(row_t), *(_strides(y) if fold else (0,) * 4),
-                 T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_D=D is not None,
-                 HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
-                 HAS_INIT=init_ssm is not None, KEEP_YPRE=ypre is not None, OUTPUTS=True, STATES=False,
-                 PREC=dot_precision(x.dtype))
+    kernel[grid](xs, dts, As, traps, kt, qt, D, zs, mimo_x, mimo_z, mimo_o, init_ssm, lay.init, lay.final, y, ypre,
+                 fin_ssm, hs, Lk, lay.nchunks, H, P, N,
+                 *strides(xs), *strides(dts, 3), kst[0], kst[1], kst[2] if R > 1 else 0, kst[-2], *strides(zs),
+                 *row_strides(row_t), *(strides(y) if fold else (0,) * 4),
+                 T=T, R=R, BN=block(N), HAS_D=D is not None, HAS_Z=z is not None, HAS_MX=mimo_x is not None,
+                 HAS_MZ=mimo_z is not None, HAS_MO=fold, HAS_INIT=init_ssm is not None, KEEP_YPRE=ypre is not None,
+                 KEEP_STATES=hs is not None, PREC=dot_precision(x.dtype))
     if lay.empty is not None and lay.empty.numel():  # a sequence without tokens hands its initial state through
         fin_ssm[lay.empty] = init_ssm[lay.empty] if init_ssm is not None else 0.0
         fin_ang[lay.empty] = init_angle[lay.empty] if init_angle is not None else 0.0
-    return lay.unpack(y, x), lay.unpack(ypre, x), fin_ang, fin_ssm
+    return lay.unpack(y, x), lay.unpack(ypre, x), fin_ang, fin_ssm, hs, ths if hs is not None else None
 
 
 def _turn(d, s, col1, col2):
@@ -187,7 +150,7 @@ def _init_angle_grad(lay: Layout, ends, dfin_angle, dinit, init_ssm, col1, col2)
 
 def _backward(ctx, dy, dfin_angle, dfin_ssm):
     (x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle, init_ssm,
-     ypre, fin_ssm) = ctx.saved_tensors
+     ypre, fin_ssm, HS, THS) = ctx.saved_tensors
     lay, T, halved = ctx.lay, ctx.T, ctx.halved
     fold = mimo_o is not None
     R = _rank(B)
@@ -199,7 +162,6 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     rows, Lk, H, P = xs.shape
     G, N, NA = B.shape[-2], B.shape[-1], angs.shape[3]
     dev, f32 = x.device, torch.float32
-    HS, THS = _states(xs, dts, As, traps, Bs, B_bias, angs, mimo_x, init_angle, init_ssm, lay, T, halved)
     dHS = torch.empty_like(HS)
     need_dangle = init_angle is not None and ctx.needs_input_grad[14]
     need_dinit = init_ssm is not None and (ctx.needs_input_grad[15] or need_dangle)  # the angle's reads it
@@ -207,15 +169,15 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dfin = dfin_ssm.float().contiguous() if dfin_ssm is not None else None
     row_t = ypres if ypres is not None else dys  # per-row layout: ypre (kept with a gate or a fold), else dy
     dx = torch.empty(rows, Lk, H, P, device=dev, dtype=x.dtype)  # per token, contiguous: dy's layout when folded
-    tok_strides = _strides(dx)
+    tok_strides = strides(dx)
     npb = triton.cdiv(P, 16)  # a slot for every headdim block of any candidate (BLOCK_P >= 16)
     turn = torch.empty(rows, H, lay.nchunks, npb, NA, device=dev, dtype=f32)  # <dH, J H> at every chunk's end
     kernel = tuned(dstates_kernel, "dstates", x.dtype)
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
     kernel[grid](dys, zs, ypres, mimo_z, mimo_o, dts, As, traps, Cs, C_bias, angs, lay.init, lay.final, THS, dfin,
                  dHS, dinit, HS, turn, Lk, lay.nchunks, H, H // G, P, N // 2, NA, npb,
-                 *_strides(dts, 3), *_bc_strides(Cs), *_strides(angs), *_row_strides(row_t), *tok_strides,
-                 *_strides(zs), T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=C_bias is not None,
+                 *strides(dts, 3), *bc_strides(Cs), *strides(angs), *row_strides(row_t), *tok_strides,
+                 *strides(zs), T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=C_bias is not None,
                  HAS_Z=z is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold, HAS_DFIN=dfin is not None,
                  HAS_DINIT=dinit is not None, HAS_TURN=True, PREC=dot_precision(x.dtype))
 
@@ -236,8 +198,8 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
         xs, dys, zs, ypres, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
         THS, dHS, dx, dz, dBh, dCh, dbb, dcb, dw, dg, da, dphi, dD, dmx, dmz, dmo,
         Lk, lay.nchunks, H, H // G, P, N // 2, NA,
-        *_strides(xs), *_strides(dts, 3), *_bc_strides(Bs), *_bc_strides(Cs), *_strides(angs), *_row_strides(row_t),
-        *_strides(dx), *_strides(zs), *_bc_strides(dBh)[:4], *dphi.stride()[:3],
+        *strides(xs), *strides(dts, 3), *bc_strides(Bs), *bc_strides(Cs), *strides(angs), *row_strides(row_t),
+        *strides(dx), *strides(zs), *bc_strides(dBh)[:4], *dphi.stride()[:3],
         T=T, R=R, BH=block(N // 2), BP=block(P), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_D=D is not None,
         HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
         PREC=dot_precision(x.dtype))
@@ -272,13 +234,14 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
 class _Mamba3Scan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle,
-                init_ssm, lay, T, halved, keep_ypre):
-        y, ypre, fin_angle, fin_ssm = _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z,
-                                               mimo_o, init_angle, init_ssm, lay, T, halved, keep_ypre)
+                init_ssm, lay, T, halved, for_backward):
+        y, ypre, fin_angle, fin_ssm, hs, ths = _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x,
+                                                        mimo_z, mimo_o, init_angle, init_ssm, lay, T, halved,
+                                                        for_backward)
         # the phases' gradients read the final state (_end_terms): a copy, a caller may update the state in place
         keep_fin = any(ctx.needs_input_grad[i] for i in (1, 6, 14))  # dt, angles, the initial phase
         ctx.save_for_backward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
-                              init_angle, init_ssm, ypre, fin_ssm.clone() if keep_fin else None)
+                              init_angle, init_ssm, ypre, fin_ssm.clone() if keep_fin else None, hs, ths)
         ctx.set_materialize_grads(False)  # the final states' gradients arrive as None when they are not used
         ctx.lay, ctx.T, ctx.halved, ctx.y_shape = lay, T, halved, y.shape
         return y, fin_angle, fin_ssm
@@ -339,10 +302,10 @@ def mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D=None, z=None, 
         init_angle = initial_states.angle.float().contiguous()
     small = lambda t: t.contiguous() if t is not None else None  # noqa: E731
     leaves = (x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle, init_ssm)
-    keep_ypre = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
+    for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
     y, fin_angle, fin_ssm = _Mamba3Scan.apply(x, dt, A, B, C, trap, angles, small(D), z, small(B_bias),
                                               small(C_bias), small(mimo_x), small(mimo_z), small(mimo_o),
-                                              init_angle, init_ssm, lay, chunk_size, rope == "halved", keep_ypre)
+                                              init_angle, init_ssm, lay, chunk_size, rope == "halved", for_backward)
     if not return_final_states:
         return y
     # the last token's rotated B and x, what the next token's trapezoid half step reads
@@ -391,9 +354,9 @@ def mamba3_state_update(state: Mamba3State, x, dt, A, B, C, trap, angles, D=None
     step_kernel[(b * H,)](x, dt, A, trap, B, C, small(B_bias), small(C_bias), angles, small(D), z, small(mimo_x),
                           small(mimo_z), small(mimo_o), *state, y,
                           H, H // G, P, N // 2, angles.shape[-1],
-                          *_strides(x, 3), *_strides(dt, 2), *_ranked3(B), *_ranked3(C), *_strides(angles, 3),
-                          *_strides(z, 3), *_strides(state.angle, 3), *_strides(state.ssm), *_ranked3(state.k),
-                          *_strides(state.v, 3), *((y.stride(0), 0, *y.stride()[1:]) if fold else y.stride()),
+                          *strides(x, 3), *strides(dt, 2), *_ranked3(B), *_ranked3(C), *strides(angles, 3),
+                          *strides(z, 3), *strides(state.angle, 3), *strides(state.ssm), *_ranked3(state.k),
+                          *strides(state.v, 3), *((y.stride(0), 0, *y.stride()[1:]) if fold else y.stride()),
                           R=R, BH=block(N // 2), BP=block(P), HALVED=rope == "halved", HAS_BIAS=B_bias is not None,
                           HAS_D=D is not None, HAS_Z=z is not None, HAS_MX=mimo_x is not None,
                           HAS_MZ=mimo_z is not None, HAS_MO=mimo_o is not None, num_warps=4)

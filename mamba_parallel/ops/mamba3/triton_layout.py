@@ -59,6 +59,29 @@ class Layout:
         return starts.flatten(1)[:, :self.length]
 
 
+def strides(t, n=4):
+    """t's strides, zeros (n of them) for None."""
+    return tuple(t.stride()) if t is not None else (0,) * n
+
+
+def bc_strides(t):
+    """B / C (b, L, [R,] g, n) -> (sb, st, sr, sg, sn) (sr = 0 for SISO)."""
+    if t.dim() == 5:
+        return tuple(t.stride())
+    sb, st, sg, sn = t.stride()
+    return sb, st, 0, sg, sn
+
+
+def row_strides(t):
+    """Per-row outputs (b, L, [R,] h, p) -> (sb, st, sr, sh, sp) (sr = 0 for SISO); zeros for None."""
+    if t is None:
+        return (0,) * 5
+    if t.dim() == 5:
+        return tuple(t.stride())
+    sb, st, sh, sp = t.stride()
+    return sb, st, 0, sh, sp
+
+
 def make_layout(b: int, L: int, chunk: int, seq_idx: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
                 device) -> Layout:
     """The layout of (b, L) tokens for chunks of ``chunk``. Packed input syncs with the host once (the packed

@@ -1,0 +1,134 @@
+"""The rotary phase of every chunk and the rotated B / C, computed chunk-parallel before the sweeps.
+
+``chunk_turn_kernel``: one program per (batch row, head, chunk) sums the chunk's phase steps angle_t * dt_t
+(one (a,) vector per chunk); the caller turns those sums into the phase entering every chunk (a prefix over each
+sequence's chunks, in float64, reduced to [0, 2 pi)). ``rotate_kernel``: one program per (batch row, head, chunk)
+adds the biases to B (and C) and turns them by each token's phase, written per head in the columns they came
+from (k, q: (rows, L, [R,] h, n) in x.dtype). The sweeps then read k and q as plain tiles: no trigonometry and no
+phase prefix inside their serial loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mamba_parallel.ops.mamba3.triton_common import (block, load_pairs, load_rank_rows, pair_columns, rotate_pairs,
+                                                      rows)
+from mamba_parallel.ops.mamba3.triton_layout import Layout, bc_strides
+
+
+@triton.jit
+def chunk_turn_kernel(ANG, DT, TURNS, L, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh,
+                      T: tl.constexpr, BA: tl.constexpr):
+    """TURNS (rows, nc, h, a) fp32: sum over the chunk's tokens of angle * dt."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    t = c * T + tl.arange(0, T)
+    offs_a = tl.arange(0, BA)
+    am = offs_a < NA
+    valid = t < L
+    dt = tl.load(DT + b * sdb + h * sdh + t * sdt, mask=valid, other=0.0).to(tl.float32)
+    om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_a[None, :] * saa,
+                 mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
+    tl.store(TURNS + ((b * NC + c) * H + h) * NA + offs_a, tl.sum(om * dt[:, None], 0), mask=am)
+
+
+@triton.jit
+def rotate_kernel(Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, KT, QT, L, NC, H, HPG, NH, NA,
+                  sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn, sab, sat, sah, saa, sdb, sdt, sdh,
+                  skb, skt, skr, skh,
+                  T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, HALVED: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HAS_K: tl.constexpr, HAS_Q: tl.constexpr):
+    """KT / QT share one layout (strides sk*; the rank stride skr is 0 for SISO). THS (rows, h, nc, a): the phase
+    entering every chunk. HAS_K / HAS_Q: write k / q (the forward needs both, the backward's state-gradient sweep
+    q alone)."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    g = h // HPG
+    N = 2 * NH
+    offs_j = tl.arange(0, BH)
+    jm, am = offs_j < NH, offs_j < NA
+    col1, col2 = pair_columns(offs_j, N, HALVED)
+    t, rank, lead = rows(c, T, R)
+    valid = t < L
+    dt = tl.load(DT + b * sdb + h * sdh + t * sdt, mask=valid, other=0.0).to(tl.float32)
+    th_c = tl.load(THS + ((b * H + h) * NC + c) * NA + offs_j, mask=am, other=0.0)
+    om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_j[None, :] * saa,
+                 mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
+    # one row per token steps the phase: every rank of a token turns by the same angle
+    th_t = th_c[None, :] + tl.cumsum(tl.where(lead[:, None], om * dt[:, None], 0.0), 0)
+    cos, sin = tl.cos(th_t), tl.sin(th_t)
+    out = b * skb + t[:, None] * skt + rank[:, None] * skr + h * skh
+    m = valid[:, None] & jm[None, :]
+    if HAS_K:
+        b1, b2 = load_pairs(Bm + b * sbb + g * sbg, t * sbt + rank * sbr, sbn, valid, col1, col2, jm)
+        if HAS_BIAS:
+            b1 += load_rank_rows(BIAS_B + h * R * N, rank, col1, N, R, jm)
+            b2 += load_rank_rows(BIAS_B + h * R * N, rank, col2, N, R, jm)
+        k1, k2 = rotate_pairs(b1, b2, cos, sin)
+        tl.store(KT + out + col1[None, :], k1.to(KT.dtype.element_ty), mask=m)
+        tl.store(KT + out + col2[None, :], k2.to(KT.dtype.element_ty), mask=m)
+    if HAS_Q:
+        c1, c2 = load_pairs(Cm + b * scb + g * scg, t * sct + rank * scr, scn, valid, col1, col2, jm)
+        if HAS_BIAS:
+            c1 += load_rank_rows(BIAS_C + h * R * N, rank, col1, N, R, jm)
+            c2 += load_rank_rows(BIAS_C + h * R * N, rank, col2, N, R, jm)
+        q1, q2 = rotate_pairs(c1, c2, cos, sin)
+        tl.store(QT + out + col1[None, :], q1.to(QT.dtype.element_ty), mask=m)
+        tl.store(QT + out + col2[None, :], q2.to(QT.dtype.element_ty), mask=m)
+
+
+def chunk_phases(lay: Layout, angs, dts, init_angle, T: int):
+    """-> the phase entering every chunk (rows, h, nc, a) and the final phase of every state (nstates, h, a), fp32
+    in [0, 2 pi). Phases add up over a whole sequence: the prefix over chunks runs in float64 (an fp32 sum over
+    thousands of chunks would lose the digits that matter once reduced)."""
+    rows_, Lk, H, NA = angs.shape
+    nc = lay.nchunks
+    turns = torch.empty(rows_, nc, H, NA, device=angs.device, dtype=torch.float32)
+    chunk_turn_kernel[(rows_ * H, nc)](angs, dts, turns, Lk, nc, H, NA, *angs.stride(), *dts.stride(), T=T,
+                                       BA=block(NA), num_warps=4)
+    tot = turns.view(rows_ * nc, H, NA).double()
+    before = tot.cumsum(0) - tot  # the chunks before each, over the whole flat layout
+    seq = lay.chunk_seq
+    base = torch.zeros(lay.seq_init.numel(), H, NA, device=angs.device, dtype=torch.float64)
+    if init_angle is not None:
+        ok = lay.seq_init >= 0
+        base = torch.where(ok[:, None, None], init_angle.double()[lay.seq_init.clamp(min=0)], base)
+    enter = before - before[lay.seq_chunk_first][seq] + base[seq]
+    last = lay.seq_chunks[1]
+    end = enter[last] + tot[last]
+    two_pi = 2 * math.pi
+    fin = torch.zeros(lay.nstates, H, NA, device=angs.device, dtype=torch.float32)
+    ok = lay.seq_final >= 0
+    fin[lay.seq_final[ok]] = torch.remainder(end[ok], two_pi).float()
+    ths = torch.remainder(enter, two_pi).float().view(rows_, nc, H, NA).transpose(1, 2).contiguous()
+    return ths, fin
+
+
+def rotated_bc(Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int, H: int, halved: bool, want_k=True,
+               want_q=True):
+    """-> k, q (rows, Lk, [R,] h, n) in B's dtype (None where not wanted): B / C plus bias, turned by each
+    token's phase."""
+    rows_, Lk = Bs.shape[:2]
+    mimo = Bs.dim() == 5
+    R, G, N = (Bs.shape[2] if mimo else 1), Bs.shape[-2], Bs.shape[-1]
+    shape = (rows_, Lk, *((R,) if mimo else ()), H, N)
+    kt = torch.empty(shape, device=Bs.device, dtype=Bs.dtype) if want_k else None
+    qt = torch.empty(shape, device=Bs.device, dtype=Bs.dtype) if want_q else None
+    like = kt if kt is not None else qt
+    st = like.stride()
+    kst = (st[0], st[1], st[2] if mimo else 0, st[-2])
+    rotate_kernel[(rows_ * H, lay.nchunks)](
+        Bs, Cs, B_bias, C_bias, angs, dts, ths, kt, qt, Lk, lay.nchunks, H, H // G, N // 2, angs.shape[3],
+        *bc_strides(Bs), *bc_strides(Cs), *angs.stride(), *dts.stride(), *kst,
+        T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_K=want_k, HAS_Q=want_q,
+        num_warps=4)
+    return kt, qt
