@@ -1,4 +1,5 @@
-"""Mamba-3 backward kernels (SISO and MIMO, T * R rows per chunk as in triton_fwd).
+"""Mamba-3 backward kernels (SISO and MIMO, T * R rows per chunk as in triton_fwd). Both read the rotated q / k the
+forward kept (triton_rotate): no trigonometry here.
 
 ``dstates``: one program per (batch row, head, headdim block) walks the chunks backwards carrying dH, the gradient
 of the (augmented) state: it writes dH at the end of every chunk, then dH <- exp(tot) dH + sum_i exp(cs_i) dy_i
@@ -7,10 +8,10 @@ also writes, per chunk the sequence goes on after, <dH, J H> per rotated pair (J
 state leaving the chunk): what turning every later phase moves the loss by, less the final states' share (the
 caller's phase carry; it cancels where a sum of per-token phase gradients would not).
 ``chunk_bwd``: one program per (batch row, head, chunk) with the whole headdim: with H entering the chunk and dH
-at its end, every gradient of the chunk's inputs: dx, dz, dB / dC (per head, before the rotation), and per token
-the gradients of the decay's log (da), of w and gamma (the trapezoid weights) and of the phase (summed from the end
-of the chunk: the rest comes from later chunks, added by the caller), and the chunk's shares of dD, of the biases'
-and of the MIMO scales' gradients.
+at its end, every gradient of the chunk's inputs: dx, dz, those of the rotated k and q (per head; triton_rotate's
+unrotate turns them back into dB / dC), and per token the gradients of the decay's log (da), of w and gamma (the
+trapezoid weights) and of the phase (summed from the end of the chunk: the rest comes from later chunks, added by
+the caller), and the chunk's shares of dD and of the MIMO scales' gradients.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from mamba_parallel.ops.mamba3.triton_common import (load_pairs, load_rank_rows, pair_columns, per_rank, per_token,
-                                                      per_token_vec, rotate_pairs, rows, token_scalars)
+                                                      per_token_vec, rows, token_scalars)
 
 
 @triton.jit
@@ -47,21 +48,12 @@ def _gate_back(DY, Z, YPRE, MZ, MO, row_off, tok_off, zoff, rank, offs_p, h, P, 
 
 
 @triton.jit
-def _store_rank_sums(ptr, v, cols, N, jm, T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr):
-    """(T * R, BH) per row -> summed over the chunk's tokens per rank, stored at ptr + rank * N + cols."""
-    if R == 1:
-        tl.store(ptr + cols, tl.sum(v, 0), mask=jm)
-    else:
-        tl.store(ptr + tl.arange(0, R)[:, None] * N + cols[None, :], per_rank(v, T, R, BH), mask=jm[None, :])
-
-
-@triton.jit
-def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFINAL, THS, DFIN, DHS, DINIT, HS, TURN,
-                   L, NC, H, HPG, P, NH, NA, NPB,
-                   sdb, sdt, sdh, scb, sct, scr, scg, scn, sab, sat, sah, saa, srb, srt, srr, srh, srp,
+def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, QT, CINIT, CFINAL, DFIN, DHS, DINIT, HS, TURN,
+                   L, NC, H, P, NH, NA, NPB,
+                   sdb, sdt, sdh, skb, skt, skr, skh, srb, srt, srr, srh, srp,
                    sob, sot, soh, sop, szb, szt, szh, szp,
                    T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BLOCK_P: tl.constexpr,
-                   HALVED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_MZ: tl.constexpr,
+                   HALVED: tl.constexpr, HAS_Z: tl.constexpr, HAS_MZ: tl.constexpr,
                    HAS_MO: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_DINIT: tl.constexpr, HAS_TURN: tl.constexpr,
                    PREC: tl.constexpr):
     """TURN (rows, h, nc, NPB, a) fp32: one slot per headdim block (NPB at least their number; the caller sums
@@ -78,7 +70,7 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFIN
     col1, col2 = pair_columns(offs_j, N, HALVED)
     hm = pm[:, None] & jm[None, :]
     scal = b * sdb + h * sdh
-    c_ptr = Cm + b * scb + (h // HPG) * scg
+    q_ptr = QT + b * skb + h * skh
     dtype = DHS.dtype.element_ty
     dH1 = tl.zeros((BLOCK_P, BH), dtype=tl.float32)
     dH2 = tl.zeros((BLOCK_P, BH), dtype=tl.float32)
@@ -118,15 +110,7 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFIN
         la = tl.where(lead, la, 0.0)
         cs = tl.cumsum(la, 0)
         tot = tl.sum(la, 0)
-        th_c = tl.load(THS + ((b * H + h) * NC + c) * NA + offs_j, mask=am, other=0.0)
-        om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_j[None, :] * saa,
-                     mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
-        th_t = th_c[None, :] + tl.cumsum(tl.where(lead[:, None], om * dt[:, None], 0.0), 0)
-        c1, c2 = load_pairs(c_ptr, t * sct + rank * scr, scn, valid, col1, col2, jm)
-        if HAS_BIAS:
-            c1 += load_rank_rows(BIAS + h * R * N, rank, col1, N, R, jm)
-            c2 += load_rank_rows(BIAS + h * R * N, rank, col2, N, R, jm)
-        q1, q2 = rotate_pairs(c1, c2, tl.cos(th_t), tl.sin(th_t))
+        q1, q2 = load_pairs(q_ptr, t * skt + rank * skr, 1, valid, col1, col2, jm)
         ym = valid[:, None] & pm[None, :]
         dy, _, _, _ = _gate_back(DY, Z, YPRE, MZ, MO,
                                  b * srb + h * srh + t[:, None] * srt + rank[:, None] * srr + offs_p[None, :] * srp,
@@ -146,51 +130,39 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, Cm, BIAS, ANG, CINIT, CFIN
 
 
 @triton.jit
-def _rotated_block(Bm, Cm, BIAS_B, BIAS_C, THS, ANG, b, h, g, c, t, rank, valid, lead, dt, j0, H, NC, NH, NA,
-                   sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn, sab, sat, sah, saa,
-                   R: tl.constexpr, BJ: tl.constexpr, HALVED: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Pairs j0 .. j0 + BJ of the chunk's rows: the phase's cos / sin and the rotated C (q) and B (k), fp32."""
+def _pair_block(KT, QT, b, h, t, rank, valid, j0, NH, NA, skb, skt, skr, skh, BJ: tl.constexpr,
+                HALVED: tl.constexpr):
+    """Pairs j0 .. j0 + BJ of the chunk's rotated q and k (as the forward's rotation wrote them), fp32."""
     N = 2 * NH
     offs_j = j0 + tl.arange(0, BJ)
     jm, am = offs_j < NH, offs_j < NA
     col1, col2 = pair_columns(offs_j, N, HALVED)
-    th_c = tl.load(THS + ((b * H + h) * NC + c) * NA + offs_j, mask=am, other=0.0)
-    om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_j[None, :] * saa,
-                 mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
-    th_t = th_c[None, :] + tl.cumsum(tl.where(lead[:, None], om * dt[:, None], 0.0), 0)
-    cos, sin = tl.cos(th_t), tl.sin(th_t)
-    c1, c2 = load_pairs(Cm + b * scb + g * scg, t * sct + rank * scr, scn, valid, col1, col2, jm)
-    b1, b2 = load_pairs(Bm + b * sbb + g * sbg, t * sbt + rank * sbr, sbn, valid, col1, col2, jm)
-    if HAS_BIAS:
-        c1 += load_rank_rows(BIAS_C + h * R * N, rank, col1, N, R, jm)
-        c2 += load_rank_rows(BIAS_C + h * R * N, rank, col2, N, R, jm)
-        b1 += load_rank_rows(BIAS_B + h * R * N, rank, col1, N, R, jm)
-        b2 += load_rank_rows(BIAS_B + h * R * N, rank, col2, N, R, jm)
-    q1, q2 = rotate_pairs(c1, c2, cos, sin)
-    k1, k2 = rotate_pairs(b1, b2, cos, sin)
-    return q1, q2, k1, k2, cos, sin, offs_j, jm, am, col1, col2
+    off = b * skb + h * skh + t * skt + rank * skr
+    q1, q2 = load_pairs(QT, off, 1, valid, col1, col2, jm)
+    k1, k2 = load_pairs(KT, off, 1, valid, col1, col2, jm)
+    return q1, q2, k1, k2, offs_j, jm, am, col1, col2
 
 
 @triton.jit
-def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, MX, MZ, MO, CFINAL, HS, THS,
-                     DHS, DX, DZ, DBH, DCH, DBB, DCB, DW, DG, DA, DPHI, DD, DMX, DMZ, DMO,
-                     L, NC, H, HPG, P, NH, NA,
-                     sxb, sxt, sxh, sxp, sdb, sdt, sdh, sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn,
-                     sab, sat, sah, saa, srb, srt, srr, srh, srp, sob, sot, soh, sop, szb, szt, szh, szp,
+def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL, HS,
+                     DHS, DX, DZ, DK, DQ, DW, DG, DA, DPHI, DD, DMX, DMZ, DMO,
+                     L, NC, H, P, NH, NA,
+                     sxb, sxt, sxh, sxp, sdb, sdt, sdh, skb, skt, skr, skh,
+                     srb, srt, srr, srh, srp, sob, sot, soh, sop, szb, szt, szh, szp,
                      sgb, sgt, sgr, sgh, spb, spt, sph,
                      T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, BJ: tl.constexpr,
-                     HALVED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                     HALVED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                      HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr, PREC: tl.constexpr):
     """The pairs are taken BJ at a time (at most BH), in two passes: the scores S and k dH^T summed over the
-    blocks, then the chunk's (T, T) terms and du, then per block again (its rotation recomputed) dq, dk and what
-    they give. Only one block's tiles are live at a time."""
+    blocks, then the chunk's (T, T) terms and du, then per block again dq, dk and what they give. Only one
+    block's tiles are live at a time. DK / DQ (rows, L, [R,] h, n) fp32: the gradients of the rotated k and q
+    (the caller turns them back to B's and C's)."""
     NJB: tl.constexpr = (BH + BJ - 1) // BJ
     BJE: tl.constexpr = BH // NJB
     pid = tl.program_id(0)
     c = tl.program_id(1)
     b = (pid // H).to(tl.int64)
     h = pid % H
-    g = h // HPG
     N = 2 * NH
     offs_p = tl.arange(0, BP)
     pm = offs_p < P
@@ -243,9 +215,8 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
     S = tl.zeros((T * R, T * R), dtype=tl.float32)
     KdH = tl.zeros((T * R, BP), dtype=tl.float32)
     for jb in tl.static_range(NJB):
-        q1, q2, k1, k2, cos, sin, offs_j, jm, am, col1, col2 = _rotated_block(
-            Bm, Cm, BIAS_B, BIAS_C, THS, ANG, b, h, g, c, t, rank, valid, lead, dt, jb * BJE, H, NC, NH, NA,
-            sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn, sab, sat, sah, saa, R, BJE, HALVED, HAS_BIAS)
+        q1, q2, k1, k2, offs_j, jm, am, col1, col2 = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA,
+                                                                 skb, skt, skr, skh, BJE, HALVED)
         k1d, k2d = k1.to(dtype), k2.to(dtype)
         S += tl.dot(q1.to(dtype), tl.trans(k1d), input_precision=PREC) \
             + tl.dot(q2.to(dtype), tl.trans(k2d), input_precision=PREC)
@@ -283,12 +254,10 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
     Zs = tl.zeros((T * R,), dtype=tl.float32)  # u_j^T dH k_j
     qdyH = tl.zeros((T * R,), dtype=tl.float32)  # q_i^T H^T dy_i
     dHH = 0.0
-    noff = b * sgb + h * sgh + t[:, None] * sgt + rank[:, None] * sgr  # DBH / DCH: per head, fp32
-    boff = ((b * H + h) * NC + c) * R * N
+    noff = b * sgb + h * sgh + t[:, None] * sgt + rank[:, None] * sgr  # DK / DQ: per head, fp32
     for jb in tl.static_range(NJB):
-        q1, q2, k1, k2, cos, sin, offs_j, jm, am, col1, col2 = _rotated_block(
-            Bm, Cm, BIAS_B, BIAS_C, THS, ANG, b, h, g, c, t, rank, valid, lead, dt, jb * BJE, H, NC, NH, NA,
-            sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn, sab, sat, sah, saa, R, BJE, HALVED, HAS_BIAS)
+        q1, q2, k1, k2, offs_j, jm, am, col1, col2 = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA,
+                                                                 skb, skt, skr, skh, BJE, HALVED)
         hm = pm[:, None] & jm[None, :]
         H1 = tl.load(HS + hs + col1[None, :], mask=hm, other=0.0).to(dtype)
         H2 = tl.load(HS + hs + col2[None, :], mask=hm, other=0.0).to(dtype)
@@ -305,24 +274,15 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, 
         dk2 = tl.dot(PWt, q2.to(dtype), input_precision=PREC) + coef[:, None] * udH2
         Zs += tl.sum(udH1 * k1 + udH2 * k2, 1)
         qdyH += tl.sum(q1 * dyH1 + q2 * dyH2, 1)
-        # the phase (per token, summed from the chunk's end; later chunks are the caller's), B / C before it
+        # the phase (per token, summed from the chunk's end; later chunks are the caller's)
         dth = per_token(q1 * dq2 - q2 * dq1 + k1 * dk2 - k2 * dk1, T, R, BJE)
         tl.store(DPHI + b * spb + h * sph + tt[:, None] * spt + offs_j[None, :],
                  tl.sum(dth, 0)[None, :] - tl.cumsum(dth, 0) + dth, mask=tm[:, None] & am[None, :])
         nm = valid[:, None] & jm[None, :]
-        dc1 = tl.where(nm, dq1 * cos + dq2 * sin, 0.0)
-        dc2 = tl.where(nm, dq2 * cos - dq1 * sin, 0.0)
-        db1 = tl.where(nm, dk1 * cos + dk2 * sin, 0.0)
-        db2 = tl.where(nm, dk2 * cos - dk1 * sin, 0.0)
-        tl.store(DCH + noff + col1[None, :], dc1, mask=nm)
-        tl.store(DCH + noff + col2[None, :], dc2, mask=nm)
-        tl.store(DBH + noff + col1[None, :], db1, mask=nm)
-        tl.store(DBH + noff + col2[None, :], db2, mask=nm)
-        if HAS_BIAS:  # the chunk's share of the biases' gradients (rows, h, nc, R, n): the caller sums it
-            _store_rank_sums(DCB + boff, dc1, col1, N, jm, T, R, BJE)
-            _store_rank_sums(DCB + boff, dc2, col2, N, jm, T, R, BJE)
-            _store_rank_sums(DBB + boff, db1, col1, N, jm, T, R, BJE)
-            _store_rank_sums(DBB + boff, db2, col2, N, jm, T, R, BJE)
+        tl.store(DQ + noff + col1[None, :], dq1, mask=nm)
+        tl.store(DQ + noff + col2[None, :], dq2, mask=nm)
+        tl.store(DK + noff + col1[None, :], dk1, mask=nm)
+        tl.store(DK + noff + col2[None, :], dk2, mask=nm)
 
     # per-token scalars: the trapezoid weights and the decay's log
     dw += tl.exp(tot - cs) * Zs

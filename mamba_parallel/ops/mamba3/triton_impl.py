@@ -25,7 +25,7 @@ from mamba_parallel.ops.mamba3.triton_bwd import chunk_bwd_kernel, dstates_kerne
 from mamba_parallel.ops.mamba3.triton_common import block, dot_precision, tuned
 from mamba_parallel.ops.mamba3.triton_fwd import scan_fwd_kernel
 from mamba_parallel.ops.mamba3.triton_layout import Layout, bc_strides, make_layout, row_strides, strides
-from mamba_parallel.ops.mamba3.triton_rotate import chunk_phases, rotated_bc
+from mamba_parallel.ops.mamba3.triton_rotate import chunk_phases, rotated_bc, unrotate
 
 
 MAX_ROWS = 64  # rows (tokens x rank) of one chunk's tiles: 64 x 64 fp32 score tiles stay in registers
@@ -41,6 +41,12 @@ def supports(x, dt, A, B, *args) -> bool:
     return R & (R - 1) == 0
 
 
+def _kt_strides(kt):
+    """Rotated k / q (rows, L, [R,] h, n) -> (sb, st, sr, sh) (sr = 0 for SISO; n is contiguous)."""
+    st = kt.stride()
+    return st[0], st[1], st[2] if kt.dim() == 5 else 0, st[-2]
+
+
 def _pack_all(lay: Layout, *ts):
     return tuple(lay.pack(t) for t in ts)
 
@@ -53,7 +59,7 @@ def _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z,
              T, halved, for_backward):
     """-> y, y before the gate and the fold (for the backward, with a gate or a fold), final phase and state
     (fp32), and for the backward (None without for_backward) the states (x.dtype) and phases entering every
-    chunk."""
+    chunk and the rotated k, q."""
     dt, A, trap = _scalars(dt, A, trap)
     xs, dts, As, traps, Bs, Cs, angs, zs = _pack_all(lay, x, dt, A, trap, B, C, angles, z)
     rows, Lk, H, P = xs.shape
@@ -69,12 +75,11 @@ def _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z,
     ypre = torch.empty(rows, Lk, *rank_axis, H, P, device=dev, dtype=x.dtype) if keep_ypre else None
     row_t = ypre if ypre is not None else (y if not fold else None)  # the per-row layout (None: none written)
     fin_ssm = torch.empty(lay.nstates, H, P, N, device=dev, dtype=torch.float32)
-    kst = kt.stride()
     kernel = tuned(scan_fwd_kernel, "scan_fwd", x.dtype)
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
     kernel[grid](xs, dts, As, traps, kt, qt, D, zs, mimo_x, mimo_z, mimo_o, init_ssm, lay.init, lay.final, y, ypre,
                  fin_ssm, hs, Lk, lay.nchunks, H, P, N,
-                 *strides(xs), *strides(dts, 3), kst[0], kst[1], kst[2] if R > 1 else 0, kst[-2], *strides(zs),
+                 *strides(xs), *strides(dts, 3), *_kt_strides(kt), *strides(zs),
                  *row_strides(row_t), *(strides(y) if fold else (0,) * 4),
                  T=T, R=R, BN=block(N), HAS_D=D is not None, HAS_Z=z is not None, HAS_MX=mimo_x is not None,
                  HAS_MZ=mimo_z is not None, HAS_MO=fold, HAS_INIT=init_ssm is not None, KEEP_YPRE=ypre is not None,
@@ -82,7 +87,8 @@ def _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z,
     if lay.empty is not None and lay.empty.numel():  # a sequence without tokens hands its initial state through
         fin_ssm[lay.empty] = init_ssm[lay.empty] if init_ssm is not None else 0.0
         fin_ang[lay.empty] = init_angle[lay.empty] if init_angle is not None else 0.0
-    return lay.unpack(y, x), lay.unpack(ypre, x), fin_ang, fin_ssm, hs, ths if hs is not None else None
+    kept = (hs, ths, kt, qt) if for_backward else (None,) * 4
+    return (lay.unpack(y, x), lay.unpack(ypre, x), fin_ang, fin_ssm) + kept
 
 
 def _turn(d, s, col1, col2):
@@ -150,7 +156,7 @@ def _init_angle_grad(lay: Layout, ends, dfin_angle, dinit, init_ssm, col1, col2)
 
 def _backward(ctx, dy, dfin_angle, dfin_ssm):
     (x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle, init_ssm,
-     ypre, fin_ssm, HS, THS) = ctx.saved_tensors
+     ypre, fin_ssm, HS, THS, KT, QT) = ctx.saved_tensors
     lay, T, halved = ctx.lay, ctx.T, ctx.halved
     fold = mimo_o is not None
     R = _rank(B)
@@ -174,11 +180,11 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     turn = torch.empty(rows, H, lay.nchunks, npb, NA, device=dev, dtype=f32)  # <dH, J H> at every chunk's end
     kernel = tuned(dstates_kernel, "dstates", x.dtype)
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
-    kernel[grid](dys, zs, ypres, mimo_z, mimo_o, dts, As, traps, Cs, C_bias, angs, lay.init, lay.final, THS, dfin,
-                 dHS, dinit, HS, turn, Lk, lay.nchunks, H, H // G, P, N // 2, NA, npb,
-                 *strides(dts, 3), *bc_strides(Cs), *strides(angs), *row_strides(row_t), *tok_strides,
-                 *strides(zs), T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=C_bias is not None,
-                 HAS_Z=z is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold, HAS_DFIN=dfin is not None,
+    kst = _kt_strides(KT)
+    kernel[grid](dys, zs, ypres, mimo_z, mimo_o, dts, As, traps, QT, lay.init, lay.final, dfin,
+                 dHS, dinit, HS, turn, Lk, lay.nchunks, H, P, N // 2, NA, npb,
+                 *strides(dts, 3), *kst, *row_strides(row_t), *tok_strides,
+                 *strides(zs), T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_Z=z is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold, HAS_DFIN=dfin is not None,
                  HAS_DINIT=dinit is not None, HAS_TURN=True, PREC=dot_precision(x.dtype))
 
     dz = torch.empty_like(dx) if z is not None else None
@@ -195,14 +201,15 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dbb, dcb = bias_part(B_bias), bias_part(C_bias)
     kernel = tuned(chunk_bwd_kernel, "chunk_bwd", x.dtype)
     kernel[(rows * H, lay.nchunks)](
-        xs, dys, zs, ypres, dts, As, traps, Bs, Cs, B_bias, C_bias, angs, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
-        THS, dHS, dx, dz, dBh, dCh, dbb, dcb, dw, dg, da, dphi, dD, dmx, dmz, dmo,
-        Lk, lay.nchunks, H, H // G, P, N // 2, NA,
-        *strides(xs), *strides(dts, 3), *bc_strides(Bs), *bc_strides(Cs), *strides(angs), *row_strides(row_t),
+        xs, dys, zs, ypres, dts, As, traps, KT, QT, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
+        dHS, dx, dz, dBh, dCh, dw, dg, da, dphi, dD, dmx, dmz, dmo,
+        Lk, lay.nchunks, H, P, N // 2, NA,
+        *strides(xs), *strides(dts, 3), *kst, *row_strides(row_t),
         *strides(dx), *strides(zs), *bc_strides(dBh)[:4], *dphi.stride()[:3],
-        T=T, R=R, BH=block(N // 2), BP=block(P), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_D=D is not None,
+        T=T, R=R, BH=block(N // 2), BP=block(P), HALVED=halved, HAS_D=D is not None,
         HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
         PREC=dot_precision(x.dtype))
+    unrotate(dBh, dCh, angs, dts, THS, lay, T, halved, dbb, dcb)  # dk, dq -> dB, dC (+ bias) per head
 
     # the per-token chain rule: w_j = gamma_j + beta_{j+1}, gamma = trap dt, beta = (1 - trap) dt, log decay dt A
     dbeta = torch.zeros_like(dw)
@@ -235,13 +242,13 @@ class _Mamba3Scan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle,
                 init_ssm, lay, T, halved, for_backward):
-        y, ypre, fin_angle, fin_ssm, hs, ths = _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x,
+        y, ypre, fin_angle, fin_ssm, *kept = _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x,
                                                         mimo_z, mimo_o, init_angle, init_ssm, lay, T, halved,
                                                         for_backward)
         # the phases' gradients read the final state (_end_terms): a copy, a caller may update the state in place
         keep_fin = any(ctx.needs_input_grad[i] for i in (1, 6, 14))  # dt, angles, the initial phase
         ctx.save_for_backward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
-                              init_angle, init_ssm, ypre, fin_ssm.clone() if keep_fin else None, hs, ths)
+                              init_angle, init_ssm, ypre, fin_ssm.clone() if keep_fin else None, *kept)
         ctx.set_materialize_grads(False)  # the final states' gradients arrive as None when they are not used
         ctx.lay, ctx.T, ctx.halved, ctx.y_shape = lay, T, halved, y.shape
         return y, fin_angle, fin_ssm

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.mamba3.triton_common import (block, load_pairs, load_rank_rows, pair_columns, rotate_pairs,
-                                                      rows)
+from mamba_parallel.ops.mamba3.triton_common import (block, load_pairs, load_rank_rows, pair_columns, per_rank,
+                                                      rotate_pairs, rows)
 from mamba_parallel.ops.mamba3.triton_layout import Layout, bc_strides
 
 
@@ -40,6 +40,18 @@ def chunk_turn_kernel(ANG, DT, TURNS, L, NC, H, NA, sab, sat, sah, saa, sdb, sdt
 
 
 @triton.jit
+def _phase_cos_sin(ANG, DT, THS, b, h, c, t, lead, valid, offs_j, am, H, NC, NA, sab, sat, sah, saa, sdb, sdt, sdh):
+    """cos / sin of every row's phase (rows, BH): the phase entering the chunk plus the chunk's steps up to the
+    row's token (one row per token steps it: every rank of a token turns by the same angle)."""
+    dt = tl.load(DT + b * sdb + h * sdh + t * sdt, mask=valid, other=0.0).to(tl.float32)
+    th_c = tl.load(THS + ((b * H + h) * NC + c) * NA + offs_j, mask=am, other=0.0)
+    om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_j[None, :] * saa,
+                 mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
+    th_t = th_c[None, :] + tl.cumsum(tl.where(lead[:, None], om * dt[:, None], 0.0), 0)
+    return tl.cos(th_t), tl.sin(th_t)
+
+
+@triton.jit
 def rotate_kernel(Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, KT, QT, L, NC, H, HPG, NH, NA,
                   sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn, sab, sat, sah, saa, sdb, sdt, sdh,
                   skb, skt, skr, skh,
@@ -59,13 +71,8 @@ def rotate_kernel(Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, KT, QT, L, NC, H, HPG, N
     col1, col2 = pair_columns(offs_j, N, HALVED)
     t, rank, lead = rows(c, T, R)
     valid = t < L
-    dt = tl.load(DT + b * sdb + h * sdh + t * sdt, mask=valid, other=0.0).to(tl.float32)
-    th_c = tl.load(THS + ((b * H + h) * NC + c) * NA + offs_j, mask=am, other=0.0)
-    om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_j[None, :] * saa,
-                 mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
-    # one row per token steps the phase: every rank of a token turns by the same angle
-    th_t = th_c[None, :] + tl.cumsum(tl.where(lead[:, None], om * dt[:, None], 0.0), 0)
-    cos, sin = tl.cos(th_t), tl.sin(th_t)
+    cos, sin = _phase_cos_sin(ANG, DT, THS, b, h, c, t, lead, valid, offs_j, am, H, NC, NA, sab, sat, sah, saa,
+                              sdb, sdt, sdh)
     out = b * skb + t[:, None] * skt + rank[:, None] * skr + h * skh
     m = valid[:, None] & jm[None, :]
     if HAS_K:
@@ -84,6 +91,50 @@ def rotate_kernel(Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, KT, QT, L, NC, H, HPG, N
         q1, q2 = rotate_pairs(c1, c2, cos, sin)
         tl.store(QT + out + col1[None, :], q1.to(QT.dtype.element_ty), mask=m)
         tl.store(QT + out + col2[None, :], q2.to(QT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def unrotate_kernel(DK, DQ, ANG, DT, THS, DBB, DCB, L, NC, H, NH, NA, sab, sat, sah, saa, sdb, sdt, sdh,
+                    sgb, sgt, sgr, sgh,
+                    T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, HALVED: tl.constexpr,
+                    HAS_BB: tl.constexpr, HAS_CB: tl.constexpr):
+    """In place: the gradients of the rotated k and q (DK, DQ: (rows, L, [R,] h, n) fp32, strides sg*) turned
+    back by each token's phase, the gradients of B + bias and C + bias per head. HAS_BB / HAS_CB: the chunk's share
+    of the B / C bias' gradient (summed over its tokens, per rank) to DBB / DCB (rows, h, nc, R, n)."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    N = 2 * NH
+    offs_j = tl.arange(0, BH)
+    jm, am = offs_j < NH, offs_j < NA
+    col1, col2 = pair_columns(offs_j, N, HALVED)
+    t, rank, lead = rows(c, T, R)
+    valid = t < L
+    cos, sin = _phase_cos_sin(ANG, DT, THS, b, h, c, t, lead, valid, offs_j, am, H, NC, NA, sab, sat, sah, saa,
+                              sdb, sdt, sdh)
+    off = b * sgb + h * sgh + t * sgt + rank * sgr
+    m = valid[:, None] & jm[None, :]
+    boff = ((b * H + h) * NC + c) * R * N
+    for which in tl.static_range(2):
+        ptr = DK if which == 0 else DQ
+        d1, d2 = load_pairs(ptr, off, 1, valid, col1, col2, jm)
+        g1, g2 = rotate_pairs(d1, d2, cos, -sin)
+        tl.store(ptr + off[:, None] + col1[None, :], g1, mask=m)
+        tl.store(ptr + off[:, None] + col2[None, :], g2, mask=m)
+        if (HAS_BB and which == 0) or (HAS_CB and which == 1):
+            part = DBB if which == 0 else DCB
+            _store_rank_sums(part + boff, g1, col1, N, jm, T, R, BH)
+            _store_rank_sums(part + boff, g2, col2, N, jm, T, R, BH)
+
+
+@triton.jit
+def _store_rank_sums(ptr, v, cols, N, jm, T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr):
+    """(T * R, BH) per row -> summed over the chunk's tokens per rank, stored at ptr + rank * N + cols."""
+    if R == 1:
+        tl.store(ptr + cols, tl.sum(v, 0), mask=jm)
+    else:
+        tl.store(ptr + tl.arange(0, R)[:, None] * N + cols[None, :], per_rank(v, T, R, BH), mask=jm[None, :])
 
 
 def chunk_phases(lay: Layout, angs, dts, init_angle, T: int):
@@ -132,3 +183,16 @@ def rotated_bc(Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int, H: i
         T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_K=want_k, HAS_Q=want_q,
         num_warps=4)
     return kt, qt
+
+
+def unrotate(dk, dq, angs, dts, ths, lay: Layout, T: int, halved: bool, dbb=None, dcb=None):
+    """In place: dk, dq (rows, Lk, [R,] h, n) fp32, the gradients of the rotated k / q, become those of B + bias and
+    C + bias per head; dbb / dcb (rows, h, nc, R, n) get each chunk's share of the biases' gradients."""
+    rows_, Lk = dk.shape[:2]
+    mimo = dk.dim() == 5
+    R, H, N = (dk.shape[2] if mimo else 1), dk.shape[-2], dk.shape[-1]
+    st = dk.stride()
+    unrotate_kernel[(rows_ * H, lay.nchunks)](
+        dk, dq, angs, dts, ths, dbb, dcb, Lk, lay.nchunks, H, N // 2, angs.shape[3], *angs.stride(), *dts.stride(),
+        st[0], st[1], st[2] if mimo else 0, st[-2],
+        T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BB=dbb is not None, HAS_CB=dcb is not None, num_warps=4)
