@@ -19,8 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.mamba3.triton_common import (load_pairs, load_rank_rows, pair_columns, per_rank, per_token,
-                                                      per_token_vec, rows, token_scalars)
+from mamba_parallel.ops.mamba3.triton_common import (load_halves, load_rank_rows, per_rank, per_token, per_token_vec,
+                                                      rows, store_halves, token_scalars)
 
 
 @triton.jit
@@ -66,9 +66,8 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, QT, CINIT, CFINAL, DFIN, D
     N = 2 * NH
     offs_p = pp * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_j = tl.arange(0, BH)
-    pm, jm, am = offs_p < P, offs_j < NH, offs_j < NA
-    col1, col2 = pair_columns(offs_j, N, HALVED)
-    hm = pm[:, None] & jm[None, :]
+    pm, am = offs_p < P, offs_j < NA
+    prow = offs_p * N  # the state's rows (p, n), n contiguous
     scal = b * sdb + h * sdh
     q_ptr = QT + b * skb + h * skh
     dtype = DHS.dtype.element_ty
@@ -79,24 +78,19 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, QT, CINIT, CFINAL, DFIN, D
         ci = tl.load(CINIT + b * NC + c)
         cf = tl.load(CFINAL + b * NC + c)
         if HAS_DFIN:  # a sequence ends here: its state gradient starts from d final (cf = -1: zero)
-            ok = (offs_j * 0 + cf) >= 0  # a vector: the interpreter takes no scalar in a mask
+            ok = pm & ((offs_p * 0 + cf) >= 0)  # a vector: the interpreter takes no scalar in a mask
             idx = tl.maximum(cf, 0).to(tl.int64)
-            base = DFIN + (idx * H + h) * P * N + offs_p[:, None] * N
-            f1 = tl.load(base + col1[None, :], mask=hm & ok[None, :], other=0.0)
-            f2 = tl.load(base + col2[None, :], mask=hm & ok[None, :], other=0.0)
+            f1, f2 = load_halves(DFIN + (idx * H + h) * P * N, prow, ok, 0, NH, BH, HALVED)
             dH1 = tl.where(cf != -2, f1, dH1)
             dH2 = tl.where(cf != -2, f2, dH2)
         else:
             dH1 = tl.where(cf != -2, 0.0, dH1)
             dH2 = tl.where(cf != -2, 0.0, dH2)
-        out = DHS + ((b * H + h) * NC + c) * P * N + offs_p[:, None] * N
-        tl.store(out + col1[None, :], dH1.to(dtype), mask=hm)
-        tl.store(out + col2[None, :], dH2.to(dtype), mask=hm)
+        store_halves(DHS + ((b * H + h) * NC + c) * P * N, prow, dH1, dH2, pm, 0, NH, BH, HALVED)
         if HAS_TURN:  # the sequence goes on: H leaving this chunk is the state entering the next one
             on = (offs_j * 0 + cf) == -2
-            nxt = HS + ((b * H + h) * NC + tl.minimum(c + 1, NC - 1)) * P * N + offs_p[:, None] * N
-            s1 = tl.load(nxt + col1[None, :], mask=hm & on[None, :], other=0.0).to(tl.float32)
-            s2 = tl.load(nxt + col2[None, :], mask=hm & on[None, :], other=0.0).to(tl.float32)
+            nxt = HS + ((b * H + h) * NC + tl.minimum(c + 1, NC - 1)) * P * N
+            s1, s2 = load_halves(nxt, prow, pm & ((offs_p * 0 + cf) == -2), 0, NH, BH, HALVED)
             turn = TURN + ((b * H + h) * NC + c) * NPB * NA + offs_j
             tl.store(turn + pp * NA, tl.where(on, tl.sum(dH2 * s1 - dH1 * s2, 0), 0.0), mask=am)
             if pp == tl.num_programs(1) - 1:  # the slots past this launch's blocks (an autotuner's trial launch
@@ -110,7 +104,7 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, QT, CINIT, CFINAL, DFIN, D
         la = tl.where(lead, la, 0.0)
         cs = tl.cumsum(la, 0)
         tot = tl.sum(la, 0)
-        q1, q2 = load_pairs(q_ptr, t * skt + rank * skr, 1, valid, col1, col2, jm)
+        q1, q2 = load_halves(q_ptr, t * skt + rank * skr, valid, 0, NH, BH, HALVED)
         ym = valid[:, None] & pm[None, :]
         dy, _, _, _ = _gate_back(DY, Z, YPRE, MZ, MO,
                                  b * srb + h * srh + t[:, None] * srt + rank[:, None] * srr + offs_p[None, :] * srp,
@@ -122,25 +116,20 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, QT, CINIT, CFINAL, DFIN, D
         dH1 = dH1 * decay + tl.dot(tl.trans(dyw), q1.to(dtype), input_precision=PREC)
         dH2 = dH2 * decay + tl.dot(tl.trans(dyw), q2.to(dtype), input_precision=PREC)
         if HAS_DINIT:  # a sequence starts here: dH is the gradient of its (augmented) initial state
-            ok = (offs_j * 0 + ci) >= 0
+            ok = pm & ((offs_p * 0 + ci) >= 0)
             idx = tl.maximum(ci, 0).to(tl.int64)
-            base = DINIT + (idx * H + h) * P * N + offs_p[:, None] * N
-            tl.store(base + col1[None, :], dH1, mask=hm & ok[None, :])
-            tl.store(base + col2[None, :], dH2, mask=hm & ok[None, :])
+            store_halves(DINIT + (idx * H + h) * P * N, prow, dH1, dH2, ok, 0, NH, BH, HALVED)
 
 
 @triton.jit
 def _pair_block(KT, QT, b, h, t, rank, valid, j0, NH, NA, skb, skt, skr, skh, BJ: tl.constexpr,
                 HALVED: tl.constexpr):
     """Pairs j0 .. j0 + BJ of the chunk's rotated q and k (as the forward's rotation wrote them), fp32."""
-    N = 2 * NH
     offs_j = j0 + tl.arange(0, BJ)
-    jm, am = offs_j < NH, offs_j < NA
-    col1, col2 = pair_columns(offs_j, N, HALVED)
     off = b * skb + h * skh + t * skt + rank * skr
-    q1, q2 = load_pairs(QT, off, 1, valid, col1, col2, jm)
-    k1, k2 = load_pairs(KT, off, 1, valid, col1, col2, jm)
-    return q1, q2, k1, k2, offs_j, jm, am, col1, col2
+    q1, q2 = load_halves(QT, off, valid, j0, NH, BJ, HALVED)
+    k1, k2 = load_halves(KT, off, valid, j0, NH, BJ, HALVED)
+    return q1, q2, k1, k2, offs_j, offs_j < NA
 
 
 @triton.jit
@@ -209,20 +198,20 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
             dzr *= load_rank_rows(MZ + h * R * P, rank, offs_p, P, R, pm)
         tl.store(DZ + tok_out, per_token(dzr, T, R, BP).to(DZ.dtype.element_ty), mask=tmp)
     dyd = dy.to(dtype)
-    hs = ((b * H + h) * NC + c) * P * N + offs_p[:, None] * N
+    hs = ((b * H + h) * NC + c) * P * N
+    prow = offs_p * N  # the states' rows (p, n), n contiguous
 
     # pass 1 over the pair blocks: the scores S and k dH^T (H, dH stay in their stored dtype, x.dtype)
     S = tl.zeros((T * R, T * R), dtype=tl.float32)
     KdH = tl.zeros((T * R, BP), dtype=tl.float32)
     for jb in tl.static_range(NJB):
-        q1, q2, k1, k2, offs_j, jm, am, col1, col2 = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA,
-                                                                 skb, skt, skr, skh, BJE, HALVED)
+        q1, q2, k1, k2, offs_j, am = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA, skb, skt, skr, skh,
+                                                 BJE, HALVED)
         k1d, k2d = k1.to(dtype), k2.to(dtype)
         S += tl.dot(q1.to(dtype), tl.trans(k1d), input_precision=PREC) \
             + tl.dot(q2.to(dtype), tl.trans(k2d), input_precision=PREC)
-        hm = pm[:, None] & jm[None, :]
-        dH1 = tl.load(DHS + hs + col1[None, :], mask=hm, other=0.0).to(dtype)
-        dH2 = tl.load(DHS + hs + col2[None, :], mask=hm, other=0.0).to(dtype)
+        dH1, dH2 = load_halves(DHS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
+        dH1, dH2 = dH1.to(dtype), dH2.to(dtype)
         KdH += tl.dot(k1d, tl.trans(dH1), input_precision=PREC) + tl.dot(k2d, tl.trans(dH2), input_precision=PREC)
 
     # the chunk's (T, T) terms; du (per row): through the chunk's outputs, D, and the state leaving the chunk
@@ -254,15 +243,13 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
     Zs = tl.zeros((T * R,), dtype=tl.float32)  # u_j^T dH k_j
     qdyH = tl.zeros((T * R,), dtype=tl.float32)  # q_i^T H^T dy_i
     dHH = 0.0
-    noff = b * sgb + h * sgh + t[:, None] * sgt + rank[:, None] * sgr  # DK / DQ: per head, fp32
+    noff = b * sgb + h * sgh + t * sgt + rank * sgr  # DK / DQ: per head, fp32
     for jb in tl.static_range(NJB):
-        q1, q2, k1, k2, offs_j, jm, am, col1, col2 = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA,
-                                                                 skb, skt, skr, skh, BJE, HALVED)
-        hm = pm[:, None] & jm[None, :]
-        H1 = tl.load(HS + hs + col1[None, :], mask=hm, other=0.0).to(dtype)
-        H2 = tl.load(HS + hs + col2[None, :], mask=hm, other=0.0).to(dtype)
-        dH1 = tl.load(DHS + hs + col1[None, :], mask=hm, other=0.0).to(dtype)
-        dH2 = tl.load(DHS + hs + col2[None, :], mask=hm, other=0.0).to(dtype)
+        q1, q2, k1, k2, offs_j, am = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA, skb, skt, skr, skh,
+                                                 BJE, HALVED)
+        H1, H2 = load_halves(HS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
+        dH1, dH2 = load_halves(DHS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
+        H1, H2, dH1, dH2 = H1.to(dtype), H2.to(dtype), dH1.to(dtype), dH2.to(dtype)
         dHH += tl.sum(tl.sum(dH1.to(tl.float32) * H1.to(tl.float32) + dH2.to(tl.float32) * H2.to(tl.float32), 1), 0)
         dyH1 = tl.dot(dyd, H1, input_precision=PREC)  # (rows, BJ)
         dyH2 = tl.dot(dyd, H2, input_precision=PREC)
@@ -278,11 +265,8 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
         dth = per_token(q1 * dq2 - q2 * dq1 + k1 * dk2 - k2 * dk1, T, R, BJE)
         tl.store(DPHI + b * spb + h * sph + tt[:, None] * spt + offs_j[None, :],
                  tl.sum(dth, 0)[None, :] - tl.cumsum(dth, 0) + dth, mask=tm[:, None] & am[None, :])
-        nm = valid[:, None] & jm[None, :]
-        tl.store(DQ + noff + col1[None, :], dq1, mask=nm)
-        tl.store(DQ + noff + col2[None, :], dq2, mask=nm)
-        tl.store(DK + noff + col1[None, :], dk1, mask=nm)
-        tl.store(DK + noff + col2[None, :], dk2, mask=nm)
+        store_halves(DQ, noff, dq1, dq2, valid, jb * BJE, NH, BJE, HALVED)
+        store_halves(DK, noff, dk1, dk2, valid, jb * BJE, NH, BJE, HALVED)
 
     # per-token scalars: the trapezoid weights and the decay's log
     dw += tl.exp(tot - cs) * Zs

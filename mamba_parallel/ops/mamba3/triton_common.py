@@ -53,12 +53,35 @@ def token_scalars(dt_ptr, a_ptr, trap_ptr, s_t, t, valid, next_ok):
 
 
 @triton.jit
-def load_pairs(ptr, row_off, s_n, valid, col1, col2, jmask):
-    """Both halves (rows, BH) of a (.., n) tensor at the rows' offsets, fp32."""
-    m = valid[:, None] & jmask[None, :]
-    v1 = tl.load(ptr + row_off[:, None] + col1[None, :] * s_n, mask=m, other=0.0).to(tl.float32)
-    v2 = tl.load(ptr + row_off[:, None] + col2[None, :] * s_n, mask=m, other=0.0).to(tl.float32)
+def load_halves(ptr, off, valid, j0, NH, BJ: tl.constexpr, HALVED: tl.constexpr):
+    """Both halves (rows, BJ), fp32, of pairs j0 .. j0 + BJ in the rows at ``off`` (rows,) of a tensor whose n axis
+    is contiguous. Whole rows are read at once: interleaved pairs are split after the load (a load per half would
+    read every other element, one at a time)."""
+    offs = j0 + tl.arange(0, BJ)
+    if HALVED:
+        m = valid[:, None] & (offs < NH)[None, :]
+        v1 = tl.load(ptr + off[:, None] + offs[None, :], mask=m, other=0.0)
+        v2 = tl.load(ptr + off[:, None] + NH + offs[None, :], mask=m, other=0.0)
+        return v1.to(tl.float32), v2.to(tl.float32)
+    cols = 2 * j0 + tl.arange(0, 2 * BJ)
+    v = tl.load(ptr + off[:, None] + cols[None, :], mask=valid[:, None] & (cols < 2 * NH)[None, :], other=0.0)
+    v1, v2 = tl.split(tl.reshape(v.to(tl.float32), (v.shape[0], BJ, 2)))
     return v1, v2
+
+
+@triton.jit
+def store_halves(ptr, off, v1, v2, valid, j0, NH, BJ: tl.constexpr, HALVED: tl.constexpr):
+    """load_halves' inverse: v1, v2 (rows, BJ) written (in ptr's dtype) as whole rows."""
+    offs = j0 + tl.arange(0, BJ)
+    dtype = ptr.dtype.element_ty
+    if HALVED:
+        m = valid[:, None] & (offs < NH)[None, :]
+        tl.store(ptr + off[:, None] + offs[None, :], v1.to(dtype), mask=m)
+        tl.store(ptr + off[:, None] + NH + offs[None, :], v2.to(dtype), mask=m)
+    else:
+        cols = 2 * j0 + tl.arange(0, 2 * BJ)
+        v = tl.reshape(tl.join(v1.to(dtype), v2.to(dtype)), (v1.shape[0], 2 * BJ))
+        tl.store(ptr + off[:, None] + cols[None, :], v, mask=valid[:, None] & (cols < 2 * NH)[None, :])
 
 
 @triton.jit
@@ -103,10 +126,9 @@ _CONFIGS = {
     # the forward sweep holds the state (BLOCK_P, n) in registers beside a chunk's q, k, u tiles; BLOCK_P = 32
     # doubles the programs (for small batch x heads) at the price of reading q and k twice. Two stages prefetch
     # the next chunk's q, k, x into shared memory
-    "scan_fwd": ([_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=64), _c(8, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=32),
-                  _c(4, 3, BLOCK_P=32)],
+    "scan_fwd": ([_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=64), _c(8, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=32)],
                  _c(1, 1, BLOCK_P=16), ["P", "BN", "T", "R", "HAS_Z", "HAS_MO", "KEEP_YPRE", "KEEP_STATES"],
-                 [_c(8, 1, BLOCK_P=32), _c(4, 1, BLOCK_P=32), _c(8, 1, BLOCK_P=64), _c(4, 2, BLOCK_P=32)]),
+                 [_c(8, 1, BLOCK_P=32), _c(4, 1, BLOCK_P=32), _c(8, 1, BLOCK_P=64), _c(4, 1, BLOCK_P=64)]),
     "dstates": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
                 _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z"],
                 [_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=64)]),

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.mamba3.triton_common import (block, load_pairs, load_rank_rows, pair_columns, per_rank,
-                                                      rotate_pairs, rows)
+from mamba_parallel.ops.mamba3.triton_common import (block, load_halves, per_rank, rotate_pairs, rows,
+                                                      store_halves)
 from mamba_parallel.ops.mamba3.triton_layout import Layout, bc_strides
 
 
@@ -65,32 +65,28 @@ def rotate_kernel(Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, KT, QT, L, NC, H, HPG, N
     b = (pid // H).to(tl.int64)
     h = pid % H
     g = h // HPG
-    N = 2 * NH
     offs_j = tl.arange(0, BH)
-    jm, am = offs_j < NH, offs_j < NA
-    col1, col2 = pair_columns(offs_j, N, HALVED)
+    am = offs_j < NA
     t, rank, lead = rows(c, T, R)
     valid = t < L
     cos, sin = _phase_cos_sin(ANG, DT, THS, b, h, c, t, lead, valid, offs_j, am, H, NC, NA, sab, sat, sah, saa,
                               sdb, sdt, sdh)
-    out = b * skb + t[:, None] * skt + rank[:, None] * skr + h * skh
-    m = valid[:, None] & jm[None, :]
+    out = b * skb + t * skt + rank * skr + h * skh
+    bias_row = (h * R + rank) * (2 * NH)  # the biases (h, [R,] n), contiguous
     if HAS_K:
-        b1, b2 = load_pairs(Bm + b * sbb + g * sbg, t * sbt + rank * sbr, sbn, valid, col1, col2, jm)
+        b1, b2 = load_halves(Bm + b * sbb + g * sbg, t * sbt + rank * sbr, valid, 0, NH, BH, HALVED)
         if HAS_BIAS:
-            b1 += load_rank_rows(BIAS_B + h * R * N, rank, col1, N, R, jm)
-            b2 += load_rank_rows(BIAS_B + h * R * N, rank, col2, N, R, jm)
+            e1, e2 = load_halves(BIAS_B, bias_row, valid, 0, NH, BH, HALVED)
+            b1, b2 = b1 + e1, b2 + e2
         k1, k2 = rotate_pairs(b1, b2, cos, sin)
-        tl.store(KT + out + col1[None, :], k1.to(KT.dtype.element_ty), mask=m)
-        tl.store(KT + out + col2[None, :], k2.to(KT.dtype.element_ty), mask=m)
+        store_halves(KT, out, k1, k2, valid, 0, NH, BH, HALVED)
     if HAS_Q:
-        c1, c2 = load_pairs(Cm + b * scb + g * scg, t * sct + rank * scr, scn, valid, col1, col2, jm)
+        c1, c2 = load_halves(Cm + b * scb + g * scg, t * sct + rank * scr, valid, 0, NH, BH, HALVED)
         if HAS_BIAS:
-            c1 += load_rank_rows(BIAS_C + h * R * N, rank, col1, N, R, jm)
-            c2 += load_rank_rows(BIAS_C + h * R * N, rank, col2, N, R, jm)
+            e1, e2 = load_halves(BIAS_C, bias_row, valid, 0, NH, BH, HALVED)
+            c1, c2 = c1 + e1, c2 + e2
         q1, q2 = rotate_pairs(c1, c2, cos, sin)
-        tl.store(QT + out + col1[None, :], q1.to(QT.dtype.element_ty), mask=m)
-        tl.store(QT + out + col2[None, :], q2.to(QT.dtype.element_ty), mask=m)
+        store_halves(QT, out, q1, q2, valid, 0, NH, BH, HALVED)
 
 
 @triton.jit
@@ -105,36 +101,29 @@ def unrotate_kernel(DK, DQ, ANG, DT, THS, DBB, DCB, L, NC, H, NH, NA, sab, sat, 
     c = tl.program_id(1)
     b = (pid // H).to(tl.int64)
     h = pid % H
-    N = 2 * NH
     offs_j = tl.arange(0, BH)
-    jm, am = offs_j < NH, offs_j < NA
-    col1, col2 = pair_columns(offs_j, N, HALVED)
+    am = offs_j < NA
     t, rank, lead = rows(c, T, R)
     valid = t < L
     cos, sin = _phase_cos_sin(ANG, DT, THS, b, h, c, t, lead, valid, offs_j, am, H, NC, NA, sab, sat, sah, saa,
                               sdb, sdt, sdh)
     off = b * sgb + h * sgh + t * sgt + rank * sgr
-    m = valid[:, None] & jm[None, :]
-    boff = ((b * H + h) * NC + c) * R * N
-    for which in tl.static_range(2):
-        ptr = DK if which == 0 else DQ
-        d1, d2 = load_pairs(ptr, off, 1, valid, col1, col2, jm)
-        g1, g2 = rotate_pairs(d1, d2, cos, -sin)
-        tl.store(ptr + off[:, None] + col1[None, :], g1, mask=m)
-        tl.store(ptr + off[:, None] + col2[None, :], g2, mask=m)
-        if (HAS_BB and which == 0) or (HAS_CB and which == 1):
-            part = DBB if which == 0 else DCB
-            _store_rank_sums(part + boff, g1, col1, N, jm, T, R, BH)
-            _store_rank_sums(part + boff, g2, col2, N, jm, T, R, BH)
+    part = ((b * H + h) * NC + c) * R * (2 * NH)
+    _turn_back(DK, DBB, part, off, cos, sin, valid, NH, T, R, BH, HALVED, HAS_BB)
+    _turn_back(DQ, DCB, part, off, cos, sin, valid, NH, T, R, BH, HALVED, HAS_CB)
 
 
 @triton.jit
-def _store_rank_sums(ptr, v, cols, N, jm, T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr):
-    """(T * R, BH) per row -> summed over the chunk's tokens per rank, stored at ptr + rank * N + cols."""
-    if R == 1:
-        tl.store(ptr + cols, tl.sum(v, 0), mask=jm)
-    else:
-        tl.store(ptr + tl.arange(0, R)[:, None] * N + cols[None, :], per_rank(v, T, R, BH), mask=jm[None, :])
+def _turn_back(ptr, PART, part, off, cos, sin, valid, NH, T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr,
+               HALVED: tl.constexpr, HAS_PART: tl.constexpr):
+    """One gradient turned back in place, and its per-rank sums over the chunk (HAS_PART)."""
+    d1, d2 = load_halves(ptr, off, valid, 0, NH, BH, HALVED)
+    g1, g2 = rotate_pairs(d1, d2, cos, -sin)
+    store_halves(ptr, off, g1, g2, valid, 0, NH, BH, HALVED)
+    if HAS_PART:
+        ranks = tl.arange(0, R)
+        store_halves(PART + part, ranks * (2 * NH), per_rank(g1, T, R, BH), per_rank(g2, T, R, BH), ranks >= 0, 0, NH,
+                     BH, HALVED)
 
 
 def chunk_phases(lay: Layout, angs, dts, init_angle, T: int):
@@ -168,6 +157,7 @@ def rotated_bc(Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int, H: i
                want_q=True):
     """-> k, q (rows, Lk, [R,] h, n) in B's dtype (None where not wanted): B / C plus bias, turned by each
     token's phase."""
+    Bs, Cs = (t if t.stride(-1) == 1 else t.contiguous() for t in (Bs, Cs))  # the kernel reads whole rows of n
     rows_, Lk = Bs.shape[:2]
     mimo = Bs.dim() == 5
     R, G, N = (Bs.shape[2] if mimo else 1), Bs.shape[-2], Bs.shape[-1]
