@@ -40,15 +40,25 @@ def chunk_turn_kernel(ANG, DT, TURNS, L, NC, H, NA, sab, sat, sah, saa, sdb, sdt
 
 
 @triton.jit
-def _phase_cos_sin(ANG, DT, THS, b, h, c, t, lead, valid, offs_j, am, H, NC, NA, sab, sat, sah, saa, sdb, sdt, sdh):
-    """cos / sin of every row's phase (rows, BH): the phase entering the chunk plus the chunk's steps up to the
-    row's token (one row per token steps it: every rank of a token turns by the same angle)."""
+def _chunk_phase(ANG, DT, THS, L, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh, T: tl.constexpr, R: tl.constexpr,
+                 BH: tl.constexpr):
+    """This program's (batch row, head, chunk), its rows (token index, rank, valid) and the cos / sin of every
+    row's phase (rows, BH): the phase entering the chunk plus the chunk's steps up to the row's token (one row per
+    token steps it: every rank of a token turns by the same angle)."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    offs_j = tl.arange(0, BH)
+    am = offs_j < NA
+    t, rank, lead = rows(c, T, R)
+    valid = t < L
     dt = tl.load(DT + b * sdb + h * sdh + t * sdt, mask=valid, other=0.0).to(tl.float32)
     th_c = tl.load(THS + ((b * H + h) * NC + c) * NA + offs_j, mask=am, other=0.0)
     om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_j[None, :] * saa,
                  mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
     th_t = th_c[None, :] + tl.cumsum(tl.where(lead[:, None], om * dt[:, None], 0.0), 0)
-    return tl.cos(th_t), tl.sin(th_t)
+    return b, h, c, t, rank, valid, tl.cos(th_t), tl.sin(th_t)
 
 
 @triton.jit
@@ -60,33 +70,29 @@ def rotate_kernel(Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, KT, QT, L, NC, H, HPG, N
     """KT / QT share one layout (strides sk*; the rank stride skr is 0 for SISO). THS (rows, h, nc, a): the phase
     entering every chunk. HAS_K / HAS_Q: write k / q (the forward needs both, the backward's state-gradient sweep
     q alone)."""
-    pid = tl.program_id(0)
-    c = tl.program_id(1)
-    b = (pid // H).to(tl.int64)
-    h = pid % H
+    b, h, c, t, rank, valid, cos, sin = _chunk_phase(ANG, DT, THS, L, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh,
+                                                     T, R, BH)
     g = h // HPG
-    offs_j = tl.arange(0, BH)
-    am = offs_j < NA
-    t, rank, lead = rows(c, T, R)
-    valid = t < L
-    cos, sin = _phase_cos_sin(ANG, DT, THS, b, h, c, t, lead, valid, offs_j, am, H, NC, NA, sab, sat, sah, saa,
-                              sdb, sdt, sdh)
     out = b * skb + t * skt + rank * skr + h * skh
     bias_row = (h * R + rank) * (2 * NH)  # the biases (h, [R,] n), contiguous
     if HAS_K:
-        b1, b2 = load_halves(Bm + b * sbb + g * sbg, t * sbt + rank * sbr, valid, 0, NH, BH, HALVED)
-        if HAS_BIAS:
-            e1, e2 = load_halves(BIAS_B, bias_row, valid, 0, NH, BH, HALVED)
-            b1, b2 = b1 + e1, b2 + e2
-        k1, k2 = rotate_pairs(b1, b2, cos, sin)
-        store_halves(KT, out, k1, k2, valid, 0, NH, BH, HALVED)
+        _rotate_rows(Bm + b * sbb + g * sbg, t * sbt + rank * sbr, BIAS_B, bias_row, KT, out, cos, sin, valid, NH, BH,
+                     HALVED, HAS_BIAS)
     if HAS_Q:
-        c1, c2 = load_halves(Cm + b * scb + g * scg, t * sct + rank * scr, valid, 0, NH, BH, HALVED)
-        if HAS_BIAS:
-            e1, e2 = load_halves(BIAS_C, bias_row, valid, 0, NH, BH, HALVED)
-            c1, c2 = c1 + e1, c2 + e2
-        q1, q2 = rotate_pairs(c1, c2, cos, sin)
-        store_halves(QT, out, q1, q2, valid, 0, NH, BH, HALVED)
+        _rotate_rows(Cm + b * scb + g * scg, t * sct + rank * scr, BIAS_C, bias_row, QT, out, cos, sin, valid, NH, BH,
+                     HALVED, HAS_BIAS)
+
+
+@triton.jit
+def _rotate_rows(SRC, src, BIAS, bias_row, DST, dst, cos, sin, valid, NH, BH: tl.constexpr, HALVED: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """Rows (src + bias) turned by cos / sin, written at dst."""
+    v1, v2 = load_halves(SRC, src, valid, 0, NH, BH, HALVED)
+    if HAS_BIAS:
+        e1, e2 = load_halves(BIAS, bias_row, valid, 0, NH, BH, HALVED)
+        v1, v2 = v1 + e1, v2 + e2
+    r1, r2 = rotate_pairs(v1, v2, cos, sin)
+    store_halves(DST, dst, r1, r2, valid, 0, NH, BH, HALVED)
 
 
 @triton.jit
@@ -97,16 +103,8 @@ def unrotate_kernel(DK, DQ, ANG, DT, THS, DBB, DCB, L, NC, H, NH, NA, sab, sat, 
     """In place: the gradients of the rotated k and q (DK, DQ: (rows, L, [R,] h, n) fp32, strides sg*) turned
     back by each token's phase, the gradients of B + bias and C + bias per head. HAS_BB / HAS_CB: the chunk's share
     of the B / C bias' gradient (summed over its tokens, per rank) to DBB / DCB (rows, h, nc, R, n)."""
-    pid = tl.program_id(0)
-    c = tl.program_id(1)
-    b = (pid // H).to(tl.int64)
-    h = pid % H
-    offs_j = tl.arange(0, BH)
-    am = offs_j < NA
-    t, rank, lead = rows(c, T, R)
-    valid = t < L
-    cos, sin = _phase_cos_sin(ANG, DT, THS, b, h, c, t, lead, valid, offs_j, am, H, NC, NA, sab, sat, sah, saa,
-                              sdb, sdt, sdh)
+    b, h, c, t, rank, valid, cos, sin = _chunk_phase(ANG, DT, THS, L, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh,
+                                                     T, R, BH)
     off = b * sgb + h * sgh + t * sgt + rank * sgr
     part = ((b * H + h) * NC + c) * R * (2 * NH)
     _turn_back(DK, DBB, part, off, cos, sin, valid, NH, T, R, BH, HALVED, HAS_BB)
