@@ -144,9 +144,10 @@ def chunk_phases(lay: Layout, angs, dts, init_angle, T: int):
     last = lay.seq_chunks[1]
     end = enter[last] + tot[last]
     two_pi = 2 * math.pi
-    fin = torch.zeros(lay.nstates, H, NA, device=angs.device, dtype=torch.float32)
-    ok = lay.seq_final >= 0
-    fin[lay.seq_final[ok]] = torch.remainder(end[ok], two_pi).float()
+    # sequences whose final phase is not returned write to a spare slot (no boolean indexing: no host sync)
+    fin = torch.zeros(lay.nstates + 1, H, NA, device=angs.device, dtype=torch.float32)
+    fin[torch.where(lay.seq_final >= 0, lay.seq_final, lay.nstates)] = torch.remainder(end, two_pi).float()
+    fin = fin[:lay.nstates]
     ths = torch.remainder(enter, two_pi).float().view(rows_, nc, H, NA).transpose(1, 2).contiguous()
     return ths, fin
 
