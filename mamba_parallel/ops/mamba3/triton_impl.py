@@ -214,7 +214,7 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
         T=T, R=R, BH=block(N // 2), BP=block(P), HALVED=halved, HAS_D=D is not None,
         HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
         PREC=dot_precision(x.dtype))
-    unrotate(dBh, dCh, angs, dts, THS, lay, T, halved, dbb, dcb)  # dk, dq -> dB, dC (+ bias) per head
+    dB, dC = unrotate(dBh, dCh, angs, dts, THS, lay, T, halved, G, dbb, dcb)  # dk, dq -> dB, dC (+ bias)
 
     # the per-token chain rule: w_j = gamma_j + beta_{j+1}, gamma = trap dt, beta = (1 - trap) dt, log decay dt A
     dbeta = torch.zeros_like(dw)
@@ -226,16 +226,14 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dphi = dphi + _phase_carry(lay, turn, ends, T, Lk)
     ddt = da * As + traps * dgt + (1 - traps) * dbeta + (dphi * angs.float()).sum(-1)
     unpack = lambda t: lay.unpack(t, x)  # noqa: E731
-    hpg = H // G
-    per_group = lambda t: t.view(*t.shape[:-2], G, hpg, N).sum(-2)  # noqa: E731  sum over each group's heads
     dinit_angle = _init_angle_grad(lay, ends, dfin_angle, dinit, init_ssm, col1, col2) if need_dangle else None
     if lay.empty is not None and lay.empty.numel() and dinit is not None and dfin is not None:
         dinit[lay.empty] += dfin[lay.empty]  # a sequence without tokens hands its state through
     if not ctx.needs_input_grad[15]:
         dinit = None
     rank_sum = lambda t, like: t.sum((0, 2)).to(like.dtype) if like is not None else None  # noqa: E731
-    return (unpack(dx), unpack(ddt), unpack(da * dts), unpack(per_group(dBh).to(B.dtype)),
-            unpack(per_group(dCh).to(C.dtype)), unpack(dts * (dgt - dbeta)), unpack(dphi * dts[..., None]).to(
+    return (unpack(dx), unpack(ddt), unpack(da * dts), unpack(dB.to(B.dtype)),
+            unpack(dC.to(C.dtype)), unpack(dts * (dgt - dbeta)), unpack(dphi * dts[..., None]).to(
                 angles.dtype), dD.sum((0, 2)).to(D.dtype) if D is not None else None, unpack(dz),
             dbb.sum((0, 2)).reshape(B_bias.shape).to(B_bias.dtype) if B_bias is not None else None,
             dcb.sum((0, 2)).reshape(C_bias.shape).to(C_bias.dtype) if C_bias is not None else None,

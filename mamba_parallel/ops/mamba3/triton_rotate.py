@@ -5,7 +5,8 @@
 sequence's chunks, in float64, reduced to [0, 2 pi)). ``rotate_kernel``: one program per (batch row, head, chunk)
 adds the biases to B (and C) and turns them by each token's phase, written per head in the columns they came
 from (k, q: (rows, L, [R,] h, n) in x.dtype). The sweeps then read k and q as plain tiles: no trigonometry and no
-phase prefix inside their serial loop.
+phase prefix inside their serial loop. ``unrotate_kernel`` goes the other way in the backward: the gradients of
+the rotated k / q, turned back by the same phases and summed over each group's heads, are those of B and C.
 """
 
 from __future__ import annotations
@@ -40,25 +41,19 @@ def chunk_turn_kernel(ANG, DT, TURNS, L, NC, H, NA, sab, sat, sah, saa, sdb, sdt
 
 
 @triton.jit
-def _chunk_phase(ANG, DT, THS, L, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh, T: tl.constexpr, R: tl.constexpr,
-                 BH: tl.constexpr):
-    """This program's (batch row, head, chunk), its rows (token index, rank, valid) and the cos / sin of every
-    row's phase (rows, BH): the phase entering the chunk plus the chunk's steps up to the row's token (one row per
-    token steps it: every rank of a token turns by the same angle)."""
-    pid = tl.program_id(0)
-    c = tl.program_id(1)
-    b = (pid // H).to(tl.int64)
-    h = pid % H
-    offs_j = tl.arange(0, BH)
+def _phase(ANG, DT, THS, b, h, c, t, lead, valid, j0, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh,
+           BJ: tl.constexpr):
+    """cos / sin (rows, BJ) of every row's phase for pairs j0 .. j0 + BJ of head h: the phase entering chunk c plus
+    the chunk's steps up to the row's token (one row per token steps it: every rank of a token turns by the same
+    angle). Pairs j >= NA have no angle: they read cos 1, sin 0."""
+    offs_j = j0 + tl.arange(0, BJ)
     am = offs_j < NA
-    t, rank, lead = rows(c, T, R)
-    valid = t < L
     dt = tl.load(DT + b * sdb + h * sdh + t * sdt, mask=valid, other=0.0).to(tl.float32)
     th_c = tl.load(THS + ((b * H + h) * NC + c) * NA + offs_j, mask=am, other=0.0)
     om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_j[None, :] * saa,
                  mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
     th_t = th_c[None, :] + tl.cumsum(tl.where(lead[:, None], om * dt[:, None], 0.0), 0)
-    return b, h, c, t, rank, valid, tl.cos(th_t), tl.sin(th_t)
+    return tl.cos(th_t), tl.sin(th_t)
 
 
 @triton.jit
@@ -70,8 +65,13 @@ def rotate_kernel(Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, KT, QT, L, NC, H, HPG, N
     """KT / QT share one layout (strides sk*; the rank stride skr is 0 for SISO). THS (rows, h, nc, a): the phase
     entering every chunk. HAS_K / HAS_Q: write k / q (the forward needs both, the backward's state-gradient sweep
     q alone)."""
-    b, h, c, t, rank, valid, cos, sin = _chunk_phase(ANG, DT, THS, L, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh,
-                                                     T, R, BH)
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    t, rank, lead = rows(c, T, R)
+    valid = t < L
+    cos, sin = _phase(ANG, DT, THS, b, h, c, t, lead, valid, 0, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh, BH)
     g = h // HPG
     out = b * skb + t * skt + rank * skr + h * skh
     bias_row = (h * R + rank) * (2 * NH)  # the biases (h, [R,] n), contiguous
@@ -96,32 +96,53 @@ def _rotate_rows(SRC, src, BIAS, bias_row, DST, dst, cos, sin, valid, NH, BH: tl
 
 
 @triton.jit
-def unrotate_kernel(DK, DQ, ANG, DT, THS, DBB, DCB, L, NC, H, NH, NA, sab, sat, sah, saa, sdb, sdt, sdh,
-                    sgb, sgt, sgr, sgh,
-                    T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, HALVED: tl.constexpr,
+def unrotate_kernel(DK, DQ, ANG, DT, THS, DB, DC, DBB, DCB, L, NC, H, HPG, NH, NA, sab, sat, sah, saa, sdb, sdt, sdh,
+                    sgb, sgt, sgr, sgh, sob, sot, sor, sog,
+                    T: tl.constexpr, R: tl.constexpr, BJ: tl.constexpr, HALVED: tl.constexpr,
                     HAS_BB: tl.constexpr, HAS_CB: tl.constexpr):
-    """In place: the gradients of the rotated k and q (DK, DQ: (rows, L, [R,] h, n) fp32, strides sg*) turned
-    back by each token's phase, the gradients of B + bias and C + bias per head. HAS_BB / HAS_CB: the chunk's share
-    of the B / C bias' gradient (summed over its tokens, per rank) to DBB / DCB (rows, h, nc, R, n)."""
-    b, h, c, t, rank, valid, cos, sin = _chunk_phase(ANG, DT, THS, L, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh,
-                                                     T, R, BH)
-    off = b * sgb + h * sgh + t * sgt + rank * sgr
-    part = ((b * H + h) * NC + c) * R * (2 * NH)
-    _turn_back(DK, DBB, part, off, cos, sin, valid, NH, T, R, BH, HALVED, HAS_BB)
-    _turn_back(DQ, DCB, part, off, cos, sin, valid, NH, T, R, BH, HALVED, HAS_CB)
+    """One program per (batch row, group, chunk, block of BJ pairs). DK, DQ (rows, L, [R,] h, n) fp32 (strides
+    sg*): the gradients of the rotated k and q. Each head's rows are turned back by its phases and summed over the
+    group's heads into DB, DC (rows, L, [R,] g, n) fp32 (strides so*): the gradients of B and C. HAS_BB / HAS_CB:
+    per head, the chunk's share of the B / C bias' gradient (summed over its tokens, per rank) to DBB / DCB
+    (rows, h, nc, R, n)."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1)
+    j0 = tl.program_id(2) * BJ
+    G = H // HPG
+    b = (pid // G).to(tl.int64)
+    g = pid % G
+    t, rank, lead = rows(c, T, R)
+    valid = t < L
+    k1 = tl.zeros((T * R, BJ), dtype=tl.float32)
+    k2 = tl.zeros((T * R, BJ), dtype=tl.float32)
+    q1 = tl.zeros((T * R, BJ), dtype=tl.float32)
+    q2 = tl.zeros((T * R, BJ), dtype=tl.float32)
+    for i in range(HPG):
+        h = g * HPG + i
+        cos, sin = _phase(ANG, DT, THS, b, h, c, t, lead, valid, j0, NC, H, NA, sab, sat, sah, saa, sdb, sdt,
+                          sdh, BJ)
+        off = b * sgb + h * sgh + t * sgt + rank * sgr
+        part = ((b * H + h) * NC + c) * R * (2 * NH)
+        d1, d2 = _turn_back(DK, DBB, part, off, cos, sin, valid, j0, NH, T, R, BJ, HALVED, HAS_BB)
+        k1, k2 = k1 + d1, k2 + d2
+        d1, d2 = _turn_back(DQ, DCB, part, off, cos, sin, valid, j0, NH, T, R, BJ, HALVED, HAS_CB)
+        q1, q2 = q1 + d1, q2 + d2
+    out = b * sob + g * sog + t * sot + rank * sor
+    store_halves(DB, out, k1, k2, valid, j0, NH, BJ, HALVED)
+    store_halves(DC, out, q1, q2, valid, j0, NH, BJ, HALVED)
 
 
 @triton.jit
-def _turn_back(ptr, PART, part, off, cos, sin, valid, NH, T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr,
+def _turn_back(ptr, PART, part, off, cos, sin, valid, j0, NH, T: tl.constexpr, R: tl.constexpr, BJ: tl.constexpr,
                HALVED: tl.constexpr, HAS_PART: tl.constexpr):
-    """One gradient turned back in place, and its per-rank sums over the chunk (HAS_PART)."""
-    d1, d2 = load_halves(ptr, off, valid, 0, NH, BH, HALVED)
+    """One head's gradient rows turned back (returned), and their per-rank sums over the chunk (HAS_PART)."""
+    d1, d2 = load_halves(ptr, off, valid, j0, NH, BJ, HALVED)
     g1, g2 = rotate_pairs(d1, d2, cos, -sin)
-    store_halves(ptr, off, g1, g2, valid, 0, NH, BH, HALVED)
     if HAS_PART:
         ranks = tl.arange(0, R)
-        store_halves(PART + part, ranks * (2 * NH), per_rank(g1, T, R, BH), per_rank(g2, T, R, BH), ranks >= 0, 0, NH,
-                     BH, HALVED)
+        store_halves(PART + part, ranks * (2 * NH), per_rank(g1, T, R, BJ), per_rank(g2, T, R, BJ), ranks >= 0, j0,
+                     NH, BJ, HALVED)
+    return g1, g2
 
 
 def chunk_phases(lay: Layout, angs, dts, init_angle, T: int):
@@ -174,14 +195,23 @@ def rotated_bc(Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int, H: i
     return kt, qt
 
 
-def unrotate(dk, dq, angs, dts, ths, lay: Layout, T: int, halved: bool, dbb=None, dcb=None):
-    """In place: dk, dq (rows, Lk, [R,] h, n) fp32, the gradients of the rotated k / q, become those of B + bias and
-    C + bias per head; dbb / dcb (rows, h, nc, R, n) get each chunk's share of the biases' gradients."""
+def unrotate(dk, dq, angs, dts, ths, lay: Layout, T: int, halved: bool, groups: int, dbb=None, dcb=None):
+    """dk, dq (rows, Lk, [R,] h, n) fp32, the gradients of the rotated k / q -> those of B and C (rows, Lk, [R,]
+    groups, n) fp32 (each head's turned back, summed over its group's heads); dbb / dcb (rows, h, nc, R, n) get
+    each chunk's share of the biases' gradients."""
     rows_, Lk = dk.shape[:2]
     mimo = dk.dim() == 5
     R, H, N = (dk.shape[2] if mimo else 1), dk.shape[-2], dk.shape[-1]
-    st = dk.stride()
-    unrotate_kernel[(rows_ * H, lay.nchunks)](
-        dk, dq, angs, dts, ths, dbb, dcb, Lk, lay.nchunks, H, N // 2, angs.shape[3], *angs.stride(), *dts.stride(),
-        st[0], st[1], st[2] if mimo else 0, st[-2],
-        T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BB=dbb is not None, HAS_CB=dcb is not None, num_warps=4)
+    NH = N // 2
+    shape = (rows_, Lk, *((R,) if mimo else ()), groups, N)
+    dB = torch.empty(shape, device=dk.device, dtype=torch.float32)
+    dC = torch.empty_like(dB)
+    st, so = dk.stride(), dB.stride()
+    # pair blocks of 16 (whole 128-byte rows of interleaved fp32 pairs) give the grid enough programs at one group
+    BJ = min(16, block(NH))
+    unrotate_kernel[(rows_ * groups, lay.nchunks, triton.cdiv(NH, BJ))](
+        dk, dq, angs, dts, ths, dB, dC, dbb, dcb, Lk, lay.nchunks, H, H // groups, NH, angs.shape[3],
+        *angs.stride(), *dts.stride(), st[0], st[1], st[2] if mimo else 0, st[-2],
+        so[0], so[1], so[2] if mimo else 0, so[-2],
+        T=T, R=R, BJ=BJ, HALVED=halved, HAS_BB=dbb is not None, HAS_CB=dcb is not None, num_warps=4)
+    return dB, dC
