@@ -98,7 +98,7 @@ def test_logits_parity_both_directions(tmp_path, case):
     hf.save_pretrained(tmp_path / "from_hf")
     ours = load_pretrained(tmp_path / "from_hf").eval()
     with torch.no_grad():
-        ref = hf(ids).logits
+        ref = hf(ids, use_cache=False).logits
         err = _max_rel_err(ours(ids).logits, ref)
     assert err <= MAX_REL_ERR, f"ours(HF weights) vs HF: max rel err {err:.2e}"
 
@@ -109,7 +109,7 @@ def test_logits_parity_both_directions(tmp_path, case):
                                                      output_loading_info=True)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     with torch.no_grad():
-        ref = hf2.eval()(ids).logits
+        ref = hf2.eval()(ids, use_cache=False).logits
         err = _max_rel_err(ours(ids).logits, ref)
     assert err <= MAX_REL_ERR, f"ours vs HF(our weights): max rel err {err:.2e}"
 
