@@ -36,13 +36,8 @@ def _rank(B) -> int:
 
 
 def supports(x, dt, A, B, *args) -> bool:
-    """SISO, or MIMO of a power-of-two rank; anything else runs the reference. MIMO with gradients runs the
-    reference too: the per-chunk backward of MIMO faults on an H200 (an illegal address at rank 4, chunk 16; it
-    passes in the interpreter), so training a MIMO model takes the slow, correct path until that is found."""
+    """SISO, or MIMO of a power-of-two rank; anything else runs the reference."""
     R = _rank(B)
-    if R > 1 and torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                                 for t in (x, dt, A, B, *args)):
-        return False
     return R & (R - 1) == 0
 
 
