@@ -229,8 +229,8 @@ def test_gpu_groups_halved_varlen(dtype, nan_poison):
 @pytest.mark.parametrize("R, chunk", [(4, 16), (2, 32), (4, 8)], ids=["r4c16", "r2c32", "r4c8"])
 def test_gpu_mimo(dtype, R, chunk, nan_poison):
     """Mamba-3's MIMO defaults (rank 4, chunk 16: 64 rows), another 64-row tile (rank 2, chunk 32) and a 32-row one;
-    headdim 64, d_state 128, halved rotary. The 64-row tiles are where Triton 3.6 on an H200 once miscompiled the
-    backward (a transposed dot result: wrong gradients or an out-of-bounds shared-memory read)."""
+    headdim 64, d_state 128, halved rotary. 64-row MIMO tiles are where Triton 3.6 on an H200 miscompiles the
+    backward with two blocks of 32 pairs (wrong gradients, or an out-of-bounds shared-memory read)."""
     args = make_inputs(2, 700, 8, 64, 128, R=R, dtype=dtype, device="cuda", expand_angles=True)
     check_against_reference(args, dict(chunk_size=chunk, rope="halved"), dtype)
 
@@ -295,9 +295,10 @@ def test_gpu_every_candidate_alone(name, dtype, index, monkeypatch, nan_poison):
     entry[slot] = [entry[slot][index]]
     monkeypatch.setattr(tuned, "table", {**tuned.table, name: tuple(entry)})
     monkeypatch.setattr(tuned, "_cache", {})
-    args = make_inputs(1, 300, 2, 64, 128, dtype=dtype, device="cuda", expand_angles=True)
+    mimo = name.endswith("_mimo")  # MIMO's own launch table: rank 4, 64-row tiles
+    args = make_inputs(1, 300, 2, 64, 128, R=4 if mimo else None, dtype=dtype, device="cuda", expand_angles=True)
     with use_autotune(False):
-        check_against_reference(args, dict(chunk_size=64), dtype)
+        check_against_reference(args, dict(chunk_size=16, rope="halved") if mimo else dict(chunk_size=64), dtype)
 
 
 @pytest.mark.gpu

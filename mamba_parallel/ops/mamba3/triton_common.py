@@ -138,5 +138,9 @@ _CONFIGS = {
     # wrong dt gradients seen beside it came from dstates' turn slots, since fixed); a candidate comes back once it
     # passes test_gpu_every_candidate_alone and a tuned run
     "chunk_bwd": ([_c(8, 1, BJ=32)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
+    # MIMO (R rows per token): with 16-bit operands, 64-row tiles and two blocks of 32 pairs, Triton 3.6 on an H200
+    # miscompiles this kernel (compute-sanitizer: an out-of-bounds shared-memory read in a dot of pass 2; with 4
+    # warps, wrong gradients and no fault); all pairs in one block at d_state 128 (BJ = 64) computes right
+    "chunk_bwd_mimo": ([_c(8, 1, BJ=64)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
 }
 tuned = Tuner(_CONFIGS)

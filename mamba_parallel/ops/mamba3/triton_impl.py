@@ -199,7 +199,7 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dmx, dmz, dmo = part(mimo_x), part(mimo_z), part(mimo_o)
     bias_part = lambda t: torch.empty(rows, H, lay.nchunks, R, N, device=dev, dtype=f32) if t is not None else None  # noqa
     dbb, dcb = bias_part(B_bias), bias_part(C_bias)
-    kernel = tuned(chunk_bwd_kernel, "chunk_bwd", x.dtype)
+    kernel = tuned(chunk_bwd_kernel, "chunk_bwd_mimo" if R > 1 else "chunk_bwd", x.dtype)
     kernel[(rows * H, lay.nchunks)](
         xs, dys, zs, ypres, dts, As, traps, KT, QT, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
         dHS, dx, dz, dBh, dCh, dw, dg, da, dphi, dD, dmx, dmz, dmo,
