@@ -152,7 +152,11 @@ def test_rejects_bad_chunk_size():
 
 @pytest.mark.parametrize("dtype,rope,R", [(torch.float32, "interleaved", None), (torch.float16, "halved", None),
                                           (torch.float32, "halved", 2), (torch.float16, "halved", 4)])
-def test_decode_step_matches_reference(dtype, rope, R):
+@pytest.mark.parametrize("rows", [None, 4], ids=["one_block", "blocks"])
+def test_decode_step_matches_reference(dtype, rope, R, rows, monkeypatch):
+    """rows: headdim rows per program (4 of 8: two programs per head, the cached phase and k written after)."""
+    if rows:
+        monkeypatch.setattr(triton_impl, "step_launch", lambda b, H, P: (rows, 1))
     args = make_inputs(3, 1, 4, 8, 16, g=2, R=R, mimo_o=R != 4, dtype=dtype, device=DEV)
     step = {k: (v[:, 0] if k in ("x", "dt", "A", "B", "C", "trap", "angles", "z") else v)
             for k, v in args.items() if k != "initial_states"}
@@ -256,7 +260,10 @@ def test_gpu_seq_idx_chunk128_no_gate(nan_poison):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("R", [None, 4])
-def test_gpu_decode_step(dtype, R, nan_poison):
+@pytest.mark.parametrize("launch", [None, (64, 4), (32, 4), (8, 1)], ids=["default", "one_block", "p32", "p8"])
+def test_gpu_decode_step(dtype, R, launch, nan_poison, monkeypatch):
+    if launch:
+        monkeypatch.setattr(triton_impl, "step_launch", lambda b, H, P: launch)
     args = make_inputs(16, 1, 32, 64, 128, R=R, dtype=dtype, device="cuda")
     step = {k: (v[:, 0] if k in ("x", "dt", "A", "B", "C", "trap", "angles", "z") else v)
             for k, v in args.items() if k != "initial_states"}

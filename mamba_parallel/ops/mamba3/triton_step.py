@@ -1,6 +1,9 @@
-"""Mamba-3 one-token decode kernel (SISO and MIMO): one program per (batch row, head) advances the cached phase,
-state, and previous-token k / x in place, and writes y (the cache is read before it is written, by the same
-program). MIMO's R ranks are broadcast sums over a leading axis of R rows (R is small)."""
+"""Mamba-3 one-token decode kernels (SISO and MIMO). ``step_kernel``: one program per (batch row, head, block of
+headdim rows) advances its rows of the cached state and previous-token x in place and writes y; every program
+reads the cached phase and previous-token k. When a head's rows span several programs, none of them may write
+those two before all have read them, so ``step_shared_kernel`` (one program per batch row and head) writes them
+after; with one block per head the step kernel writes them itself. MIMO's R ranks are broadcast sums over a
+leading axis of R rows (R is small)."""
 
 from __future__ import annotations
 
@@ -17,20 +20,60 @@ def _rank_rows(ptr, offs_r, cols, ncols, cmask):
 
 
 @triton.jit
+def _phase_and_k(DT, ANG, Bm, BIAS_B, S_ANG, b, h, g, offs_r, offs_j, col1, col2, jm, am, N, sdb, sdh, sbb, sbr,
+                 sbg, sbn, sab, sah, saa, s_ab, s_ah, s_aa, HAS_BIAS: tl.constexpr, R: tl.constexpr):
+    """This token's phase (BH,) and rotated k halves (R, BH), from the cached phase, angles, dt and B (+ bias)."""
+    dt = tl.load(DT + b * sdb + h * sdh).to(tl.float32)
+    om = tl.load(ANG + b * sab + h * sah + offs_j * saa, mask=am, other=0.0).to(tl.float32)
+    th = tl.load(S_ANG + b * s_ab + h * s_ah + offs_j * s_aa, mask=am, other=0.0) + om * dt
+    cos, sin = tl.cos(th)[None, :], tl.sin(th)[None, :]
+    jm2 = jm[None, :]
+    b_ptr = Bm + b * sbb + g * sbg + offs_r[:, None] * sbr
+    b1 = tl.load(b_ptr + col1[None, :] * sbn, mask=jm2, other=0.0).to(tl.float32)  # (R, BH)
+    b2 = tl.load(b_ptr + col2[None, :] * sbn, mask=jm2, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b1 += _rank_rows(BIAS_B + h * R * N, offs_r, col1, N, jm)
+        b2 += _rank_rows(BIAS_B + h * R * N, offs_r, col2, N, jm)
+    k1, k2 = rotate_pairs(b1, b2, cos, sin)
+    return th, k1, k2, cos, sin
+
+
+@triton.jit
+def step_shared_kernel(DT, ANG, Bm, BIAS_B, S_ANG, S_K, H, HPG, NH, NA,
+                       sdb, sdh, sbb, sbr, sbg, sbn, sab, sah, saa, s_ab, s_ah, s_aa, skb, skr, skh, skn,
+                       R: tl.constexpr, BH: tl.constexpr, HALVED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The cached phase and previous-token k of one (batch row, head), after ``step_kernel`` has read them."""
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    offs_r = tl.arange(0, R)
+    offs_j = tl.arange(0, BH)
+    jm, am = offs_j < NH, offs_j < NA
+    col1, col2 = pair_columns(offs_j, 2 * NH, HALVED)
+    th, k1, k2, _, _ = _phase_and_k(DT, ANG, Bm, BIAS_B, S_ANG, b, h, h // HPG, offs_r, offs_j, col1, col2, jm, am,
+                                    2 * NH, sdb, sdh, sbb, sbr, sbg, sbn, sab, sah, saa, s_ab, s_ah, s_aa,
+                                    HAS_BIAS, R)
+    k_ptr = S_K + b * skb + h * skh + offs_r[:, None] * skr
+    tl.store(k_ptr + col1[None, :] * skn, k1.to(S_K.dtype.element_ty), mask=jm[None, :])
+    tl.store(k_ptr + col2[None, :] * skn, k2.to(S_K.dtype.element_ty), mask=jm[None, :])
+    tl.store(S_ANG + b * s_ab + h * s_ah + offs_j * s_aa, wrap_angle(th), mask=am)
+
+
+@triton.jit
 def step_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, MX, MZ, MO, S_ANG, S_SSM, S_K, S_V, Y,
                 H, HPG, P, NH, NA,
                 sxb, sxh, sxp, sdb, sdh, sbb, sbr, sbg, sbn, scb, scr, scg, scn, sab, sah, saa, szb, szh, szp,
                 s_ab, s_ah, s_aa, ssb, ssh, ssp, ssn, skb, skr, skh, skn, svb, svh, svp, syb, syr, syh, syp,
                 R: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, HALVED: tl.constexpr, HAS_BIAS: tl.constexpr,
                 HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr,
-                HAS_MO: tl.constexpr):
+                HAS_MO: tl.constexpr, WRITE_SHARED: tl.constexpr):
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
     h = pid % H
     g = h // HPG
     N = 2 * NH
     offs_r = tl.arange(0, R)
-    offs_p = tl.arange(0, BP)
+    offs_p = tl.program_id(1) * BP + tl.arange(0, BP)
     offs_j = tl.arange(0, BH)
     pm, jm, am = offs_p < P, offs_j < NH, offs_j < NA
     col1, col2 = pair_columns(offs_j, N, HALVED)
@@ -39,23 +82,16 @@ def step_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, MX, MZ, MO, 
     alpha = tl.exp(tl.load(AA + b * sdb + h * sdh).to(tl.float32) * dt)
     lam = tl.load(TRAP + b * sdb + h * sdh).to(tl.float32)
     beta, gamma = (1.0 - lam) * dt, lam * dt
-    a_ptr = S_ANG + b * s_ab + h * s_ah + offs_j * s_aa
-    om = tl.load(ANG + b * sab + h * sah + offs_j * saa, mask=am, other=0.0).to(tl.float32)
-    th = tl.load(a_ptr, mask=am, other=0.0) + om * dt
-    cos, sin = tl.cos(th)[None, :], tl.sin(th)[None, :]
+    th, k1, k2, cos, sin = _phase_and_k(DT, ANG, Bm, BIAS_B, S_ANG, b, h, g, offs_r, offs_j, col1, col2, jm, am,
+                                        N, sdb, sdh, sbb, sbr, sbg, sbn, sab, sah, saa, s_ab, s_ah, s_aa,
+                                        HAS_BIAS, R)
     jm2 = jm[None, :]
-    b_ptr = Bm + b * sbb + g * sbg + offs_r[:, None] * sbr
     c_ptr = Cm + b * scb + g * scg + offs_r[:, None] * scr
-    b1 = tl.load(b_ptr + col1[None, :] * sbn, mask=jm2, other=0.0).to(tl.float32)  # (R, BH)
-    b2 = tl.load(b_ptr + col2[None, :] * sbn, mask=jm2, other=0.0).to(tl.float32)
     c1 = tl.load(c_ptr + col1[None, :] * scn, mask=jm2, other=0.0).to(tl.float32)
     c2 = tl.load(c_ptr + col2[None, :] * scn, mask=jm2, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        b1 += _rank_rows(BIAS_B + h * R * N, offs_r, col1, N, jm)
-        b2 += _rank_rows(BIAS_B + h * R * N, offs_r, col2, N, jm)
         c1 += _rank_rows(BIAS_C + h * R * N, offs_r, col1, N, jm)
         c2 += _rank_rows(BIAS_C + h * R * N, offs_r, col2, N, jm)
-    k1, k2 = rotate_pairs(b1, b2, cos, sin)
     q1, q2 = rotate_pairs(c1, c2, cos, sin)
 
     k_ptr = S_K + b * skb + h * skh + offs_r[:, None] * skr
@@ -93,7 +129,8 @@ def step_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, MX, MZ, MO, 
         tl.store(y_ptr + offs_r[:, None] * syr, y.to(Y.dtype.element_ty), mask=pm[None, :])
     tl.store(s_ptr + col1[None, :] * ssn, H1.to(S_SSM.dtype.element_ty), mask=hm)
     tl.store(s_ptr + col2[None, :] * ssn, H2.to(S_SSM.dtype.element_ty), mask=hm)
-    tl.store(k_ptr + col1[None, :] * skn, k1.to(S_K.dtype.element_ty), mask=jm2)
-    tl.store(k_ptr + col2[None, :] * skn, k2.to(S_K.dtype.element_ty), mask=jm2)
     tl.store(v_ptr, xr.to(S_V.dtype.element_ty), mask=pm)
-    tl.store(a_ptr, wrap_angle(th), mask=am)
+    if WRITE_SHARED:
+        tl.store(k_ptr + col1[None, :] * skn, k1.to(S_K.dtype.element_ty), mask=jm2)
+        tl.store(k_ptr + col2[None, :] * skn, k2.to(S_K.dtype.element_ty), mask=jm2)
+        tl.store(S_ANG + b * s_ab + h * s_ah + offs_j * s_aa, wrap_angle(th), mask=am)
