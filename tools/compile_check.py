@@ -47,7 +47,7 @@ def _workloads(ops, which=("variants", "tiles")):
         return
     from mamba3_cases import make_inputs
 
-    from mamba_parallel.ops.mamba3 import Mamba3State, triton_impl
+    from mamba_parallel.ops.mamba3 import Mamba3Discretization, Mamba3State, triton_impl
 
     def scan(n, kw, dtype, L=70, p=64, chunk=32, rope="interleaved", inference=False):
         args = make_inputs(1, L, 2, p, n, dtype=dtype, **kw)
@@ -82,8 +82,10 @@ def _workloads(ops, which=("variants", "tiles")):
             args = make_inputs(2, 1, 2, 64, 64, dtype=dtype, **kw)
             step = {k: (v[:, 0] if k in seqwise else v) for k, v in args.items() if k != "initial_states"}
             state = Mamba3State(*(s.float().clone() for s in args["initial_states"]))
+            raw = Mamba3Discretization(torch.zeros(2), 1e-4)  # a layer's raw projections, discretized inside
             for rope in ("interleaved", "halved"):
                 triton_impl.mamba3_state_update(state, **step, rope=rope)
+                triton_impl.mamba3_state_update(state, **step, rope=rope, discretize=raw)
             yield f"mamba3 decode step {kw} {dtype}"
 
 

@@ -16,16 +16,14 @@ goes through ``seq_ops`` (the parallel seam: context parallelism installs its ow
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from mamba_parallel.layers import init
 from mamba_parallel.layers.norm import RMSNorm, RMSNormGated
 from mamba_parallel.layers.seq_ops import SequenceOps
-from mamba_parallel.ops.mamba3 import Mamba3State, mamba3_chunk_scan, mamba3_state_update
+from mamba_parallel.ops.mamba3 import (Mamba3Discretization, Mamba3State, discretize, mamba3_chunk_scan,
+                                       mamba3_state_update)
 
 
 def rope_angle_count(d_state: int, rope_fraction: float) -> int:
@@ -152,10 +150,11 @@ class Mamba3(nn.Module):
 
     def _discretize(self, dt, A, trap, angles):
         """Raw projections -> dt > 0, A <= -A_floor, trap in (0, 1) (all fp32), angles (..., h, a) in rad / dt."""
-        dt = F.softplus(dt.float() + self.dt_bias.float())
-        A = -F.softplus(A.float()).clamp(min=self.A_floor)
-        angles = math.pi * torch.tanh(angles.float())
-        return dt, A, torch.sigmoid(trap.float()), angles.unsqueeze(-2).expand(*dt.shape, angles.shape[-1])
+        dt, A, trap, angles = discretize(dt, A, trap, angles, self._discretization())
+        return dt, A, trap, angles.unsqueeze(-2).expand(*dt.shape, angles.shape[-1])
+
+    def _discretization(self) -> Mamba3Discretization:
+        return Mamba3Discretization(self.dt_bias, self.A_floor)
 
     def _output(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """is_outproj_norm: y (..., h, p) or (..., R, h, p) -> gated RMSNorm (per head) [-> mimo_o fold]."""
@@ -205,13 +204,15 @@ class Mamba3(nn.Module):
         """One decode token: hidden_states (b, 1, d_model) -> (b, 1, d_model); the cache advanced in place."""
         b = hidden_states.shape[0]
         z, x, B, C, dt, A, trap, angles = self._split(self.in_proj(hidden_states[:, 0]))
-        dt, A, trap, angles = self._discretize(dt, A, trap, angles)
         gate = not self.is_outproj_norm
         mimo = dict(mimo_x=self.mimo_x, mimo_z=self.mimo_z if gate else None,
                     mimo_o=self.mimo_o if gate else None) if self.is_mimo else {}
+        # the raw projections: the step discretizes them itself (in its kernel on a GPU: no launches for it)
         y = mamba3_state_update(Mamba3State(*(t[:b] for t in cache)), x, dt, A, self.B_norm(B), self.C_norm(C),
-                                trap, angles, D=self.D, z=z if gate else None, B_bias=self._bias(self.B_bias),
-                                C_bias=self._bias(self.C_bias), rope=self.rope, **mimo)
+                                trap, angles.unsqueeze(-2).expand(*dt.shape, angles.shape[-1]), D=self.D,
+                                z=z if gate else None, B_bias=self._bias(self.B_bias),
+                                C_bias=self._bias(self.C_bias), rope=self.rope, discretize=self._discretization(),
+                                **mimo)
         if self.is_outproj_norm:
             y = self._output(y, z)
         return self.out_proj(y.flatten(-2).to(hidden_states.dtype))[:, None]

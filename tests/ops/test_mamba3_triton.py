@@ -171,6 +171,52 @@ def test_decode_step_matches_reference(dtype, rope, R, rows, monkeypatch):
         assert_close(a, b.to(a.dtype), dtype, name=f"state {name}")
 
 
+@pytest.mark.parametrize("dtype,rope,R", [(torch.float32, "interleaved", None), (torch.float16, "halved", 4)])
+@pytest.mark.parametrize("rows", [None, 4], ids=["one_block", "blocks"])
+def test_decode_step_discretizes_raw_projections(dtype, rope, R, rows, monkeypatch):
+    """discretize=...: the kernel takes a layer's raw dt / A / trap / angles (views of one projection, as the layer
+    passes them) and gives what naive.discretize followed by the reference step gives."""
+    from mamba_parallel.ops.mamba3 import Mamba3Discretization, discretize
+
+    if rows:
+        monkeypatch.setattr(triton_impl, "step_launch", lambda b, H, P: (rows, 1))
+    b, h, a = 3, 4, 4
+    args = make_inputs(b, 1, h, 8, 16, g=2, R=R, a=a, mimo_o=R != 4, dtype=dtype, device=DEV)
+    step = {k: (v[:, 0] if k in ("x", "B", "C", "z") else v) for k, v in args.items()
+            if k not in ("initial_states", "dt", "A", "trap", "angles")}
+    g = torch.Generator().manual_seed(5)
+    proj = (torch.randn(b, 3 * h + a, generator=g) * 2).to(DEV, dtype)  # one projection, split as the layer does
+    proj[0, :3] = torch.tensor([30.0, -30.0, 1e-3])  # softplus's threshold, a tiny softplus, a tiny tanh
+    dt, A, trap, ang = proj.split([h, h, h, a], dim=-1)
+    angles = ang[:, None].expand(b, h, a)
+    disc = Mamba3Discretization(torch.randn(h, generator=g).to(DEV) - 3, 1e-2)
+    state = Mamba3State(*(s.float().clone() for s in args["initial_states"]))
+    state = state._replace(v=state.v.to(dtype))
+    ref_state = Mamba3State(*(s.double().clone() for s in state))
+    y = triton_impl.mamba3_state_update(state, **step, dt=dt, A=A, trap=trap, angles=angles, rope=rope,
+                                        discretize=disc)
+    d = discretize(dt.double(), A.double(), trap.double(), angles.double(),
+                   Mamba3Discretization(disc.dt_bias.double(), disc.A_floor))
+    y_ref = naive.mamba3_state_update(ref_state, **{k: (v.double() if isinstance(v, torch.Tensor) else v)
+                                                    for k, v in step.items()},
+                                      **dict(zip(("dt", "A", "trap", "angles"), (t.double() for t in d))), rope=rope)
+    assert_close(y, y_ref, dtype, name="y")
+    for name, a_, b_ in zip(Mamba3State._fields, state, ref_state):
+        assert_close(a_, b_.to(a_.dtype), dtype, name=f"state {name}")
+
+
+def test_decode_step_rejects_a_bad_discretization():
+    from mamba_parallel.ops.mamba3 import Mamba3Discretization
+
+    args = make_inputs(1, 1, 2, 8, 16, dtype=torch.float32, device=DEV)
+    step = {k: v[:, 0] for k, v in args.items() if k in ("x", "dt", "A", "B", "C", "trap", "angles")}
+    state = Mamba3State(*(s.float().clone() for s in args["initial_states"]))
+    with pytest.raises(ValueError, match="discretize.dt_bias"):
+        mamba3_state_update(state, **step, discretize=Mamba3Discretization(torch.zeros(3), 1e-4))
+    with pytest.raises(ValueError, match="A_floor must be > 0"):
+        mamba3_state_update(state, **step, discretize=Mamba3Discretization(torch.zeros(2), 0.0))
+
+
 def test_decode_continues_a_prefill():
     """Prefill with the kernel scan, decode two tokens with the kernel step: the full scan's outputs."""
     args = make_inputs(2, 20, 2, 8, 16, dtype=torch.float32, device=DEV)

@@ -8,7 +8,7 @@ from mamba_parallel.ops._common import (check_cu_seqlens, check_divides, check_i
                                         check_shape, kernel_module)
 from mamba_parallel.ops.backend import use_triton
 from mamba_parallel.ops.mamba3 import naive
-from mamba_parallel.ops.mamba3.naive import ROPE_LAYOUTS, Mamba3State
+from mamba_parallel.ops.mamba3.naive import ROPE_LAYOUTS, Mamba3Discretization, Mamba3State, discretize
 
 
 def _kernel():
@@ -110,12 +110,14 @@ def mamba3_state_update(state: Mamba3State, x: torch.Tensor, dt: torch.Tensor, A
                         z: torch.Tensor | None = None, B_bias: torch.Tensor | None = None,
                         C_bias: torch.Tensor | None = None, mimo_x: torch.Tensor | None = None,
                         mimo_z: torch.Tensor | None = None, mimo_o: torch.Tensor | None = None,
-                        rope: str = "interleaved") -> torch.Tensor:
+                        rope: str = "interleaved", discretize: Mamba3Discretization | None = None) -> torch.Tensor:
     """One decode token of ``mamba3_chunk_scan``; ``state`` (a ``Mamba3State`` of batch b, the cache) is advanced
     IN PLACE: the phase, the SSM state, and this token's rotated B and x for the next token's trapezoid half-step.
 
     x (b, h, p); dt, A, trap (b, h); B, C (b, g, n) or (b, R, g, n); angles (b, h, a); the rest as in
-    ``mamba3_chunk_scan``. Returns y (b, h, p) (MIMO without mimo_o: (b, R, h, p)) in x.dtype.
+    ``mamba3_chunk_scan``. discretize (a ``Mamba3Discretization``: dt_bias (h,), A_floor > 0): dt, A, trap and
+    angles are a layer's raw projections, turned into the scan's inputs here (``naive.discretize``; inside the
+    kernel on a GPU). Returns y (b, h, p) (MIMO without mimo_o: (b, R, h, p)) in x.dtype.
     """
     op = "mamba3_state_update"
     check_ndim(op, "x", x, (3,), "(b, h, p)")
@@ -124,12 +126,24 @@ def mamba3_state_update(state: Mamba3State, x: torch.Tensor, dt: torch.Tensor, A
     lift = lambda t: t.unsqueeze(1) if isinstance(t, torch.Tensor) else t  # noqa: E731  one-token sequences
     check_mamba3_args(op, lift(x), lift(dt), lift(A), lift(B), lift(C), lift(trap), lift(angles), 1, D, lift(z),
                       B_bias, C_bias, mimo_x, mimo_z, mimo_o, rope, state, None, None)
+    if discretize is not None:
+        if len(discretize) != 2:
+            raise ValueError(f"{op}: discretize must be a Mamba3Discretization (dt_bias, A_floor)")
+        if not isinstance(discretize.dt_bias, torch.Tensor):
+            raise ValueError(f"{op}: discretize.dt_bias must be a tensor (h,), got {type(discretize.dt_bias).__name__}")
+        check_shape(op, "discretize.dt_bias", discretize.dt_bias, ("h", x.shape[1]))
+        if not float(discretize.A_floor) > 0:
+            raise ValueError(f"{op}: discretize.A_floor must be > 0, got {discretize.A_floor!r}")
+        discretize = Mamba3Discretization(*discretize)
     state = Mamba3State(*state)
     args = (state, x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, rope)
     kernel = _kernel()
     if use_triton(x, op=op, has_kernel=kernel is not None and kernel.supports_step(*args)):
-        return kernel.mamba3_state_update(*args)
+        return kernel.mamba3_state_update(*args, discretize=discretize)
+    if discretize is not None:
+        dt, A, trap, angles = naive.discretize(dt, A, trap, angles, discretize)
+        args = (state, x, dt, A, B, C, trap, angles, *args[8:])
     return naive.mamba3_state_update(*args)
 
 
-__all__ = ["mamba3_chunk_scan", "mamba3_state_update", "Mamba3State"]
+__all__ = ["mamba3_chunk_scan", "mamba3_state_update", "Mamba3State", "Mamba3Discretization", "discretize"]

@@ -50,6 +50,23 @@ class Mamba3State(NamedTuple):
     v: Tensor
 
 
+class Mamba3Discretization(NamedTuple):
+    """What turns a Mamba-3 layer's raw projections into the scan's inputs (``discretize``): dt_bias (h,) and the
+    decay rate's floor A_floor > 0."""
+
+    dt_bias: Tensor
+    A_floor: float
+
+
+def discretize(dt: Tensor, A: Tensor, trap: Tensor, angles: Tensor, d: Mamba3Discretization):
+    """Raw projections -> the scan's inputs, fp32: dt = softplus(dt + dt_bias) > 0, A = -max(softplus(A), A_floor),
+    trap = sigmoid(trap), angles = pi tanh(angles) (rad per unit of dt). Any leading shape, heads last for dt, A,
+    trap; angles (..., a) or (..., h, a)."""
+    dt = F.softplus(dt.float() + d.dt_bias.float())
+    A = -F.softplus(A.float()).clamp(min=d.A_floor)
+    return dt, A, torch.sigmoid(trap.float()), math.pi * torch.tanh(angles.float())
+
+
 # ---- sequences --------------------------------------------------------------------------------------------------
 def segments(b: int, L: int, seq_idx: Tensor | None, cu_seqlens: Tensor | None):
     """[(row, start, end, initial-state index or None)] for every sequence; the initial state of a packed

@@ -350,7 +350,7 @@ def step_launch(b: int, H: int, P: int) -> tuple[int, int]:
 
 
 def mamba3_state_update(state: Mamba3State, x, dt, A, B, C, trap, angles, D=None, z=None, B_bias=None,
-                        C_bias=None, mimo_x=None, mimo_z=None, mimo_o=None, rope="interleaved"):
+                        C_bias=None, mimo_x=None, mimo_z=None, mimo_o=None, rope="interleaved", discretize=None):
     """Triton path of ``mamba_parallel.ops.mamba3.mamba3_state_update`` (arguments checked there)."""
     from mamba_parallel.ops.mamba3.triton_step import step_kernel, step_shared_kernel
 
@@ -361,7 +361,13 @@ def mamba3_state_update(state: Mamba3State, x, dt, A, B, C, trap, angles, D=None
     y = torch.empty(b, H, P, device=x.device, dtype=x.dtype) if fold else \
         torch.empty(b, R, H, P, device=x.device, dtype=x.dtype)
     small = lambda t: t.contiguous() if t is not None else None  # noqa: E731
-    dt, A, trap = _scalars(dt, A, trap)
+    raw = discretize is not None
+    dt_bias = small(discretize.dt_bias) if raw else None
+    A_floor = float(discretize.A_floor) if raw else 0.0
+    if not raw:
+        dt, A, trap = _scalars(dt, A, trap)
+    elif not dt.stride() == A.stride() == trap.stride():  # raw projections: their own dtype, one set of strides
+        dt, A, trap = dt.contiguous(), A.contiguous(), trap.contiguous()
     B_bias, C_bias = small(B_bias), small(C_bias)
     BP, warps = step_launch(b, H, P)
     blocks = triton.cdiv(P, BP)
@@ -369,16 +375,16 @@ def mamba3_state_update(state: Mamba3State, x, dt, A, B, C, trap, angles, D=None
     # not autotuned: the kernels update the cache in place, a tuning rerun would advance it twice
     step_kernel[(b * H, blocks)](
         x, dt, A, trap, B, C, B_bias, C_bias, angles, small(D), z, small(mimo_x), small(mimo_z), small(mimo_o),
-        *state, y, H, H // G, P, N // 2, NA,
+        *state, y, dt_bias, A_floor, H, H // G, P, N // 2, NA,
         *strides(x, 3), *strides(dt, 2), *_ranked3(B), *_ranked3(C), *strides(angles, 3),
         *strides(z, 3), *strides(state.angle, 3), *strides(state.ssm), *_ranked3(state.k),
         *strides(state.v, 3), *((y.stride(0), 0, *y.stride()[1:]) if fold else y.stride()),
         R=R, BH=block(N // 2), BP=BP, HALVED=halved, HAS_BIAS=B_bias is not None,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_MX=mimo_x is not None,
-        HAS_MZ=mimo_z is not None, HAS_MO=mimo_o is not None, WRITE_SHARED=blocks == 1, num_warps=warps)
+        HAS_MZ=mimo_z is not None, HAS_MO=mimo_o is not None, WRITE_SHARED=blocks == 1, RAW=raw, num_warps=warps)
     if blocks > 1:
         step_shared_kernel[(b * H,)](
-            dt, angles, B, B_bias, state.angle, state.k, H, H // G, N // 2, NA,
+            dt, dt_bias, angles, B, B_bias, state.angle, state.k, H, H // G, N // 2, NA,
             *strides(dt, 2), *_ranked3(B), *strides(angles, 3), *strides(state.angle, 3), *_ranked3(state.k),
-            R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, num_warps=1)
+            R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, RAW=raw, num_warps=1)
     return y

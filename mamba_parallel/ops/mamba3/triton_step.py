@@ -20,11 +20,44 @@ def _rank_rows(ptr, offs_r, cols, ncols, cmask):
 
 
 @triton.jit
-def _phase_and_k(DT, ANG, Bm, BIAS_B, S_ANG, b, h, g, offs_r, offs_j, col1, col2, jm, am, N, sdb, sdh, sbb, sbr,
-                 sbg, sbn, sab, sah, saa, s_ab, s_ah, s_aa, HAS_BIAS: tl.constexpr, R: tl.constexpr):
-    """This token's phase (BH,) and rotated k halves (R, BH), from the cached phase, angles, dt and B (+ bias)."""
+def _log1p(u):
+    w = 1.0 + u
+    one = w == 1.0
+    return tl.where(one, u, tl.log(w) * (u / tl.where(one, 1.0, w - 1.0)))  # to rounding for small u as well
+
+
+@triton.jit
+def _softplus(v):
+    return tl.where(v > 20.0, v, _log1p(tl.exp(tl.minimum(v, 20.0))))  # torch's threshold
+
+
+@triton.jit
+def _tanh(v):
+    e = tl.exp(-2.0 * tl.abs(v))
+    t = (1.0 - e) / (1.0 + e)
+    small = tl.abs(v) < 0.01  # 1 - e cancels there: the series
+    v2 = v * v
+    return tl.where(small, v * (1.0 - v2 * (1.0 / 3.0 - v2 * (2.0 / 15.0))), tl.where(v < 0, -t, t))
+
+
+@triton.jit
+def _step_dt(DT, DT_BIAS, b, h, sdb, sdh, RAW: tl.constexpr):
+    """This token's dt; RAW: from the raw projection, softplus(dt + dt_bias)."""
     dt = tl.load(DT + b * sdb + h * sdh).to(tl.float32)
+    if RAW:
+        dt = _softplus(dt + tl.load(DT_BIAS + h).to(tl.float32))
+    return dt
+
+
+@triton.jit
+def _phase_and_k(dt, ANG, Bm, BIAS_B, S_ANG, b, h, g, offs_r, offs_j, col1, col2, jm, am, N, sbb, sbr,
+                 sbg, sbn, sab, sah, saa, s_ab, s_ah, s_aa, HAS_BIAS: tl.constexpr, R: tl.constexpr,
+                 RAW: tl.constexpr):
+    """This token's phase (BH,) and rotated k halves (R, BH), from the cached phase, angles, dt and B (+ bias);
+    RAW: the angles are the raw projection (pi tanh of it is the rotation speed)."""
     om = tl.load(ANG + b * sab + h * sah + offs_j * saa, mask=am, other=0.0).to(tl.float32)
+    if RAW:
+        om = 3.141592653589793 * _tanh(om)
     th = tl.load(S_ANG + b * s_ab + h * s_ah + offs_j * s_aa, mask=am, other=0.0) + om * dt
     cos, sin = tl.cos(th)[None, :], tl.sin(th)[None, :]
     jm2 = jm[None, :]
@@ -39,9 +72,10 @@ def _phase_and_k(DT, ANG, Bm, BIAS_B, S_ANG, b, h, g, offs_r, offs_j, col1, col2
 
 
 @triton.jit
-def step_shared_kernel(DT, ANG, Bm, BIAS_B, S_ANG, S_K, H, HPG, NH, NA,
+def step_shared_kernel(DT, DT_BIAS, ANG, Bm, BIAS_B, S_ANG, S_K, H, HPG, NH, NA,
                        sdb, sdh, sbb, sbr, sbg, sbn, sab, sah, saa, s_ab, s_ah, s_aa, skb, skr, skh, skn,
-                       R: tl.constexpr, BH: tl.constexpr, HALVED: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       R: tl.constexpr, BH: tl.constexpr, HALVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       RAW: tl.constexpr):
     """The cached phase and previous-token k of one (batch row, head), after ``step_kernel`` has read them."""
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
@@ -50,9 +84,9 @@ def step_shared_kernel(DT, ANG, Bm, BIAS_B, S_ANG, S_K, H, HPG, NH, NA,
     offs_j = tl.arange(0, BH)
     jm, am = offs_j < NH, offs_j < NA
     col1, col2 = pair_columns(offs_j, 2 * NH, HALVED)
-    th, k1, k2, _, _ = _phase_and_k(DT, ANG, Bm, BIAS_B, S_ANG, b, h, h // HPG, offs_r, offs_j, col1, col2, jm, am,
-                                    2 * NH, sdb, sdh, sbb, sbr, sbg, sbn, sab, sah, saa, s_ab, s_ah, s_aa,
-                                    HAS_BIAS, R)
+    dt = _step_dt(DT, DT_BIAS, b, h, sdb, sdh, RAW)
+    th, k1, k2, _, _ = _phase_and_k(dt, ANG, Bm, BIAS_B, S_ANG, b, h, h // HPG, offs_r, offs_j, col1, col2, jm, am,
+                                    2 * NH, sbb, sbr, sbg, sbn, sab, sah, saa, s_ab, s_ah, s_aa, HAS_BIAS, R, RAW)
     k_ptr = S_K + b * skb + h * skh + offs_r[:, None] * skr
     tl.store(k_ptr + col1[None, :] * skn, k1.to(S_K.dtype.element_ty), mask=jm[None, :])
     tl.store(k_ptr + col2[None, :] * skn, k2.to(S_K.dtype.element_ty), mask=jm[None, :])
@@ -61,12 +95,13 @@ def step_shared_kernel(DT, ANG, Bm, BIAS_B, S_ANG, S_K, H, HPG, NH, NA,
 
 @triton.jit
 def step_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, MX, MZ, MO, S_ANG, S_SSM, S_K, S_V, Y,
-                H, HPG, P, NH, NA,
+                DT_BIAS, A_FLOOR, H, HPG, P, NH, NA,
                 sxb, sxh, sxp, sdb, sdh, sbb, sbr, sbg, sbn, scb, scr, scg, scn, sab, sah, saa, szb, szh, szp,
                 s_ab, s_ah, s_aa, ssb, ssh, ssp, ssn, skb, skr, skh, skn, svb, svh, svp, syb, syr, syh, syp,
                 R: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, HALVED: tl.constexpr, HAS_BIAS: tl.constexpr,
                 HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr,
-                HAS_MO: tl.constexpr, WRITE_SHARED: tl.constexpr):
+                HAS_MO: tl.constexpr, WRITE_SHARED: tl.constexpr, RAW: tl.constexpr):
+    """RAW: dt, A, trap and the angles are a layer's raw projections, discretized here (``naive.discretize``)."""
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
     h = pid % H
@@ -78,13 +113,16 @@ def step_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, MX, MZ, MO, 
     pm, jm, am = offs_p < P, offs_j < NH, offs_j < NA
     col1, col2 = pair_columns(offs_j, N, HALVED)
 
-    dt = tl.load(DT + b * sdb + h * sdh).to(tl.float32)
-    alpha = tl.exp(tl.load(AA + b * sdb + h * sdh).to(tl.float32) * dt)
+    dt = _step_dt(DT, DT_BIAS, b, h, sdb, sdh, RAW)
+    a = tl.load(AA + b * sdb + h * sdh).to(tl.float32)
     lam = tl.load(TRAP + b * sdb + h * sdh).to(tl.float32)
+    if RAW:
+        a = -tl.maximum(_softplus(a), A_FLOOR)
+        lam = tl.sigmoid(lam)
+    alpha = tl.exp(a * dt)
     beta, gamma = (1.0 - lam) * dt, lam * dt
-    th, k1, k2, cos, sin = _phase_and_k(DT, ANG, Bm, BIAS_B, S_ANG, b, h, g, offs_r, offs_j, col1, col2, jm, am,
-                                        N, sdb, sdh, sbb, sbr, sbg, sbn, sab, sah, saa, s_ab, s_ah, s_aa,
-                                        HAS_BIAS, R)
+    th, k1, k2, cos, sin = _phase_and_k(dt, ANG, Bm, BIAS_B, S_ANG, b, h, g, offs_r, offs_j, col1, col2, jm, am,
+                                        N, sbb, sbr, sbg, sbn, sab, sah, saa, s_ab, s_ah, s_aa, HAS_BIAS, R, RAW)
     jm2 = jm[None, :]
     c_ptr = Cm + b * scb + g * scg + offs_r[:, None] * scr
     c1 = tl.load(c_ptr + col1[None, :] * scn, mask=jm2, other=0.0).to(tl.float32)
