@@ -155,7 +155,10 @@ def chunk_phases(lay: Layout, angs, dts, init_angle, T: int):
     chunk_turn_kernel[(rows_ * H, nc)](angs, dts, turns, Lk, nc, H, NA, *angs.stride(), *dts.stride(), T=T,
                                        BA=block(NA), num_warps=4)
     tot = turns.view(rows_ * nc, H, NA).double()
-    before = tot.cumsum(0) - tot  # the chunks before each, over the whole flat layout
+    # the chunks before each, over the whole flat layout; scanned along the last axis of a transposed copy (torch's
+    # scan over a leading axis runs one thread per column: 49 us at b8 L2048 h24 on an H200, 7% of the forward)
+    flat = tot.flatten(1).t().contiguous()
+    before = (flat.cumsum(1) - flat).t().view_as(tot)
     seq = lay.chunk_seq
     base = torch.zeros(lay.seq_init.numel(), H, NA, device=angs.device, dtype=torch.float64)
     if init_angle is not None:
