@@ -306,7 +306,7 @@ def test_gpu_seq_idx_chunk128_no_gate(nan_poison):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("R", [None, 4])
-@pytest.mark.parametrize("launch", [None, (64, 4), (32, 4), (8, 1)], ids=["default", "one_block", "p32", "p8"])
+@pytest.mark.parametrize("launch", [None, (64, 4), (32, 4), (4, 1)], ids=["default", "one_block", "p32", "p4"])
 def test_gpu_decode_step(dtype, R, launch, nan_poison, monkeypatch):
     if launch:
         monkeypatch.setattr(triton_impl, "step_launch", lambda b, H, P: launch)
