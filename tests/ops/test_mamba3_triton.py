@@ -176,20 +176,23 @@ def test_decode_step_matches_reference(dtype, rope, R, rows, monkeypatch):
 def test_decode_step_discretizes_raw_projections(dtype, rope, R, rows, monkeypatch):
     """discretize=...: the kernel takes a layer's raw dt / A / trap / angles (views of one projection, as the layer
     passes them) and gives what naive.discretize followed by the reference step gives."""
-    from mamba_parallel.ops.mamba3 import Mamba3Discretization, discretize
-
     if rows:
         monkeypatch.setattr(triton_impl, "step_launch", lambda b, H, P: (rows, 1))
-    b, h, a = 3, 4, 4
-    args = make_inputs(b, 1, h, 8, 16, g=2, R=R, a=a, mimo_o=R != 4, dtype=dtype, device=DEV)
+    check_raw_step(3, 4, 8, 16, 4, R, dtype, rope, DEV, g=2)
+
+
+def check_raw_step(b, h, p, n, a, R, dtype, rope, device, g=1):
+    from mamba_parallel.ops.mamba3 import Mamba3Discretization, discretize
+
+    args = make_inputs(b, 1, h, p, n, g=g, R=R, a=a, mimo_o=R != 4, dtype=dtype, device=device)
     step = {k: (v[:, 0] if k in ("x", "B", "C", "z") else v) for k, v in args.items()
             if k not in ("initial_states", "dt", "A", "trap", "angles")}
-    g = torch.Generator().manual_seed(5)
-    proj = (torch.randn(b, 3 * h + a, generator=g) * 2).to(DEV, dtype)  # one projection, split as the layer does
+    gen = torch.Generator().manual_seed(5)
+    proj = (torch.randn(b, 3 * h + a, generator=gen) * 2).to(device, dtype)  # one projection, split as the layer does
     proj[0, :3] = torch.tensor([30.0, -30.0, 1e-3])  # softplus's threshold, a tiny softplus, a tiny tanh
     dt, A, trap, ang = proj.split([h, h, h, a], dim=-1)
     angles = ang[:, None].expand(b, h, a)
-    disc = Mamba3Discretization(torch.randn(h, generator=g).to(DEV) - 3, 1e-2)
+    disc = Mamba3Discretization(torch.randn(h, generator=gen).to(device) - 3, 1e-2)
     state = Mamba3State(*(s.float().clone() for s in args["initial_states"]))
     state = state._replace(v=state.v.to(dtype))
     ref_state = Mamba3State(*(s.double().clone() for s in state))
@@ -301,6 +304,13 @@ def test_gpu_seq_idx_chunk128_no_gate(nan_poison):
     seq_idx[0, 333:] = 2
     seq_idx[1, 64:] = 5
     check_against_reference(args, dict(chunk_size=128, seq_idx=seq_idx), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("R, rope", [(None, "interleaved"), (4, "halved")], ids=["siso", "mimo"])
+def test_gpu_decode_step_discretizes_raw_projections(dtype, R, rope, nan_poison):
+    check_raw_step(16, 32, 64, 128, 32, R, dtype, rope, "cuda")
 
 
 @pytest.mark.gpu
