@@ -6,7 +6,9 @@ Every side gets a Mamba-3 layer's raw inputs and prepares them its own way, time
 x, z (b, L, h, p), B / C (b, L, [R,] 1, n) RMS-normed, dt / A fp32, trap before its sigmoid, angles (b, L, n / 4)
 before pi * tanh, D, B / C biases, MIMO scales; headdim 64, d_state 128, chunk 64 (MIMO: rank 4, chunk 16, as
 mamba_ssm suggests). Scan rows: forward with gradients enabled, forward + backward (every input's gradient),
-inference. Decode rows: one token's step, inference, per call inside a CUDA graph of 20 calls (eager on a CPU).
+inference. Decode rows: one token's step from the layer's raw projections (dt / A before their softplus), each
+side discretizing as its layer does (ours inside the step kernel, mamba_ssm in torch), inference, per call inside a
+CUDA graph of 20 calls (eager on a CPU).
 Layer rows: the whole mixer (in_proj .. out_proj, same weights on both sides) under bf16 autocast, forward with
 gradients enabled and forward + backward (weights' gradients too). mamba_ssm's MIMO kernels need TileLang: without
 it the MIMO rows time ours alone.
@@ -52,6 +54,18 @@ def scan_inputs(b, L, h, p, n, R, dtype, device, seed=0, chunk=None) -> dict:
         out.update(mimo_x=torch.full((h, R, p), 1.0 / R, device=device), mimo_z=torch.ones(h, R, p, device=device),
                    mimo_o=torch.full((h, R, p), 1.0 / R, device=device))
     return out
+
+
+def step_inputs(b, h, p, n, dtype, device, seed=0) -> dict:
+    """One decode token's raw projections (the layer's in_proj output, split): x, z (b, h, p), B / C (b, 1, n)
+    RMS-normed, dt / A (b, h) before their softplus with dt_bias (h,) and A_floor, trap before its sigmoid,
+    angles (b, n / 4) before pi * tanh; D and the B / C biases."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s, dt=dtype: torch.randn(*s, device=device, dtype=dt, generator=gen)  # noqa: E731
+    bc = lambda: (F.normalize(r(b, 1, n).float(), dim=-1) * n ** 0.5).to(dtype)  # noqa: E731
+    return dict(x=r(b, h, p), z=r(b, h, p), B=bc(), C=bc(), dt=r(b, h), dt_bias=r(h, dt=torch.float32) - 3,
+                A=r(b, h), A_floor=1e-4, trap=r(b, h), angles=r(b, n // 4), D=torch.ones(h, device=device),
+                B_bias=torch.ones(h, n, device=device), C_bias=torch.ones(h, n, device=device))
 
 
 def grad_names(inputs: dict) -> tuple[str, ...]:
@@ -139,8 +153,7 @@ def run_step(shapes, sides, dtype, device, warmup, reps, log=say, deadline=None,
             log(f"mamba3 step b{b} h{h} p{p} n{n}: {why}")
             continue
         log(f"mamba3 step b{b} h{h} p{p} n{n}: timing {', '.join(sides)}")
-        tok = {k: (v[:, 0] if k in ("x", "z", "B", "C", "dt", "A", "trap", "angles") else v)
-               for k, v in scan_inputs(b, 1, h, p, n, 1, DTYPES[dtype], device).items() if k != "chunk_size"}
+        tok = step_inputs(b, h, p, n, DTYPES[dtype], device)
         times, errors = {}, {}
         for name, step in sides.items():
             state = Mamba3State(torch.zeros(b, h, n // 4, device=device), torch.zeros(b, h, p, n, device=device),

@@ -5,7 +5,9 @@ Every function takes a Mamba-3 layer's RAW inputs, the same tensors for every si
 at A_floor); trap (b, L, h) before its sigmoid; angles (b, L, a) before pi * tanh (shared by the heads); D (h,);
 B_bias / C_bias (h, [R,] n); MIMO scales mimo_x / mimo_z / mimo_o (h, R, p). Each side prepares them its own way,
 and that preparation is timed with it: ours takes sigmoid / tanh and an expanded view; mamba_ssm's layer makes
-(b, h, L) transposes of dt, A dt and trap, and an expanded fp32 angles tensor.
+(b, h, L) transposes of dt, A dt and trap, and an expanded fp32 angles tensor. The decode step starts one step
+earlier, from dt / A before their softplus (with dt_bias, A_floor): ours discretizes inside its step kernel,
+mamba_ssm's layer in torch before its step.
 
 mamba_ssm ships Mamba3 as a module only (its LM class builds Mamba1 / Mamba2 blocks): its Mamba-3 LM here is its
 MambaLMHeadModel with every mixer replaced by its Mamba3, initialised by its own init, its config saying
@@ -20,6 +22,7 @@ from functools import partial
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 from mamba_parallel.bench.peer import MambaSsmPeer, Peer, PeerUnavailable, ReferencePeer
 
@@ -37,16 +40,22 @@ def ours_scan(x, z, B, C, dt, A, trap, angles, D, B_bias, C_bias, chunk_size, mi
                              rope="halved" if B.dim() == 5 else "interleaved")
 
 
-def ours_step(state, x, z, B, C, dt, A, trap, angles, D, B_bias, C_bias, mimo_x=None, mimo_z=None, mimo_o=None,
-              op=None):
-    """Our decode step from one token's raw inputs (x (b, h, p), dt (b, h), angles (b, a), ...); state in place."""
-    from mamba_parallel.ops.mamba3 import mamba3_state_update
+def ours_step(state, x, z, B, C, dt, dt_bias, A, A_floor, trap, angles, D, B_bias, C_bias, mimo_x=None, mimo_z=None,
+              mimo_o=None, op=None):
+    """Our decode step from one token's raw projections (x (b, h, p), dt / A (b, h) before their softplus,
+    angles (b, a), ...) as our layer calls it: discretized inside the step. ``op``: a step without that option
+    (the stand-in peer's reference), fed ``naive.discretize``'s output. State in place."""
+    from mamba_parallel.ops.mamba3 import Mamba3Discretization, mamba3_state_update, naive
 
     b, h, _ = x.shape
-    ang = (math.pi * torch.tanh(angles.float()))[:, None].expand(b, h, angles.shape[-1])
-    return (op or mamba3_state_update)(state, x, dt, A, B, C, torch.sigmoid(trap.float()), ang, D=D, z=z, B_bias=B_bias,
-                               C_bias=C_bias, mimo_x=mimo_x, mimo_z=mimo_z, mimo_o=mimo_o,
-                               rope="halved" if B.dim() == 4 else "interleaved")
+    ang = angles[:, None].expand(b, h, angles.shape[-1])
+    rope = "halved" if B.dim() == 4 else "interleaved"
+    disc = Mamba3Discretization(dt_bias, A_floor)
+    kw = dict(D=D, z=z, B_bias=B_bias, C_bias=C_bias, mimo_x=mimo_x, mimo_z=mimo_z, mimo_o=mimo_o, rope=rope)
+    if op is not None:
+        dt, A, trap, ang = naive.discretize(dt, A, trap, ang, disc)
+        return op(state, x, dt, A, B, C, trap, ang, **kw)
+    return mamba3_state_update(state, x, dt, A, B, C, trap, ang, discretize=disc, **kw)
 
 
 def peer_scan_call(siso_fn, mimo_fn, x, z, B, C, dt, A, trap, angles, D, B_bias, C_bias, chunk_size, mimo_x=None,
@@ -64,11 +73,14 @@ def peer_scan_call(siso_fn, mimo_fn, x, z, B, C, dt, A, trap, angles, D, B_bias,
                    rotary_dim_divisor=B.shape[-1] // angles.shape[-1], dtype=x.dtype)
 
 
-def peer_step_call(step_fn, state, x, z, B, C, dt, A, trap, angles, D, B_bias, C_bias, **_):
-    """mamba_ssm's Triton mamba3_siso_step (its module's decode uses a CuTe kernel; this is its Triton one)."""
+def peer_step_call(step_fn, state, x, z, B, C, dt, dt_bias, A, A_floor, trap, angles, D, B_bias, C_bias, **_):
+    """mamba_ssm's Triton mamba3_siso_step (its module's decode uses a CuTe kernel; this is its Triton one), fed as
+    its layer's _preprocess feeds it: dt and A discretized in torch, trap and angles raw."""
     if B.dim() == 4:
         raise PeerUnavailable("mamba_ssm has no Triton MIMO decode step (its MIMO step is a CuTe kernel)")
     b, h, _ = x.shape
+    A = torch.clamp(-F.softplus(A.float()), max=-A_floor)
+    dt = F.softplus(dt + dt_bias)
     return step_fn(C, B, x, A * dt, dt, trap, C_bias, B_bias, angles.float()[:, None].expand(b, h, angles.shape[-1]),
                    D=D, Z=z, Input_States=state)[0]
 

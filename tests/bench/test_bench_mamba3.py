@@ -45,14 +45,15 @@ def test_mamba_ssm_adapter_feeds_the_same_computation():
         ours = peer_mamba3.ours_scan(**inp)
         theirs = peer_mamba3.peer_scan_call(siso_convention, mimo_convention, **inp)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    tok = {k: (v[:, 0] if k in ("x", "z", "B", "C", "dt", "A", "trap", "angles") else v)
-           for k, v in bench_mamba3.scan_inputs(2, 1, 2, 8, 16, 1, torch.float32, "cpu").items() if k != "chunk_size"}
+    tok = bench_mamba3.step_inputs(2, 2, 8, 16, torch.float32, "cpu")
     g = torch.Generator().manual_seed(0)
     state = naive.Mamba3State(torch.rand(2, 2, 4, generator=g), torch.randn(2, 2, 8, 16, generator=g),
                               torch.randn(2, 2, 16, generator=g), torch.randn(2, 2, 8, generator=g))
     theirs = peer_mamba3.peer_step_call(step_convention, state, **tok)
-    ours = peer_mamba3.ours_step(naive.Mamba3State(*(s.clone() for s in state)), **tok)
+    ours = peer_mamba3.ours_step(naive.Mamba3State(*(s.clone() for s in state)), **tok)  # discretized in the op
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    ref = peer_mamba3.ours_step(naive.Mamba3State(*(s.clone() for s in state)), **tok, op=naive.mamba3_state_update)
+    torch.testing.assert_close(ref, theirs, rtol=1e-5, atol=1e-5)
 
 
 def test_every_section_runs_with_the_stand_in_peer():
