@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from mamba_parallel.ops.mamba3.triton_common import pair_columns, rotate_pairs, wrap_angle
+from mamba_parallel.ops.triton_math import softplus, tanh
 
 
 @triton.jit
@@ -20,32 +21,11 @@ def _rank_rows(ptr, offs_r, cols, ncols, cmask):
 
 
 @triton.jit
-def _log1p(u):
-    w = 1.0 + u
-    one = w == 1.0
-    return tl.where(one, u, tl.log(w) * (u / tl.where(one, 1.0, w - 1.0)))  # to rounding for small u as well
-
-
-@triton.jit
-def _softplus(v):
-    return tl.where(v > 20.0, v, _log1p(tl.exp(tl.minimum(v, 20.0))))  # torch's threshold
-
-
-@triton.jit
-def _tanh(v):
-    e = tl.exp(-2.0 * tl.abs(v))
-    t = (1.0 - e) / (1.0 + e)
-    small = tl.abs(v) < 0.01  # 1 - e cancels there: the series
-    v2 = v * v
-    return tl.where(small, v * (1.0 - v2 * (1.0 / 3.0 - v2 * (2.0 / 15.0))), tl.where(v < 0, -t, t))
-
-
-@triton.jit
 def _step_dt(DT, DT_BIAS, b, h, sdb, sdh, RAW: tl.constexpr):
     """This token's dt; RAW: from the raw projection, softplus(dt + dt_bias)."""
     dt = tl.load(DT + b * sdb + h * sdh).to(tl.float32)
     if RAW:
-        dt = _softplus(dt + tl.load(DT_BIAS + h).to(tl.float32))
+        dt = softplus(dt + tl.load(DT_BIAS + h).to(tl.float32))
     return dt
 
 
@@ -57,7 +37,7 @@ def _phase_and_k(dt, ANG, Bm, BIAS_B, S_ANG, b, h, g, offs_r, offs_j, col1, col2
     RAW: the angles are the raw projection (pi tanh of it is the rotation speed)."""
     om = tl.load(ANG + b * sab + h * sah + offs_j * saa, mask=am, other=0.0).to(tl.float32)
     if RAW:
-        om = 3.141592653589793 * _tanh(om)
+        om = 3.141592653589793 * tanh(om)
     th = tl.load(S_ANG + b * s_ab + h * s_ah + offs_j * s_aa, mask=am, other=0.0) + om * dt
     cos, sin = tl.cos(th)[None, :], tl.sin(th)[None, :]
     jm2 = jm[None, :]
@@ -117,7 +97,7 @@ def step_kernel(X, DT, AA, TRAP, Bm, Cm, BIAS_B, BIAS_C, ANG, D, Z, MX, MZ, MO, 
     a = tl.load(AA + b * sdb + h * sdh).to(tl.float32)
     lam = tl.load(TRAP + b * sdb + h * sdh).to(tl.float32)
     if RAW:
-        a = -tl.maximum(_softplus(a), A_FLOOR)
+        a = -tl.maximum(softplus(a), A_FLOOR)
         lam = tl.sigmoid(lam)
     alpha = tl.exp(a * dt)
     beta, gamma = (1.0 - lam) * dt, lam * dt

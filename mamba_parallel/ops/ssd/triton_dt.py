@@ -14,14 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _softplus(v):
-    # log1p(exp(v)) without losing digits for very negative v (Goldberg's log1p), identity above 20 like torch
-    e = tl.exp(tl.minimum(v, 20.0))
-    u = 1.0 + e
-    lp = tl.where(u == 1.0, e, tl.log(u) * e / (u - 1.0))
-    return tl.where(v > 20.0, v, lp)
+from mamba_parallel.ops.triton_math import softplus
 
 
 @triton.jit
@@ -51,7 +44,7 @@ def _dt_fwd_kernel(dt_ptr, bias_ptr, A_ptr, valid_ptr, dtp_ptr, dacs_ptr,
     v, keep, offs_t, offs_h, mh = _raw_dt_tile(dt_ptr, bias_ptr, valid_ptr, pid_b, pid_c, L, H, s_b, s_l, s_h,
                                                CHUNK, BLOCK_H, pid_h, HAS_BIAS, HAS_VALID)
     if SOFTPLUS:
-        v = _softplus(v)
+        v = softplus(v)
     if HAS_LIMIT:
         v = tl.minimum(tl.maximum(v, lo), hi)
     v = tl.where(keep[:, None], v, 0.0)
@@ -76,7 +69,7 @@ def _dt_bwd_kernel(dt_ptr, bias_ptr, A_ptr, valid_ptr, dtp_ptr, dac_ptr, ddir_pt
     gain = tl.full(v.shape, 1.0, tl.float32)
     if SOFTPLUS:
         gain = tl.where(v > 20.0, 1.0, tl.sigmoid(v))
-        v = _softplus(v)
+        v = softplus(v)
     if HAS_LIMIT:
         # torch.clamp passes the gradient where lo <= v <= hi and blocks it where the value was clamped
         gain = tl.where((v >= lo) & (v <= hi), gain, 0.0)
