@@ -26,6 +26,11 @@ from mamba_parallel.ops.mamba3 import (Mamba3Discretization, Mamba3State, discre
                                        mamba3_state_update)
 
 
+def _per_head(angles: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+    """angles (..., a), shared by the heads -> an expanded (..., h, a) view (dt: (..., h))."""
+    return angles.unsqueeze(-2).expand(*dt.shape, angles.shape[-1])
+
+
 def rope_angle_count(d_state: int, rope_fraction: float) -> int:
     """Rotated coordinate pairs of the state: half of the rotated coordinates, floor(d_state * rope_fraction)
     rounded down to an even number (mamba_ssm's rule)."""
@@ -151,7 +156,7 @@ class Mamba3(nn.Module):
     def _discretize(self, dt, A, trap, angles):
         """Raw projections -> dt > 0, A <= -A_floor, trap in (0, 1) (all fp32), angles (..., h, a) in rad / dt."""
         dt, A, trap, angles = discretize(dt, A, trap, angles, self._discretization())
-        return dt, A, trap, angles.unsqueeze(-2).expand(*dt.shape, angles.shape[-1])
+        return dt, A, trap, _per_head(angles, dt)
 
     def _discretization(self) -> Mamba3Discretization:
         return Mamba3Discretization(self.dt_bias, self.A_floor)
@@ -209,7 +214,7 @@ class Mamba3(nn.Module):
                     mimo_o=self.mimo_o if gate else None) if self.is_mimo else {}
         # the raw projections: the step discretizes them itself (in its kernel on a GPU: no launches for it)
         y = mamba3_state_update(Mamba3State(*(t[:b] for t in cache)), x, dt, A, self.B_norm(B), self.C_norm(C),
-                                trap, angles.unsqueeze(-2).expand(*dt.shape, angles.shape[-1]), D=self.D,
+                                trap, _per_head(angles, dt), D=self.D,
                                 z=z if gate else None, B_bias=self._bias(self.B_bias),
                                 C_bias=self._bias(self.C_bias), rope=self.rope, discretize=self._discretization(),
                                 **mimo)
