@@ -244,7 +244,7 @@ def test_phase_gradients_are_as_exact_as_the_others(mk, kw):
     per-token phase gradients both were differences of large terms, their fp16 rounding left over: at L = 256 the
     initial phase's error was 3.1e-3 (SISO) and 1.9e-3 (MIMO), the angles' 1.7e-3 and 1.0e-3, against a median
     of the other gradients' of 4.0e-4 and 3.8e-4; on the GPU (L = 1000) the initial phase was 6e-3 off in fp16,
-    5e-2 in bf16. From the states (_init_angle_grad, _phase_carry): 3.9e-4 / 1.4e-4 and 7.5e-4 / 5.3e-4 (what is
+    5e-2 in bf16. From the states (_init_angle_grad, the token kernel's carry): 3.9e-4 / 1.4e-4 and 7.5e-4 / 5.3e-4 (what is
     left of the angles' is the sums within a chunk)."""
     import statistics
 

@@ -3,9 +3,10 @@
 Forward: the phase entering every chunk and the rotated B / C (chunk-parallel, triton_rotate), then one sweep per
 (batch row, head) over the chunks, the state in registers: the outputs and the final states (fp32); when a
 backward will follow, also the states entering every chunk (x.dtype). Backward: the reverse state-gradient sweep,
-the per-chunk gradients, then a few torch ops for what is a per-token chain rule
-(dt, A, trap from the decay's log and the trapezoid weights; the phases' carry across chunks) and the sums
-over heads (dB / dC per group) and chunks (dD, the MIMO scales).
+the per-chunk gradients, the rotation turned back (dB / dC summed per group), then the per-token chain rule
+(triton_token_bwd: dt, A, trap from the decay's log and the trapezoid weights; the phases' carry across chunks)
+and torch sums over chunks (dD, the biases, the MIMO scales). The launches are few on purpose: at training sizes
+the host's time per launch, not the GPU, set the pace of the torch version of these steps.
 Outside the node, in plain differentiable torch: the initial state's trapezoid half step (the token before the
 sequence) is folded into the initial state, and the final k / v (the last token's rotated B and x) are gathered.
 MIMO needs a power-of-two rank R (the kernels hold chunk x R rows); otherwise the reference runs.
@@ -26,6 +27,7 @@ from mamba_parallel.ops.mamba3.triton_common import block, dot_precision, tuned
 from mamba_parallel.ops.mamba3.triton_fwd import scan_fwd_kernel
 from mamba_parallel.ops.mamba3.triton_layout import Layout, bc_strides, make_layout, row_strides, strides
 from mamba_parallel.ops.mamba3.triton_rotate import chunk_phases, rotated_bc, unrotate
+from mamba_parallel.ops.mamba3.triton_token_bwd import token_bwd_kernel
 
 
 MAX_ROWS = 64  # rows (tokens x rank) of one chunk's tiles: 64 x 64 fp32 score tiles stay in registers
@@ -113,25 +115,6 @@ def _end_terms(lay: Layout, dfin_angle, dfin_ssm, fin_ssm, col1, col2, H, NA, li
     return ang, turned
 
 
-def _phase_carry(lay: Layout, turn, ends, T, Lk):
-    """What every phase after a chunk adds to the gradient of each of its tokens' phases (rows, Lk, h, a).
-
-    Turning all phases after chunk c together by delta changes the loss only through the final phase, the final
-    state and the state leaving chunk c (read as if turned back, as in _init_angle_grad): the carry is
-    d fin_angle + <d fin_ssm, J fin_ssm> - <dH, J H> at chunk c's end (``turn``, from the dstates kernel; at a
-    sequence's last chunk only d fin_angle remains). Summing the later chunks' per-token phase gradients gives the
-    same in exact arithmetic, but as a small difference of large terms: over 1000 tokens in fp16 that made the
-    angles' gradient 3e-3 off, against 8e-4 this way."""
-    rows, H, nc, _, NA = turn.shape
-    at_end = turn.sum(3).permute(0, 2, 1, 3).reshape(rows * nc, H, NA)  # the headdim blocks' slots summed
-    ang, turned = ends
-    seq = lay.chunk_seq
-    last = torch.zeros(rows * nc, dtype=torch.bool, device=turn.device)
-    last[lay.seq_chunks[1]] = True
-    carry = ang[seq] + torch.where(last[:, None, None], 0.0, turned[seq] - at_end)
-    return carry.view(rows, nc, 1, H, NA).expand(rows, nc, T, H, NA).reshape(rows, nc * T, H, NA)[:, :Lk]
-
-
 def _init_angle_grad(lay: Layout, ends, dfin_angle, dinit, init_ssm, col1, col2):
     """The gradient of every initial phase (nstates, h, a), from the states alone.
 
@@ -209,17 +192,20 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
         T=T, R=R, BH=block(N // 2), BP=block(P), HALVED=halved, HAS_D=D is not None,
         HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
         PREC=dot_precision(x.dtype))
-    dB, dC = unrotate(dBh, dCh, angs, dts, THS, lay, T, halved, G, dbb, dcb)  # dk, dq -> dB, dC (+ bias)
+    dB, dC = unrotate(dBh, dCh, angs, dts, THS, lay, T, halved, G, dbb, dcb, B.dtype)  # dk, dq -> dB, dC (+ bias)
 
-    # the per-token chain rule: w_j = gamma_j + beta_{j+1}, gamma = trap dt, beta = (1 - trap) dt, log decay dt A
-    dbeta = torch.zeros_like(dw)
-    dbeta[:, 1:] = dw[:, :-1]
-    dbeta = dbeta.masked_fill(lay.first_tokens(T)[..., None], 0.0)  # no token before a sequence's first here
-    dgt = dw + dg
-    col1, col2 = naive.rope_pairs(N, NA, "halved" if halved else "interleaved", dev)
-    ends = _end_terms(lay, dfin_angle, dfin, fin_ssm, col1, col2, H, NA, turn)
-    dphi = dphi + _phase_carry(lay, turn, ends, T, Lk)
-    ddt = da * As + traps * dgt + (1 - traps) * dbeta + (dphi * angs.float()).sum(-1)
+    # the final phase's and state's share of the phase gradients (when the final states are used)
+    has_ends = dfin_angle is not None or (dfin is not None and fin_ssm is not None)
+    if has_ends or need_dangle:
+        col1, col2 = naive.rope_pairs(N, NA, "halved" if halved else "interleaved", dev)
+        ends = _end_terms(lay, dfin_angle, dfin, fin_ssm, col1, col2, H, NA, turn)
+    ddt, dA, dtrap = (torch.empty_like(dts) for _ in range(3))
+    dang = torch.empty(rows, Lk, H, NA, device=dev, dtype=angles.dtype)
+    end_ang, end_turn = ends if has_ends else (None, None)
+    token_bwd_kernel[(rows * H, lay.nchunks)](
+        dw, dg, da, dphi, dts, As, traps, angs, turn, lay.init, lay.final, lay.chunk_seq, end_ang, end_turn,
+        ddt, dA, dtrap, dang, Lk, lay.nchunks, H, NA, npb, *strides(dts, 3), *angs.stride(), *dphi.stride()[:3],
+        T=T, BA=block(NA), HAS_ENDS=has_ends, num_warps=4)
     unpack = lambda t: lay.unpack(t, x)  # noqa: E731
     dinit_angle = _init_angle_grad(lay, ends, dfin_angle, dinit, init_ssm, col1, col2) if need_dangle else None
     if lay.empty is not None and lay.empty.numel() and dinit is not None and dfin is not None:
@@ -227,9 +213,8 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     if not ctx.needs_input_grad[15]:
         dinit = None
     rank_sum = lambda t, like: t.sum((0, 2)).to(like.dtype) if like is not None else None  # noqa: E731
-    return (unpack(dx), unpack(ddt), unpack(da * dts), unpack(dB.to(B.dtype)),
-            unpack(dC.to(C.dtype)), unpack(dts * (dgt - dbeta)), unpack(dphi * dts[..., None]).to(
-                angles.dtype), dD.sum((0, 2)).to(D.dtype) if D is not None else None, unpack(dz),
+    return (unpack(dx), unpack(ddt), unpack(dA), unpack(dB), unpack(dC), unpack(dtrap), unpack(dang),
+            dD.sum((0, 2)).to(D.dtype) if D is not None else None, unpack(dz),
             dbb.sum((0, 2)).reshape(B_bias.shape).to(B_bias.dtype) if B_bias is not None else None,
             dcb.sum((0, 2)).reshape(C_bias.shape).to(C_bias.dtype) if C_bias is not None else None,
             rank_sum(dmx, mimo_x), rank_sum(dmz, mimo_z), rank_sum(dmo, mimo_o), dinit_angle, dinit,
@@ -291,7 +276,8 @@ def mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D=None, z=None, 
                                        mimo_o, rope=rope, initial_states=initial_states, cu_seqlens=cu_seqlens,
                                        return_final_states=return_final_states)
     lay = make_layout(b, L, chunk_size, seq_idx, cu_seqlens, x.device)
-    first, last, nonempty = _state_tokens(b, L, cu_seqlens, x.device)
+    if initial_states is not None or return_final_states:
+        first, last, nonempty = _state_tokens(b, L, cu_seqlens, x.device)
     flat = lambda t: t.reshape(b * L, *t.shape[2:])  # noqa: E731
     mx = mimo_x.float().transpose(0, 1) if mimo_x is not None else 1.0  # (R, h, p)
     init_angle = init_ssm = None

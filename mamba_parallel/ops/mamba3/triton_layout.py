@@ -52,12 +52,6 @@ class Layout:
         """(first, last) flat chunk index (row * nchunks + chunk) of every sequence (nseq_in_layout,) int64."""
         return self.seq_chunk_first, self.seq_chunk_first + self.seq_nchunks - 1
 
-    def first_tokens(self, chunk: int) -> torch.Tensor:
-        """(rows, length) bool: the first token of every sequence."""
-        starts = torch.zeros(self.rows, self.nchunks, chunk, dtype=torch.bool, device=self.init.device)
-        starts[:, :, 0] = self.init != -2
-        return starts.flatten(1)[:, :self.length]
-
 
 def strides(t, n=4):
     """t's strides, zeros (n of them) for None."""
@@ -86,17 +80,20 @@ def make_layout(b: int, L: int, chunk: int, seq_idx: torch.Tensor | None, cu_seq
                 device) -> Layout:
     """The layout of (b, L) tokens for chunks of ``chunk``. Packed input syncs with the host once (the packed
     length decides the launch grids)."""
-    i32 = dict(dtype=torch.int32, device=device)
     if seq_idx is None and cu_seqlens is None:
-        nc = triton.cdiv(L, chunk)
-        init = torch.full((b, nc), -2, **i32)
-        final = torch.full((b, nc), -2, **i32)
-        rows = torch.arange(b, **i32)
-        init[:, 0], final[:, -1] = rows, rows
-        seqs = torch.arange(b, device=device)
-        return Layout(b, L, nc, init, final, seqs.repeat_interleave(nc), seqs, seqs, b, seqs * nc,
-                      torch.full_like(seqs, nc))
+        key = (b, L, chunk, torch.device(device))
+        lay = _plain.get(key)
+        if lay is None:
+            lay = _plain_layout(b, L, chunk, device)
+            # kept for the next call of the same shape (its tensors are only read), except those made while a
+            # CUDA graph is captured: they live in the graph's memory pool
+            if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+                if len(_plain) >= 64:
+                    _plain.pop(next(iter(_plain)))
+                _plain[key] = lay
+        return lay
 
+    i32 = dict(dtype=torch.int32, device=device)
     segs = chunk_segments(b, L, chunk, seq_idx, cu_seqlens, device)
     nc = segs.n_chunks
     init = torch.full((nc,), -2, **i32)
@@ -106,3 +103,19 @@ def make_layout(b: int, L: int, chunk: int, seq_idx: torch.Tensor | None, cu_seq
     chunk_seq = torch.repeat_interleave(torch.arange(segs.init_id.numel(), device=device), segs.nchunks_seg)
     return Layout(1, nc * chunk, nc, init[None], final[None], chunk_seq, segs.final_id, segs.init_id, segs.nstates,
                   segs.chunk_first, segs.nchunks_seg, segs.dst, segs.empty)
+
+
+_plain: dict = {}  # (b, L, chunk, device) -> Layout of unpacked input
+
+
+def _plain_layout(b: int, L: int, chunk: int, device) -> Layout:
+    """Unpacked rows: every row one sequence, its initial and final state numbered by the row."""
+    i32 = dict(dtype=torch.int32, device=device)
+    nc = triton.cdiv(L, chunk)
+    init = torch.full((b, nc), -2, **i32)
+    final = torch.full((b, nc), -2, **i32)
+    rows = torch.arange(b, **i32)
+    init[:, 0], final[:, -1] = rows, rows
+    seqs = torch.arange(b, device=device)
+    return Layout(b, L, nc, init, final, seqs.repeat_interleave(nc), seqs, seqs, b, seqs * nc,
+                  torch.full_like(seqs, nc))

@@ -1,8 +1,8 @@
 """The rotary phase of every chunk and the rotated B / C, computed chunk-parallel before the sweeps.
 
 ``chunk_turn_kernel``: one program per (batch row, head, chunk) sums the chunk's phase steps angle_t * dt_t
-(one (a,) vector per chunk); the caller turns those sums into the phase entering every chunk (a prefix over each
-sequence's chunks, in float64, reduced to [0, 2 pi)). ``rotate_kernel``: one program per (batch row, head, chunk)
+(one (a,) vector per chunk); ``phase_prefix_kernel`` turns those sums into the phase entering every chunk (a
+prefix over each sequence's chunks, in float64, reduced to [0, 2 pi)). ``rotate_kernel``: one program per (batch row, head, chunk)
 adds the biases to B (and C) and turns them by each token's phase, written per head in the columns they came
 from (k, q: (rows, L, [R,] h, n) in x.dtype). The sweeps then read k and q as plain tiles: no trigonometry and no
 phase prefix inside their serial loop. ``unrotate_kernel`` goes the other way in the backward: the gradients of
@@ -10,8 +10,6 @@ the rotated k / q, turned back by the same phases and summed over each group's h
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -38,6 +36,55 @@ def chunk_turn_kernel(ANG, DT, TURNS, L, NC, H, NA, sab, sat, sah, saa, sdb, sdt
     om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_a[None, :] * saa,
                  mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
     tl.store(TURNS + ((b * NC + c) * H + h) * NA + offs_a, tl.sum(om * dt[:, None], 0), mask=am)
+
+
+@triton.jit
+def _reset_add(v1, f1, v2, f2):
+    """The combine of a sum that restarts where the flag is set (a new sequence)."""
+    return tl.where(f2 != 0, v2, v1 + v2), tl.maximum(f1, f2)
+
+
+@triton.jit
+def phase_prefix_kernel(TURNS, CINIT, CFINAL, INIT_ANG, THS, FIN, NC, H, NA,
+                        BC: tl.constexpr, BA: tl.constexpr, HAS_INIT: tl.constexpr):
+    """One program per (batch row, head) runs over its chunks, BC at a time: the phase entering chunk c is its
+    sequence's initial phase at a sequence start (CINIT: -1 zero, >= 0 INIT_ANG's row), else the phase entering
+    c - 1 plus that chunk's turn (TURNS (rows, nc, h, a), chunk_turn_kernel). The sum runs in float64: phases add
+    up over a whole sequence, an fp32 sum over thousands of chunks would lose the digits that matter once reduced.
+    THS (rows, h, nc, a) gets every chunk's entering phase, FIN (nstates, h, a) every returned final phase
+    (CFINAL >= 0: the sequence ends in this chunk), both fp32 in [0, 2 pi)."""
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = pid % H
+    offs_a = tl.arange(0, BA)
+    am = offs_a < NA
+    two_pi = 6.283185307179586
+    carry = tl.zeros((BA,), dtype=tl.float64)  # the phase entering the chunk before this block
+    for c0 in range(0, NC, BC):
+        cs = c0 + tl.arange(0, BC)
+        cm = cs < NC
+        m = cm[:, None] & am[None, :]
+        init = tl.load(CINIT + b * NC + cs, mask=cm, other=-2)
+        start = init != -2
+        base = tl.zeros((BC, BA), dtype=tl.float64)
+        if HAS_INIT:
+            base = tl.load(INIT_ANG + (tl.maximum(init, 0).to(tl.int64) * H + h)[:, None] * NA + offs_a[None, :],
+                           mask=m & (init >= 0)[:, None], other=0.0).to(tl.float64)
+        prev = tl.load(TURNS + ((b * NC + cs - 1) * H + h)[:, None] * NA + offs_a[None, :],
+                       mask=m & (cs >= 1)[:, None], other=0.0).to(tl.float64)
+        step = tl.where(start[:, None], base, prev)
+        flag = tl.broadcast_to(start.to(tl.int32)[:, None], (BC, BA))
+        enter, reset = tl.associative_scan((step, flag), 0, _reset_add)
+        enter = tl.where(reset != 0, enter, enter + carry[None, :])
+        ths = enter - two_pi * tl.floor(enter / two_pi)
+        tl.store(THS + ((b * H + h) * NC + cs)[:, None] * NA + offs_a[None, :], ths.to(tl.float32), mask=m)
+        final = tl.load(CFINAL + b * NC + cs, mask=cm, other=-2)
+        own = tl.load(TURNS + ((b * NC + cs) * H + h)[:, None] * NA + offs_a[None, :], mask=m, other=0.0)
+        end = enter + own.to(tl.float64)
+        end = end - two_pi * tl.floor(end / two_pi)
+        tl.store(FIN + (tl.maximum(final, 0).to(tl.int64) * H + h)[:, None] * NA + offs_a[None, :],
+                 end.to(tl.float32), mask=m & (final >= 0)[:, None])
+        carry = tl.sum(tl.where((cs == c0 + BC - 1)[:, None], enter, 0.0), 0)
 
 
 @triton.jit
@@ -147,32 +194,20 @@ def _turn_back(ptr, PART, part, off, cos, sin, valid, j0, NH, T: tl.constexpr, R
 
 def chunk_phases(lay: Layout, angs, dts, init_angle, T: int):
     """-> the phase entering every chunk (rows, h, nc, a) and the final phase of every state (nstates, h, a), fp32
-    in [0, 2 pi). Phases add up over a whole sequence: the prefix over chunks runs in float64 (an fp32 sum over
-    thousands of chunks would lose the digits that matter once reduced)."""
+    in [0, 2 pi). Two launches: the chunks' own turns (chunk-parallel), then their prefix per sequence."""
     rows_, Lk, H, NA = angs.shape
     nc = lay.nchunks
-    turns = torch.empty(rows_, nc, H, NA, device=angs.device, dtype=torch.float32)
+    dev = angs.device
+    turns = torch.empty(rows_, nc, H, NA, device=dev, dtype=torch.float32)
     chunk_turn_kernel[(rows_ * H, nc)](angs, dts, turns, Lk, nc, H, NA, *angs.stride(), *dts.stride(), T=T,
                                        BA=block(NA), num_warps=4)
-    tot = turns.view(rows_ * nc, H, NA).double()
-    # the chunks before each, over the whole flat layout; scanned along the last axis of a transposed copy (torch's
-    # scan over a leading axis runs one thread per column: 49 us at b8 L2048 h24 on an H200, 7% of the forward)
-    flat = tot.flatten(1).t().contiguous()
-    before = (flat.cumsum(1) - flat).t().view_as(tot)
-    seq = lay.chunk_seq
-    base = torch.zeros(lay.seq_init.numel(), H, NA, device=angs.device, dtype=torch.float64)
-    if init_angle is not None:
-        ok = lay.seq_init >= 0
-        base = torch.where(ok[:, None, None], init_angle.double()[lay.seq_init.clamp(min=0)], base)
-    enter = before - before[lay.seq_chunk_first][seq] + base[seq]
-    last = lay.seq_chunks[1]
-    end = enter[last] + tot[last]
-    two_pi = 2 * math.pi
-    # sequences whose final phase is not returned write to a spare slot (no boolean indexing: no host sync)
-    fin = torch.zeros(lay.nstates + 1, H, NA, device=angs.device, dtype=torch.float32)
-    fin[torch.where(lay.seq_final >= 0, lay.seq_final, lay.nstates)] = torch.remainder(end, two_pi).float()
-    fin = fin[:lay.nstates]
-    ths = torch.remainder(enter, two_pi).float().view(rows_, nc, H, NA).transpose(1, 2).contiguous()
+    ths = torch.empty(rows_, H, nc, NA, device=dev, dtype=torch.float32)
+    # a sequence without tokens writes no final phase (the caller hands its initial one through)
+    fin = (torch.zeros if lay.empty is not None else torch.empty)(lay.nstates, H, NA, device=dev,
+                                                                   dtype=torch.float32)
+    phase_prefix_kernel[(rows_ * H,)](turns, lay.init, lay.final, init_angle, ths, fin, nc, H, NA,
+                                      BC=min(128, block(nc)), BA=block(NA), HAS_INIT=init_angle is not None,
+                                      num_warps=4)
     return ths, fin
 
 
@@ -198,16 +233,17 @@ def rotated_bc(Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int, H: i
     return kt, qt
 
 
-def unrotate(dk, dq, angs, dts, ths, lay: Layout, T: int, halved: bool, groups: int, dbb=None, dcb=None):
+def unrotate(dk, dq, angs, dts, ths, lay: Layout, T: int, halved: bool, groups: int, dbb=None, dcb=None,
+             dtype=torch.float32):
     """dk, dq (rows, Lk, [R,] h, n) fp32, the gradients of the rotated k / q -> those of B and C (rows, Lk, [R,]
-    groups, n) fp32 (each head's turned back, summed over its group's heads); dbb / dcb (rows, h, nc, R, n) get
-    each chunk's share of the biases' gradients."""
+    groups, n) in ``dtype`` (each head's turned back and summed over its group's heads in fp32); dbb / dcb
+    (rows, h, nc, R, n) get each chunk's share of the biases' gradients."""
     rows_, Lk = dk.shape[:2]
     mimo = dk.dim() == 5
     R, H, N = (dk.shape[2] if mimo else 1), dk.shape[-2], dk.shape[-1]
     NH = N // 2
     shape = (rows_, Lk, *((R,) if mimo else ()), groups, N)
-    dB = torch.empty(shape, device=dk.device, dtype=torch.float32)
+    dB = torch.empty(shape, device=dk.device, dtype=dtype)
     dC = torch.empty_like(dB)
     st, so = dk.stride(), dB.stride()
     # pair blocks of 16 (whole 128-byte rows of interleaved fp32 pairs) give the grid enough programs at one group
