@@ -218,18 +218,19 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
             dbb.sum((0, 2)).reshape(B_bias.shape).to(B_bias.dtype) if B_bias is not None else None,
             dcb.sum((0, 2)).reshape(C_bias.shape).to(C_bias.dtype) if C_bias is not None else None,
             rank_sum(dmx, mimo_x), rank_sum(dmz, mimo_z), rank_sum(dmo, mimo_o), dinit_angle, dinit,
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 class _Mamba3Scan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle,
-                init_ssm, lay, T, halved, for_backward):
+                init_ssm, lay, T, halved, for_backward, final_used):
         y, ypre, fin_angle, fin_ssm, *kept = _forward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x,
                                                         mimo_z, mimo_o, init_angle, init_ssm, lay, T, halved,
                                                         for_backward)
-        # the phases' gradients read the final state (_end_terms): a copy, a caller may update the state in place
-        keep_fin = any(ctx.needs_input_grad[i] for i in (1, 6, 14))  # dt, angles, the initial phase
+        # the phases' gradients read the final state (_end_terms) when the caller uses it: a copy, the caller may
+        # update the state in place
+        keep_fin = final_used and any(ctx.needs_input_grad[i] for i in (1, 6, 14))  # dt, angles, initial phase
         ctx.save_for_backward(x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o,
                               init_angle, init_ssm, ypre, fin_ssm.clone() if keep_fin else None, *kept)
         ctx.set_materialize_grads(False)  # the final states' gradients arrive as None when they are not used
@@ -296,7 +297,8 @@ def mamba3_chunk_scan(x, dt, A, B, C, trap, angles, chunk_size, D=None, z=None, 
     for_backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in leaves)
     y, fin_angle, fin_ssm = _Mamba3Scan.apply(x, dt, A, B, C, trap, angles, small(D), z, small(B_bias),
                                               small(C_bias), small(mimo_x), small(mimo_z), small(mimo_o),
-                                              init_angle, init_ssm, lay, chunk_size, rope == "halved", for_backward)
+                                              init_angle, init_ssm, lay, chunk_size, rope == "halved", for_backward,
+                                              return_final_states)
     if not return_final_states:
         return y
     # the last token's rotated B and x, what the next token's trapezoid half step reads
