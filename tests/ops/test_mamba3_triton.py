@@ -316,7 +316,7 @@ def test_gpu_decode_step_discretizes_raw_projections(dtype, R, rope, nan_poison)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("R", [None, 4])
-@pytest.mark.parametrize("launch", [None, (64, 4), (32, 4), (4, 1)], ids=["default", "one_block", "p32", "p4"])
+@pytest.mark.parametrize("launch", [None, (64, 4), (32, 4), (8, 1)], ids=["default", "one_block", "p32", "p8"])
 def test_gpu_decode_step(dtype, R, launch, nan_poison, monkeypatch):
     if launch:
         monkeypatch.setattr(triton_impl, "step_launch", lambda b, H, P: launch)

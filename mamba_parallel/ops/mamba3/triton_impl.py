@@ -332,9 +332,9 @@ def _ranked3(t):
 
 def step_launch(b: int, H: int, P: int) -> tuple[int, int]:
     """(headdim rows per program, warps) of the decode step. Few rows per program: on an H200 (b64 h64 p64 n128,
-    bf16) a step took 583 us with a whole head per program, 245 with 16 rows, 135 with 8 (one warp) and 122 with 4;
-    8 is the smallest that has passed the GPU tests so far."""
-    return min(block(P, least=1), 8), 1
+    bf16) a step took 583 us with a whole head per program, 245 with 16 rows, 135 with 8 (one warp) and 122 with 4
+    (docs/kernels/mamba3.md#decode-step)."""
+    return min(block(P, least=1), 4), 1
 
 
 def mamba3_state_update(state: Mamba3State, x, dt, A, B, C, trap, angles, D=None, z=None, B_bias=None,
