@@ -14,6 +14,10 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 import pytest  # noqa: E402
 
+import fast_interpreter  # noqa: E402
+
+fast_interpreter.install()
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _no_autotuning():

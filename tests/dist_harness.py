@@ -18,6 +18,9 @@ import torch.multiprocessing as mp
 def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn, args) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import fast_interpreter
+
+    fast_interpreter.install()
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world_size)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
