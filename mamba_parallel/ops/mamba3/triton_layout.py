@@ -28,8 +28,6 @@ class Layout:
     seq_final: torch.Tensor  # (nseq_in_layout,) int64: final-state index of each sequence, -1 when not returned
     seq_init: torch.Tensor  # (nseq_in_layout,) int64: initial-state index, -1 when it starts from zero
     nstates: int
-    seq_chunk_first: torch.Tensor  # (nseq_in_layout,) int64: first flat chunk of each sequence
-    seq_nchunks: torch.Tensor  # (nseq_in_layout,) int64: its chunks
     dst: torch.Tensor | None = None  # packed: (b * L,) slot of each token in the single row
     empty: torch.Tensor | None = None  # cu_seqlens sequences without tokens (final state = initial state)
 
@@ -46,11 +44,6 @@ class Layout:
         if t is None or self.dst is None:
             return t
         return t[0, self.dst].reshape(like.shape[:2] + t.shape[2:])
-
-    @property
-    def seq_chunks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(first, last) flat chunk index (row * nchunks + chunk) of every sequence (nseq_in_layout,) int64."""
-        return self.seq_chunk_first, self.seq_chunk_first + self.seq_nchunks - 1
 
 
 def strides(t, n=4):
@@ -102,7 +95,7 @@ def make_layout(b: int, L: int, chunk: int, seq_idx: torch.Tensor | None, cu_seq
     final[segs.chunk_last] = segs.final_id.to(torch.int32)
     chunk_seq = torch.repeat_interleave(torch.arange(segs.init_id.numel(), device=device), segs.nchunks_seg)
     return Layout(1, nc * chunk, nc, init[None], final[None], chunk_seq, segs.final_id, segs.init_id, segs.nstates,
-                  segs.chunk_first, segs.nchunks_seg, segs.dst, segs.empty)
+                  segs.dst, segs.empty)
 
 
 _plain: dict = {}  # (b, L, chunk, device) -> Layout of unpacked input
@@ -117,5 +110,4 @@ def _plain_layout(b: int, L: int, chunk: int, device) -> Layout:
     rows = torch.arange(b, **i32)
     init[:, 0], final[:, -1] = rows, rows
     seqs = torch.arange(b, device=device)
-    return Layout(b, L, nc, init, final, seqs.repeat_interleave(nc), seqs, seqs, b, seqs * nc,
-                  torch.full_like(seqs, nc))
+    return Layout(b, L, nc, init, final, seqs.repeat_interleave(nc), seqs, seqs, b)
