@@ -70,8 +70,8 @@ def jobs_for(a, sections, ssd_shapes, scan_shapes, out: str, fla: bool | None = 
              workers: int | None = None) -> list[Job]:
     """One warm-up job per kernel shape / preset / model of the sections a ``bench all`` run times (``a``: its
     parsed arguments; ``fla``: whether it times fla, default unless --no-fla), the slowest to compile first;
-    given the ``workers`` that will run them, the first jobs of the SSD and Mamba-3 families are split into
-    candidate slices (``slice_leads``)."""
+    given the ``workers`` that will run them, the first jobs of the SSD and Mamba-3 families (Mamba-3 training
+    too) are split into candidate slices (``slice_leads``)."""
     common = _common(a, out)
     layers = str(min(WARM_LAYERS, a.n_layer) if a.n_layer else WARM_LAYERS)
     jobs = []
@@ -91,7 +91,8 @@ def jobs_for(a, sections, ssd_shapes, scan_shapes, out: str, fla: bool | None = 
     if "train" in sections:
         jobs += [Job(f"train {p}", ["--only", "train", "--train-presets", p, "--train-seq-len", str(a.train_seq_len),
                                     "--train-batch", str(a.train_batch), "--train-warmup", "1", "--train-steps", "1",
-                                    "--n-layer", layers], family=f"train {_kind(p)}") for p in a.train_presets]
+                                    "--n-layer", layers], family=f"train {_kind(p)}",
+                     sliceable=_kind(p).startswith("Mamba3")) for p in a.train_presets]  # the peer's Mamba-3 autotunes long
     if "selective_scan" in sections:
         jobs += [Job(f"selective_scan {' '.join(map(str, s))}", ["--only", "selective_scan", "--scan-shape",
                                                                 *map(str, s)], family="selective_scan")

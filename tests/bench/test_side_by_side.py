@@ -309,6 +309,11 @@ def test_precompile_jobs_cover_every_shape_preset_and_model():
     assert families[:2] == ["ssd p8 n8 g1"] * 2 and len(set(families[2:])) == len(families) - 2, families
     other = precompile.jobs_for(a, ["ssd"], [TINY_SSD, (1, 37, 2, 8, 16, 1)], [], out="/scratch")
     assert other[0].family != other[1].family  # another d_state: other tiles, its own compile
+    m3 = bench_all.build_parser().parse_args(TINY_ALL + ["--train-presets", "tiny-mamba3", "tiny-mamba"])
+    sliced = precompile.jobs_for(m3, ["train"], [], [], out="/scratch", workers=4)
+    parts = [j for j in sliced if j.name == "train tiny-mamba3"]  # the peer's Mamba-3 autotunes: split it
+    assert len(parts) == 3 and [j.name for j in sliced].count("train tiny-mamba") == 1
+    assert [bench_all.build_parser().parse_args(j.argv).warmup_candidates for j in parts] == [j.part for j in parts]
     env = precompile.child_env()
     assert env["FLA_CACHE_RESULTS"] == "0" and "TRITON_CACHE_AUTOTUNING" not in env
     assert bench_all.build_parser().parse_args(["--precompile-workers", "auto"]).precompile_workers >= 1
