@@ -48,6 +48,48 @@ def test_bf16_weights_keep_fp32_moments_and_small_updates():
     assert abs(mine.float().mean().item() - ref.mean().item()) < 5e-4, (mine.float().mean(), ref.mean())
 
 
+def test_host_update_in_slices_matches_torch_adamw_and_is_reproducible(monkeypatch):
+    from mamba_parallel.train import bf16_adamw
+
+    monkeypatch.setattr(bf16_adamw, "CPU_SLICE", 300)  # several slices and a short last one
+    monkeypatch.setattr(bf16_adamw, "NOISE_PART", 64)  # several noise parts per slice
+    ref, mine = _pair(torch.float32)
+    o_ref = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    o_mine = AdamWFp32State([mine], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    for _ in range(3):
+        ref.grad = torch.randn(64, 32)
+        mine.grad = ref.grad.clone()
+        o_ref.step()
+        o_mine.step()
+    assert torch.allclose(ref, mine, rtol=1e-6, atol=1e-7)
+
+    def bf16_run(workers):
+        noise = bf16_adamw._HostNoise(workers)
+        noise.seed = 7
+        torch.manual_seed(1)
+        p = torch.nn.Parameter(torch.randn(64, 32).bfloat16())
+        opt = AdamWFp32State([p], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        opt._noise = noise
+        for _ in range(3):
+            p.grad = torch.randn(64, 32).bfloat16()
+            opt.step()
+        st = opt.state[p]
+        return p.detach().clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone()
+
+    one, four = bf16_run(1), bf16_run(4)
+    for a, b in zip(one, four):  # the noise's parts are seeded by position, not by thread: the same bits
+        assert torch.equal(a, b)
+    w, m, v = one
+    torch.manual_seed(1)
+    p = torch.randn(64, 32).bfloat16()
+    m_ref, v_ref = torch.zeros(64, 32), torch.zeros(64, 32)
+    for _ in range(3):
+        g = torch.randn(64, 32).bfloat16().float()
+        m_ref.lerp_(g, 0.1)
+        v_ref.mul_(0.95).addcmul_(g, g, value=0.05)
+    assert torch.allclose(m, m_ref, rtol=1e-6, atol=1e-8) and torch.allclose(v, v_ref, rtol=1e-6, atol=1e-8)
+
+
 def test_stochastic_rounding_is_unbiased():
     x = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way between two bf16 values
     out = torch.empty(x.shape, dtype=torch.bfloat16)
