@@ -12,16 +12,12 @@ so checkpoints load either way round.
 from __future__ import annotations
 
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 # Host-resident weights (FSDP2 CPU offload) are updated in slices of this many elements: the fp32 temporaries of a
-# slice stay small (4 x 16 MiB) however large the tensor, and one fused AdamW pass runs over each.
+# slice stay small (2 x 16 MiB) however large the tensor, and one fused AdamW pass runs over each.
 CPU_SLICE = 1 << 22
-NOISE_PART = 1 << 18  # elements of rounding noise one generator fills: a fixed size, so the bits never depend on
-                      # how many threads share the work
+NOISE_POOL = 1 << 24  # random 16-bit values drawn once for the host rounding (64 MiB); slices read windows of it
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -32,39 +28,45 @@ def stochastic_round_(target: torch.Tensor, value: torch.Tensor) -> None:
     """target (bf16) <- value (fp32, same shape) rounded up or down at random, in proportion to the distance: add
     16 random low bits to the fp32 pattern, keep its high 16 bits (the bf16 value, rounded toward zero)."""
     bits = torch.randint_like(value, 0, 1 << 16, dtype=torch.int32)
-    _round_with(target, value, bits)
+    _round_with(target, value.clone(), bits)
 
 
-def _round_with(target: torch.Tensor, value: torch.Tensor, bits: torch.Tensor) -> None:
-    bits.add_(value.view(torch.int32)).bitwise_and_(-65536)
-    target.copy_(bits.view(torch.float32))
+def _round_with(target: torch.Tensor, scratch: torch.Tensor, noise: torch.Tensor) -> None:
+    """The rounding of ``stochastic_round_`` with the given low bits; ``scratch`` (fp32, the value) is overwritten."""
+    bits = scratch.view(torch.int32)
+    bits.add_(noise).bitwise_and_(-65536)
+    target.copy_(scratch)
+
+
+def _mix64(*xs: int) -> int:
+    """A 64-bit hash of integers (splitmix64 steps): the noise window offsets, reproducible across processes."""
+    h = 0
+    for x in xs:
+        h = (h ^ (x & 0xFFFFFFFFFFFFFFFF)) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h
 
 
 class _HostNoise:
-    """Random low bits for the stochastic rounding of host tensors. torch's CPU generator fills a tensor on one
-    thread (~5 ns an element: ~40 s for a 7B model's update), so each slice is filled in fixed-size parts by a
-    thread pool, every part from a generator seeded by (run seed, step, parameter, offset): the same bits whatever
-    the number of threads, and reproducible under torch.manual_seed."""
+    """Random low bits for the stochastic rounding of host tensors, without a generator pass per update: torch's
+    CPU generator fills a tensor on one thread (5-8 ns an element, 40-60 s for a 7B model: the whole host step).
+    A pool of ``size`` uniform values is drawn once (from torch's generator: reproducible under manual_seed); each
+    slice reads a window of it at an offset hashed from (run seed, step, parameter, slice). A weight's bits are then
+    uniform and independent of its value, which is what keeps the rounding unbiased, they change from step to step,
+    and the weights of one slice get distinct draws."""
 
-    def __init__(self, workers: int | None = None):
-        self.workers = max(1, workers or min(16, os.cpu_count() or 1))
-        self.pool = ThreadPoolExecutor(self.workers) if self.workers > 1 else None
+    def __init__(self, size: int = NOISE_POOL, span: int = CPU_SLICE):
         self.seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
+        self.size, self.span = size, span
+        self.pool = torch.randint(0, 1 << 16, (size + span,), dtype=torch.int32)
 
-    def fill(self, out: torch.Tensor, step: int, index: int, offset: int) -> torch.Tensor:
-        n, part = out.numel(), NOISE_PART
-
-        def one(lo: int) -> None:
-            gen = torch.Generator().manual_seed(hash((self.seed, step, index, offset + lo)) & ((1 << 63) - 1))
-            torch.randint(0, 1 << 16, (min(part, n - lo),), generator=gen, dtype=torch.int32, out=out[lo:lo + part])
-
-        starts = range(0, n, part)
-        if self.pool is None or len(starts) == 1:
-            for lo in starts:
-                one(lo)
-        else:
-            list(self.pool.map(one, starts))
-        return out
+    def window(self, n: int, step: int, index: int, offset: int) -> torch.Tensor:
+        if n > self.span:
+            raise ValueError(f"a noise window of {n} elements is longer than the pool's span {self.span}")
+        lo = _mix64(self.seed, step, index, offset) % self.size
+        return self.pool[lo:lo + n]
 
 
 class AdamWFp32State(torch.optim.AdamW):
@@ -110,7 +112,7 @@ class AdamWFp32State(torch.optim.AdamW):
                 denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
                 new.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
                 if w.dtype == torch.bfloat16:
-                    stochastic_round_(w, new)
+                    _round_with(w, new, torch.randint_like(new, 0, 1 << 16, dtype=torch.int32))
                 else:
                     w.copy_(new)
             base += len(group["params"])
@@ -118,15 +120,15 @@ class AdamWFp32State(torch.optim.AdamW):
 
     def _host_update(self, w, g, m, v, step, lr, b1, b2, eps, wd, index):
         """The same update on host memory, slice by slice: torch's fused AdamW over an fp32 copy of the slice (one
-        vectorised pass on every core instead of a dozen), then the rounding back to bf16."""
+        vectorised pass on every core instead of a dozen), then the rounding back to bf16 with pooled noise."""
         w, g, m, v = w.view(-1), g.view(-1), m.view(-1), v.view(-1)
         n = w.numel()
         size = min(n, CPU_SLICE)
         new = torch.empty(size, dtype=torch.float32) if w.dtype != torch.float32 else None
         grad = torch.empty(size, dtype=torch.float32) if g.dtype != torch.float32 else None
-        bits = torch.empty(size, dtype=torch.int32) if w.dtype == torch.bfloat16 else None
-        if bits is not None and self._noise is None:
-            self._noise = _HostNoise(torch.get_num_threads())
+        rounded = w.dtype == torch.bfloat16
+        if rounded and (self._noise is None or self._noise.span < size):
+            self._noise = _HostNoise(span=max(size, CPU_SLICE))
         for lo in range(0, n, size):
             k = min(size, n - lo)
             ws, gs = w[lo:lo + k], g[lo:lo + k]
@@ -134,7 +136,7 @@ class AdamWFp32State(torch.optim.AdamW):
             ng = gs if grad is None else grad[:k].copy_(gs)
             torch._fused_adamw_([nw], [ng], [m[lo:lo + k]], [v[lo:lo + k]], [], [step], lr=lr, beta1=b1, beta2=b2,
                                 weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
-            if bits is not None:
-                _round_with(ws, nw, self._noise.fill(bits[:k], int(step), index, lo))
+            if rounded:
+                _round_with(ws, nw, self._noise.window(k, int(step), index, lo))
             elif new is not None:
                 ws.copy_(nw)

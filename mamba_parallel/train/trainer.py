@@ -613,7 +613,9 @@ def _train(cfg: TrainConfig, at_exit: contextlib.ExitStack) -> dict:
                 raise TrainingError(guard.non_finite_message(step + 1, loss_v, gnorm_v, cfg.out,
                                                              guard.last_checkpoint(cfg.out), cfg.lr))
             if graph_step is None:
-                optimizer.step()
+                t_opt = time.perf_counter()
+                optimizer.step()  # with --cpu-offload: the host update, synchronous (its time is logged)
+                t_opt = time.perf_counter() - t_opt
             scheduler.step()  # under --cuda-graph: fills the lr tensor the next replay reads
             if graph_step is None:
                 optimizer.zero_grad(set_to_none=True)
@@ -630,11 +632,14 @@ def _train(cfg: TrainConfig, at_exit: contextlib.ExitStack) -> dict:
                        "mfu": mfu, "mem_gib": round(peak_memory_gib(env.device), 3),
                        "host_gib": round(_peak_host_gib(), 3),
                        "tokens": consumed * cfg.seq_len, "elapsed_s": round(time.perf_counter() - t_start, 2)}
+                if cfg.cpu_offload and graph_step is None:
+                    rec["optimizer_s"] = round(t_opt, 3)
                 rec.update(gpus.read())
                 metrics.log(rec)
                 mfu_s = f" mfu {mfu:.1%}" if mfu is not None else ""
                 log(f"step {step}/{cfg.steps} loss {loss_v:.4f} lr {lr:.2e} grad_norm {gnorm_v:.3f} "
-                    f"{tps:,.0f} tok/s{mfu_s} mem {rec['mem_gib']:.2f} GiB host {rec['host_gib']:.1f} GiB")
+                    f"{tps:,.0f} tok/s{mfu_s} mem {rec['mem_gib']:.2f} GiB host {rec['host_gib']:.1f} GiB"
+                    + (f" optimizer {rec['optimizer_s']:.1f} s" if "optimizer_s" in rec else ""))
             progress.update(step, f"loss {loss_v:.3f}")
 
             do_eval = val_batches is not None and ((cfg.eval_every and step % cfg.eval_every == 0)

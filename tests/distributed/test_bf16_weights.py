@@ -52,7 +52,7 @@ def test_host_update_in_slices_matches_torch_adamw_and_is_reproducible(monkeypat
     from mamba_parallel.train import bf16_adamw
 
     monkeypatch.setattr(bf16_adamw, "CPU_SLICE", 300)  # several slices and a short last one
-    monkeypatch.setattr(bf16_adamw, "NOISE_PART", 64)  # several noise parts per slice
+    monkeypatch.setattr(bf16_adamw, "NOISE_POOL", 1000)  # windows overlap and wrap nothing
     ref, mine = _pair(torch.float32)
     o_ref = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     o_mine = AdamWFp32State([mine], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
@@ -63,9 +63,9 @@ def test_host_update_in_slices_matches_torch_adamw_and_is_reproducible(monkeypat
         o_mine.step()
     assert torch.allclose(ref, mine, rtol=1e-6, atol=1e-7)
 
-    def bf16_run(workers):
-        noise = bf16_adamw._HostNoise(workers)
-        noise.seed = 7
+    def bf16_run(seed):
+        torch.manual_seed(seed)
+        noise = bf16_adamw._HostNoise(size=1000, span=300)
         torch.manual_seed(1)
         p = torch.nn.Parameter(torch.randn(64, 32).bfloat16())
         opt = AdamWFp32State([p], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -76,9 +76,10 @@ def test_host_update_in_slices_matches_torch_adamw_and_is_reproducible(monkeypat
         st = opt.state[p]
         return p.detach().clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone()
 
-    one, four = bf16_run(1), bf16_run(4)
-    for a, b in zip(one, four):  # the noise's parts are seeded by position, not by thread: the same bits
+    one, again, other = bf16_run(7), bf16_run(7), bf16_run(8)
+    for a, b in zip(one, again):  # the pool and its window offsets follow torch's seed: the same bits
         assert torch.equal(a, b)
+    assert not torch.equal(one[0], other[0])  # another seed rounds some weights the other way
     w, m, v = one
     torch.manual_seed(1)
     p = torch.randn(64, 32).bfloat16()
@@ -88,6 +89,31 @@ def test_host_update_in_slices_matches_torch_adamw_and_is_reproducible(monkeypat
         m_ref.lerp_(g, 0.1)
         v_ref.mul_(0.95).addcmul_(g, g, value=0.05)
     assert torch.allclose(m, m_ref, rtol=1e-6, atol=1e-8) and torch.allclose(v, v_ref, rtol=1e-6, atol=1e-8)
+
+
+def test_host_noise_windows_are_uniform_and_change_with_the_step():
+    from mamba_parallel.train.bf16_adamw import _HostNoise
+
+    torch.manual_seed(0)
+    noise = _HostNoise(size=1 << 16, span=1 << 12)
+    a, b = noise.window(1 << 12, 1, 0, 0), noise.window(1 << 12, 2, 0, 0)
+    assert a.dtype == torch.int32 and int(a.min()) >= 0 and int(a.max()) < 1 << 16
+    assert not torch.equal(a, b) and torch.equal(a, noise.window(1 << 12, 1, 0, 0))
+    offsets = [int(noise.window(1, s, 3, 0).data_ptr()) for s in range(200)]
+    assert len(set(offsets)) > 190  # offsets spread over the pool
+    with pytest.raises(ValueError, match="span 4096"):
+        noise.window(1 << 13, 1, 0, 0)
+
+
+def test_host_rounding_is_unbiased():
+    """The offloaded path: a constant update a tenth of a bf16 step moves the mean weight by that much."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.ones(400_000, dtype=torch.bfloat16))
+    opt = AdamWFp32State([p], lr=2**-7 / 10, betas=(0.0, 0.999), weight_decay=0.0)
+    p.grad = torch.full_like(p, -1.0)
+    opt.step()  # Adam's first step moves every weight by lr (the sign of the gradient)
+    assert set(p.float().unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert abs(p.float().mean().item() - (1.0 + 2**-7 / 10)) < 2e-5
 
 
 def test_stochastic_rounding_is_unbiased():

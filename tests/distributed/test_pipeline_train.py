@@ -4,6 +4,7 @@ world size (kept when a run resumes on another one); FSDP2 CPU offload and bf16 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -75,7 +76,8 @@ def runs(tmp_path_factory):
     with open(os.path.join(root, "pp2-to-1", "config.toml")) as fh:
         toml = fh.read()
     return {"one": one["losses"], "one_h": one_h["losses"], "accum": accum["losses"], "offload": offload["losses"],
-            "bf16": bf16["losses"], "two": two, "back": back["losses"], "toml": toml}
+            "bf16": bf16["losses"], "two": two, "back": back["losses"], "toml": toml,
+            "offload_metrics": [json.loads(x) for x in open(os.path.join(root, "offload", "metrics.jsonl"))]}
 
 
 def _assert_losses(actual: dict, expected: dict, what: str) -> None:
@@ -109,6 +111,8 @@ def test_global_batch_by_accumulation_at_any_world_size(runs):
 
 def test_cpu_offload_matches_and_bf16_weights_learn(runs):
     _assert_losses(runs["offload"], runs["one"], "FSDP2 CPU offload on one process")
+    steps = [r for r in runs["offload_metrics"] if "loss" in r]
+    assert steps and all(r["optimizer_s"] >= 0 for r in steps)  # the host update's time, logged per step
     losses = runs["bf16"]
     assert losses[8] < losses[1] - 0.3, losses
 
