@@ -8,9 +8,9 @@
 #   bash tools/one_gpu_7b.sh [presets...]        default: mamba-codestral-7b nemotron-h-8b falcon-mamba-7b
 #   MODE=gpu bash tools/one_gpu_7b.sh            the same without offload (the 12-byte states on the GPU)
 #
-# Expected, per preset: ~1-2 min to tokenize and build (first run: + stdlib tokenization ~1 min), then 20 steps of
-# ~10-20 s with offload (the AdamW step runs on the CPU: ~88 GB of state touched per step) or ~1-3 s on the GPU:
-# about 5-8 min each with offload, 2-3 min without.
+# Expected on one H200 with 16 host cores, per preset: ~2.5 min to build in host memory (first run: + stdlib
+# tokenization ~20 s), then 20 steps of ~13-14 s with offload (6 s of them the AdamW step over ~90 GB of host
+# state, logged as optimizer_s) or ~1.3 s on the GPU: about 8 min each with offload, 2-3 min without.
 set -euo pipefail
 OUT=${OUT:-runs}
 MODE=${MODE:-offload}
