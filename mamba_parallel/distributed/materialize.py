@@ -116,41 +116,47 @@ def load_sharded_checkpoint(model: nn.Module, checkpoint, progress: bool | None 
 
 
 @torch.no_grad()
-def init_sharded_weights(model: nn.Module, config, device: torch.device | str, seed: int) -> None:
-    """Fill ``model`` (materialised with ``to_empty``, any layout) with the single-device initial values."""
+def init_sharded_weights(model: nn.Module, config, device: torch.device | str, seed: int,
+                         draw_device: torch.device | str | None = None) -> None:
+    """Fill ``model`` (materialised with ``to_empty`` on ``device``, any layout) with the single-device initial
+    values. ``draw_device``: where the random values are drawn, when not ``device`` (a host-resident model drawn
+    on the GPU: torch's CPU generator is serial, minutes for a 7B model; the values are then those of the model
+    initialised on that GPU), each block moved to ``device`` before its slices are kept."""
     from mamba_parallel.layers import init
     from mamba_parallel.layers.block import create_block
     from mamba_parallel.layers.norm import make_norm
     from mamba_parallel.models.lm import INIT_MODULE_TYPES, rescale_residual_writers
 
     device = torch.device(device)
+    draw = torch.device(draw_device) if draw_device is not None else device
     torch.manual_seed(seed)
     buffers = _buffers(model)
     for i in range(config.n_layer):
         block = create_block(config, i, device="meta")
-        block.to_empty(device=device)
+        block.to_empty(device=draw)
         for m in block.modules():
             if isinstance(m, INIT_MODULE_TYPES):
                 m.reset_parameters()
         if config.rescale_prenorm_residual:
             rescale_residual_writers(block, config)
-        _load(model, buffers, f"backbone.layers.{i}.", block)
+        _load(model, buffers, f"backbone.layers.{i}.", block.to(device))
         del block
     norm_f = make_norm(config.d_model, config.rms_norm, config.norm_epsilon, device="meta")
-    norm_f.to_empty(device=device)
+    norm_f.to_empty(device=draw)
     norm_f.reset_parameters()
-    _load(model, buffers, "backbone.norm_f.", norm_f)
-    emb = torch.empty(config.padded_vocab_size, config.d_model, device=device)
+    _load(model, buffers, "backbone.norm_f.", norm_f.to(device))
+    emb = torch.empty(config.padded_vocab_size, config.d_model, device=draw)
     init.normal_(emb, config.initializer_range)
+    emb = emb.to(device)
     state = {"backbone.embedding.weight": emb}
     if config.tie_embeddings:
         state["lm_head.weight"] = emb
     load_model_state_dict(model, state, strict=False)
     del emb, state
     if not config.tie_embeddings:
-        head = torch.empty(config.padded_vocab_size, config.d_model, device=device)
+        head = torch.empty(config.padded_vocab_size, config.d_model, device=draw)
         init.linear_default_(head)
-        load_model_state_dict(model, {"lm_head.weight": head}, strict=False)
+        load_model_state_dict(model, {"lm_head.weight": head.to(device)}, strict=False)
 
 
 def tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -174,14 +180,16 @@ def retie_after_to_empty(groups: list[list[tuple[nn.Module, str]]]) -> None:
 
 
 def materialize(model: nn.Module, config, device: torch.device | str, seed: int,
-                buffer_device: torch.device | str | None = None) -> None:
+                buffer_device: torch.device | str | None = None,
+                draw_device: torch.device | str | None = None) -> None:
     """``to_empty`` on ``device`` (each rank allocates only its shards; parameters shared before, as a tied LM
-    head, are shared after), then ``init_sharded_weights``. ``buffer_device``: where buffers (rotary tables) go
-    afterwards, when the parameters stay on the host (CPU offload: FSDP2 moves parameters, not buffers)."""
+    head, are shared after), then ``init_sharded_weights`` (values drawn on ``draw_device`` when given).
+    ``buffer_device``: where buffers (rotary tables) go afterwards, when the parameters stay on the host (CPU
+    offload: FSDP2 moves parameters, not buffers)."""
     groups = tied_groups(model)
     model.to_empty(device=device)
     retie_after_to_empty(groups)
-    init_sharded_weights(model, config, device, seed)
+    init_sharded_weights(model, config, device, seed, draw_device=draw_device)
     if buffer_device is not None:
         for mod in model.modules():
             for name, buf in list(mod._buffers.items()):

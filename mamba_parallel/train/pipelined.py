@@ -24,8 +24,8 @@ from mamba_parallel.distributed.pipeline import (
 
 
 def init_device(cfg, env) -> torch.device:
-    """Where a meta-built model is materialised: the host under --cpu-offload (FSDP2 keeps its shards there), else
-    the rank's device."""
+    """Where a meta-built model is materialised: the host under --cpu-offload (FSDP2 keeps its shards there, the
+    values are still drawn on the rank's device), else the rank's device."""
     return torch.device("cpu") if cfg.cpu_offload else env.device
 
 
@@ -48,6 +48,7 @@ def build_pipelined_model(config, cfg, env, dims: ParallelDims, dp_options: dict
         model = apply_recompute(MambaLMHeadModel(config, dtype=dtype), cfg.recompute)
     return parallelize_pipeline(model, dims, plan, env.device, tp_overlap=cfg.tp_overlap,
                                 materialize=lambda m: materialize(m, config, init_device(cfg, env), cfg.seed,
+                                                                  draw_device=env.device,
                                                                   buffer_device=env.device),
                                 dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
                                 compile=cfg.compile, cpu_offload=cfg.cpu_offload, timed=timed, **dp_options)

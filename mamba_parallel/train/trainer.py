@@ -160,6 +160,7 @@ def build_parallel_model(config, cfg: TrainConfig, env: DistEnv, dims: ParallelD
     wrapped = parallelize(model, dims, dp_mode=cfg.dp_mode, activation_checkpointing=cfg.activation_checkpointing,
                           compile=cfg.compile, cpu_offload=cfg.cpu_offload, tp_overlap=cfg.tp_overlap,
                           materialize=lambda m: materialize(m, config, init_device(cfg, env), cfg.seed,
+                                                            draw_device=env.device,
                                                             buffer_device=env.device), **options)
     return wrapped, model
 

@@ -45,3 +45,25 @@ def test_batch_size_auto_is_measured(tmp_path, data):
     res = train(_cfg(tmp_path / "auto", data, batch_size="auto", steps=1, seq_len=2048))
     line = next(x for x in res["log"] if x.startswith("--batch-size auto:"))
     assert "measured" in line and int(line.split()[2]) >= 2, line
+
+
+@pytest.mark.parametrize("preset", ["tiny-mamba2", "tiny-hybrid", "tiny-mamba"])
+def test_host_model_drawn_on_the_gpu_gets_the_gpu_models_values(preset):
+    """Under --cpu-offload the weights live on the host but are drawn on the GPU (the CPU generator is serial):
+    they equal the single-device model initialised on that GPU under the same seed."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from mamba_parallel.config import get_preset
+    from mamba_parallel.distributed.materialize import materialize
+    from mamba_parallel.models.lm import MambaLMHeadModel
+    from mamba_parallel.train.trainer import init_model
+
+    config = get_preset(preset)
+    ref = init_model(config, torch.device("cuda"), seed=3).state_dict()
+    with torch.device("meta"):
+        host = MambaLMHeadModel(config)
+    materialize(host, config, "cpu", seed=3, draw_device="cuda")
+    got = host.state_dict()
+    assert sorted(got) == sorted(ref)
+    for k, v in got.items():
+        assert v.device.type == "cpu" and torch.equal(v, ref[k].cpu()), k
