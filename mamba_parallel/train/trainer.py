@@ -37,6 +37,7 @@ from mamba_parallel.train.data import DataError, RankBatches, TokenWindows, chec
 from mamba_parallel.train.determinism import deterministic_mode
 from mamba_parallel.train.disk import OutputError, check_space, human, output_errors
 from mamba_parallel.train.flops import peak_flops, train_flops_per_token
+from mamba_parallel.train.host_norm import squared_norm
 from mamba_parallel.train.metrics import GpuMonitor, MetricsLogger, Progress, Throughput, peak_memory_gib
 from mamba_parallel.train.optim import build_optimizer, build_scheduler, restart_schedule
 from mamba_parallel.train import pipelined
@@ -298,7 +299,7 @@ def _local_total_norm(grads: list[torch.Tensor]) -> torch.Tensor | None:
         groups.setdefault((id(key[0]), key[1], local.device, local.dtype), (key, []))[1].append(local)
     by_reduction: dict = {}
     for (mesh, dims), locals_ in groups.values():
-        sq = torch.stack(torch._foreach_norm(locals_, 2)).float().pow(2).sum()
+        sq = squared_norm(locals_)  # host shards (CPU offload): on every core
         sq = sq.to(_comm_device(sq.device))  # CPU-offloaded shards: NCCL reduces device tensors
         by_reduction.setdefault((id(mesh), dims), (mesh, dims, []))[2].append(sq)
     total = None
