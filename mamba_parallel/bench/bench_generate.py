@@ -26,8 +26,9 @@ from mamba_parallel.bench.timing import DTYPES, Clock
 MODELS = ["mamba2-130m", "mamba2-2.7b", "mamba-2.8b"]
 
 
-def our_generate(model, input_ids: torch.Tensor, new_tokens: int, cuda_graph: bool) -> torch.Tensor:
-    return model.generate(input_ids, max_new_tokens=new_tokens, top_k=1, cuda_graph=cuda_graph)
+def our_generate(model, input_ids: torch.Tensor, new_tokens: int, cuda_graph: bool, state_dtype=None) -> torch.Tensor:
+    return model.generate(input_ids, max_new_tokens=new_tokens, top_k=1, cuda_graph=cuda_graph,
+                          state_dtype=state_dtype)
 
 
 def _release_ours(model) -> None:
@@ -58,8 +59,8 @@ def time_generate(gen, prompt: torch.Tensor, new_tokens: int, repeats: int, devi
 
 
 def run_model(preset: str, peer, device, batch_sizes=(1, 64), prompt_len: int = 256, new_tokens: int = 256,
-              repeats: int = 2, dtype: str = "bf16", seed: int = 0, log=say, n_layer: int | None = None
-              ) -> list[dict]:
+              repeats: int = 2, dtype: str = "bf16", seed: int = 0, log=say, n_layer: int | None = None,
+              state_dtype: str = "fp32") -> list[dict]:
     """Every batch size of one model -> rows (decode ms/step, prefill ms), both sides on the same weights.
     ``n_layer``: the preset cut to that many layers (the compile warm-up)."""
     from mamba_parallel.config import get_preset
@@ -84,7 +85,7 @@ def run_model(preset: str, peer, device, batch_sizes=(1, 64), prompt_len: int = 
             models["ours"] = peer_mod.ours_from_peer(peer, models["peer"], device, DTYPES[dtype]).eval()
         else:
             models["ours"] = MambaLMHeadModel(config, device=device, dtype=DTYPES[dtype]).eval()
-        gens["ours"] = lambda p, n: our_generate(models["ours"], p, n, cuda_graph)
+        gens["ours"] = lambda p, n: our_generate(models["ours"], p, n, cuda_graph, DTYPES[state_dtype])
     except Exception as e:
         errors["ours"] = error_text(e)
         log(f"generate {preset} ours: {errors['ours']}")
@@ -128,7 +129,7 @@ def run_model(preset: str, peer, device, batch_sizes=(1, 64), prompt_len: int = 
 
 
 def run(models, peer, device, batch_sizes=(1, 64), prompt_len=256, new_tokens=256, repeats=2, dtype="bf16",
-        seed=0, deadline=None, log=say, n_layer=None) -> dict:
+        seed=0, deadline=None, log=say, n_layer=None, state_dtype="fp32") -> dict:
     if prompt_len < 1 or new_tokens < 2 or repeats < 1:
         raise ValueError(f"bench generate: need --prompt-len >= 1, --new-tokens >= 2, --repeats >= 1, got "
                          f"{prompt_len}, {new_tokens}, {repeats}")
@@ -139,11 +140,12 @@ def run(models, peer, device, batch_sizes=(1, 64), prompt_len=256, new_tokens=25
                                  {"ours": "skipped: time budget spent"}, preset=preset))
             continue
         rows += run_model(preset, peer, device, batch_sizes, prompt_len, new_tokens, repeats, dtype, seed, log,
-                          n_layer=n_layer)
+                          n_layer=n_layer, state_dtype=state_dtype)
     return {"bench": "generate", "title": "Generation (public generate, CUDA graphs, greedy)",
             "settings": {"dtype": dtype, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
                          "batch_sizes": list(batch_sizes), "cuda_graph": torch.device(device).type == "cuda",
                          **({"n_layer": n_layer} if n_layer else {}),
+                         **({"state_dtype": state_dtype} if state_dtype != "fp32" else {}),
                          "peer": "generate(input_ids, max_length, top_k=1, cg=True)",
                          "ours": "generate(input_ids, new_tokens, top_k=1, cuda_graph=True)",
                          "sides": ["ours"] + (["peer"] if peer is not None else [])},
@@ -159,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, default=256, help="new tokens of the long call (default: 256)")
     ap.add_argument("--repeats", type=int, default=2, help="timed calls of each length, median (default: 2)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weight dtype (default: bf16)")
+    ap.add_argument("--state-dtype", choices=sorted(DTYPES), default="fp32",
+                    help="our recurrent states (default: fp32; mamba_ssm keeps them in the weight dtype)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     ap.add_argument("--seed", type=int, default=0, help="weights and prompt seed (default: 0)")
     ap.add_argument("--json", metavar="PATH", default=None,
@@ -170,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     peer = peer_mod.resolve_peer(a.peer, a.peer_impl)
-    result = run(a.models, peer, device, a.batch_sizes, a.prompt_len, a.new_tokens, a.repeats, a.dtype, a.seed)
+    result = run(a.models, peer, device, a.batch_sizes, a.prompt_len, a.new_tokens, a.repeats, a.dtype, a.seed,
+                 state_dtype=a.state_dtype)
     publish(result, device, peer, path=a.json)
     return 0
 

@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=50, help="decode steps per timing / profile (default: 50)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weight dtype (default: bf16)")
     p.add_argument("--cache-dtype", choices=sorted(DTYPES), default=None,
-                   help="recurrent-state dtype (default: the model's, fp32 states)")
+                   help="conv-state dtype (default: the model's)")
+    p.add_argument("--state-dtype", choices=sorted(DTYPES), default="fp32", help="recurrent SSM states (default: fp32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=30, help="kernels listed in the table (default: 30)")
@@ -146,10 +147,11 @@ def run(a: argparse.Namespace) -> dict:
         if on_cuda:
             from mamba_parallel.inference.cuda_graph import make_graphed_decoder
 
-            decoder = make_graphed_decoder(model, a.batch, max_seqlen, cache_dtype)
+            decoder = make_graphed_decoder(model, a.batch, max_seqlen, cache_dtype, DTYPES[a.state_dtype])
             cache = decoder.new_cache()
         else:
-            decoder, cache = None, model.allocate_inference_cache(a.batch, max_seqlen, dtype=cache_dtype)
+            decoder, cache = None, model.allocate_inference_cache(a.batch, max_seqlen, dtype=cache_dtype,
+                                                                  state_dtype=DTYPES[a.state_dtype])
         model(prompt, inference_params=cache, num_last_tokens=1)  # prefill: states of a real prompt
         # The states update in place at a fixed offset: every step does the same work (offsets only gate the
         # one-token path for Mamba layers), so the cache never runs out during the repeated timings.
@@ -182,7 +184,7 @@ def run(a: argparse.Namespace) -> dict:
     return {
         "bench": "profile_decode", "preset": a.preset, "n_layer": config.n_layer, "mixers": kinds,
         "device": torch.cuda.get_device_name(device) if on_cuda else "cpu", "dtype": a.dtype,
-        "cache_dtype": a.cache_dtype or "fp32", "batch": a.batch, "prompt_len": a.prompt_len,
+        "cache_dtype": a.cache_dtype or a.dtype, "state_dtype": a.state_dtype, "batch": a.batch, "prompt_len": a.prompt_len,
         "steps": a.steps, "timings": timings, "step": main, "ms_per_step": timings[main]["ms_per_step"],
         **moved, "copy_bandwidth_gbs": round(bandwidth, 1), "bound_ms": round(bound_ms, 4),
         "bound_fraction": round(bound_ms / timings[main]["ms_per_step"], 4),
@@ -195,7 +197,8 @@ def markdown(r: dict, top: int = 30) -> str:
     t = r["timings"]
     lines = [f"# Decode-step profile: {r['preset']} ({', '.join(r['mixers'])}, {r['n_layer']} layers) on "
              f"{r['device']}", "",
-             f"batch {r['batch']}, {r['dtype']} weights, {r['cache_dtype']} states, after a {r['prompt_len']}-token "
+             f"batch {r['batch']}, {r['dtype']} weights, {r.get('state_dtype', 'fp32')} states, after a "
+             f"{r['prompt_len']}-token "
              f"prompt; {r['steps']} steps per figure.", "",
              "| per step | value |", "|---|---|"]
     for name in ("graph", "eager"):

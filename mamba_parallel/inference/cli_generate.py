@@ -38,6 +38,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
                    help="weight dtype (default: auto = as saved)")
     p.add_argument("--cuda-graph", action="store_true", help="replay a captured decode step (CUDA, Mamba layers)")
+    p.add_argument("--state-dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="recurrent SSM states (default: fp32; bf16 halves the bytes a large batch's step moves)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json (default: the one in --checkpoint, else bytes)")
     p.add_argument("--tp", type=int, default=1, metavar="N",
@@ -169,7 +171,7 @@ def _generate(args, model, device, prompt: str, is_main: bool) -> int:
     if streamer is not None:
         print(prompt, end="", flush=True)
     out = model.generate(torch.tensor([ids], device=device), streamer=streamer, generator=generator,
-                         cuda_graph=args.cuda_graph, **options)
+                         cuda_graph=args.cuda_graph, state_dtype=args.state_dtype, **options)
     if streamer is None and is_main:
         new = out[0, len(ids):].tolist()
         cut = next((i for i, t in enumerate(new) if t in eos), len(new))  # the eos token is not text

@@ -24,7 +24,7 @@ import torch
 from mamba_parallel.inference.cache import InferenceParams
 from mamba_parallel.models.outputs import CausalLMOutput
 
-# model attribute holding {(batch_size, dtype): GraphedDecoder}: a graph is captured once per batch size
+# model attribute holding {(batch_size, dtype, state_dtype): GraphedDecoder}: a graph is captured once per batch size
 _ATTR = "_mp_graphed_decoders"
 
 
@@ -39,14 +39,15 @@ def _attention_layers(model: torch.nn.Module) -> list[int]:
 
 
 class GraphedDecoder:
-    """One captured decode step of ``model`` for ``batch_size`` rows (cache dtype ``dtype``).
+    """One captured decode step of ``model`` for ``batch_size`` rows (cache dtype ``dtype``, recurrent states in
+    ``state_dtype``, fp32 when None).
 
     Attributes: ``cache`` (the static InferenceParams the graph reads and writes), ``input_ids`` (b, 1) int64 and
     ``logits`` (b, 1, padded_vocab) static buffers, ``graph`` (torch.cuda.CUDAGraph).
     """
 
     def __init__(self, model: torch.nn.Module, batch_size: int, max_seqlen: int, dtype: torch.dtype | None = None,
-                 n_warmup: int = 2, pool=None):
+                 n_warmup: int = 2, pool=None, state_dtype: torch.dtype | None = None):
         device = next(model.parameters()).device
         if device.type != "cuda":
             raise ValueError(f"CUDA-graph decode needs the model on a CUDA device, it is on {device}")
@@ -58,9 +59,10 @@ class GraphedDecoder:
             raise ValueError(f"GraphedDecoder: need batch_size >= 1 and max_seqlen >= 2, got {batch_size}, "
                              f"{max_seqlen}")
         self.model, self.batch_size, self.max_seqlen, self.dtype = model, batch_size, max_seqlen, dtype
+        self.state_dtype = state_dtype
         self.param_state = _param_state(model)
         with torch.inference_mode():
-            self.cache = model.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype)
+            self.cache = model.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, state_dtype=state_dtype)
             self.input_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
             self.cache.seqlen_offset = 1  # > 0: the mixers take their one-token step path while capturing
             # Warm-up on a side stream (Triton autotuning and cuBLAS workspaces happen here, not in the capture).
@@ -112,18 +114,19 @@ class GraphedDecoder:
 
 
 def make_graphed_decoder(model: torch.nn.Module, batch_size: int, max_seqlen: int,
-                         dtype: torch.dtype | None = None) -> GraphedDecoder:
+                         dtype: torch.dtype | None = None, state_dtype: torch.dtype | None = None) -> GraphedDecoder:
     """The graphed decoder of ``model`` for ``batch_size`` rows: captured on first use, then kept on the model and
     reused (re-captured when the parameters moved, e.g. after ``model.to(...)``, or ``max_seqlen`` grew).
     Graphs of different batch sizes share one memory pool."""
     graphs = model.__dict__.setdefault(_ATTR, {})
-    key = (batch_size, dtype)
+    key = (batch_size, dtype, state_dtype)
     dec = graphs.get(key)
     if dec is not None and dec.matches(model, max_seqlen):
         return dec
     graphs.pop(key, None)
     pool = next(iter(graphs.values())).graph.pool() if graphs else None
-    dec = GraphedDecoder(model, batch_size, max(max_seqlen, dec.max_seqlen if dec else 0), dtype, pool=pool)
+    dec = GraphedDecoder(model, batch_size, max(max_seqlen, dec.max_seqlen if dec else 0), dtype, pool=pool,
+                         state_dtype=state_dtype)
     graphs[key] = dec
     return dec
 
@@ -134,11 +137,11 @@ def release_graphs(model: torch.nn.Module) -> None:
 
 
 def decode_runner(model: torch.nn.Module, batch_size: int, max_seqlen: int, dtype: torch.dtype | None = None,
-                  cuda_graph: bool = False):
+                  cuda_graph: bool = False, state_dtype: torch.dtype | None = None):
     """-> (run, cache): ``run(input_ids, inference_params=cache, num_last_tokens=...)`` computes logits like
     ``model(...)``; with ``cuda_graph`` its one-token calls replay a captured graph and ``cache`` is the graph's
     static cache, zeroed. Without, ``run`` is the model and ``cache`` a fresh ``allocate_inference_cache``."""
     if not cuda_graph:
-        return model, model.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype)
-    dec = make_graphed_decoder(model, batch_size, max_seqlen, dtype)
+        return model, model.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, state_dtype=state_dtype)
+    dec = make_graphed_decoder(model, batch_size, max_seqlen, dtype, state_dtype)
     return dec, dec.new_cache()

@@ -66,12 +66,14 @@ def _refuse_attention(model) -> None:
                          f"batch. Pad the prompts to one length or generate them one at a time.")
 
 
-def _runner(model, batch: int, max_seqlen: int, cache_dtype, cuda_graph: bool):
-    if cuda_graph:
+def _runner(model, batch: int, max_seqlen: int, opts: GenerateOptions):
+    if opts.cuda_graph:
         from mamba_parallel.inference.cuda_graph import decode_runner
 
-        return decode_runner(model, batch, max_seqlen, cache_dtype, cuda_graph=True)
-    return model, model.allocate_inference_cache(batch, max_seqlen, dtype=cache_dtype)
+        return decode_runner(model, batch, max_seqlen, opts.cache_dtype, cuda_graph=True,
+                             state_dtype=opts.state_dtype)
+    return model, model.allocate_inference_cache(batch, max_seqlen, dtype=opts.cache_dtype,
+                                                 state_dtype=opts.state_dtype)
 
 
 class _Decoder:
@@ -189,7 +191,7 @@ def _generate_ragged(model, prompts: list[torch.Tensor], opts: GenerateOptions):
     if len(set(lengths)) > 1:
         _refuse_attention(model)
     b, longest = len(prompts), max(lengths)
-    run, cache = _runner(model, b, longest + n_steps, opts.cache_dtype, opts.cuda_graph)
+    run, cache = _runner(model, b, longest + n_steps, opts)
     # One prefill per distinct length, into its block of rows; ``model`` directly (a graphed runner only replays).
     last_logits, start = [], 0
     while start < b:
@@ -302,7 +304,7 @@ def _generate_batch(model, input_ids: torch.Tensor, opts: GenerateOptions):
         opts.streamer.put(input_ids.cpu())
     if n == 0:
         return input_ids, decoder
-    run, cache = _runner(model, b, L + n, opts.cache_dtype, opts.cuda_graph)
+    run, cache = _runner(model, b, L + n, opts)
     logits = run(input_ids, inference_params=cache, num_last_tokens=1).logits[:, -1, :vocab]
     cache.seqlen_offset = L
     new = _decode(run, cache, logits, n, vocab, decoder, _streamer_emit(opts))

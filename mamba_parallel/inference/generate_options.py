@@ -28,7 +28,7 @@ KNOWN = {
     # output
     "streamer", "return_dict_in_generate", "output_scores", "output_logits", "enable_timing",
     # running
-    "cuda_graph", "cg", "cache_dtype", "attention_mask", "use_cache", "num_beams", "num_return_sequences",
+    "cuda_graph", "cg", "cache_dtype", "state_dtype", "attention_mask", "use_cache", "num_beams", "num_return_sequences",
 }
 # Known names whose other values are not implemented: say so instead of silently ignoring them.
 _ONLY = {"use_cache": (True, None), "num_beams": (1, None), "num_return_sequences": (1, None)}
@@ -59,6 +59,7 @@ class GenerateOptions:
     enable_timing: bool = False
     cuda_graph: bool = False
     cache_dtype: torch.dtype | None = None
+    state_dtype: torch.dtype | None = None
     attention_mask: torch.Tensor | None = None
     stop_strings: list[str] = field(default_factory=list)
     tokenizer: object = None
@@ -71,6 +72,20 @@ class GenerateOptions:
 
     def min_new_for(self, prompt_len: int) -> int:
         return max(self.min_new_tokens, self.min_length - prompt_len)
+
+
+STATE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def state_dtype_of(value) -> torch.dtype | None:
+    """``state_dtype`` as given (None, a torch dtype or one of STATE_DTYPES' names) -> a torch dtype or None."""
+    if value is None or value in STATE_DTYPES.values():
+        return value
+    if isinstance(value, str) and value.lower() in STATE_DTYPES:
+        return STATE_DTYPES[value.lower()]
+    raise ValueError(f"generate(): state_dtype must be torch.float32, torch.bfloat16 or torch.float16 (or "
+                     f"'fp32' / 'bf16' / 'fp16'), got {value!r}")
 
 
 def resolve(model, kwargs: dict) -> GenerateOptions:
@@ -139,4 +154,5 @@ def resolve(model, kwargs: dict) -> GenerateOptions:
         return_dict=bool(kwargs.get("return_dict_in_generate", False)),
         output_scores=bool(kwargs.get("output_scores", False)), output_logits=bool(kwargs.get("output_logits", False)),
         enable_timing=bool(kwargs.get("enable_timing", False)), cuda_graph=cg, cache_dtype=kwargs.get("cache_dtype"),
+        state_dtype=state_dtype_of(kwargs.get("state_dtype")),
         attention_mask=kwargs.get("attention_mask"), stop_strings=stops, tokenizer=kwargs.get("tokenizer"))

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from mamba_parallel.config import MambaConfig
 from mamba_parallel.layers.attention import MHA
+from mamba_parallel.layers.fused_step import can_fuse_step
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
 from mamba_parallel.layers.mamba3 import Mamba3
@@ -42,21 +43,32 @@ class Block(nn.Module):
 
         ``mixer_kwargs``: seq_idx, cu_seqlens, position_ids (passed to the mixer).
         """
-        hidden_states, residual = add_norm(hidden_states, residual, self.norm, self.residual_in_fp32)
-        if self.mixer_is_mlp:
-            hidden_states = self.mixer(hidden_states)
+        if can_fuse_step(hidden_states, self.norm, self.mixer, inference_params):  # one decode token, fewer kernels
+            hidden_states, residual = self.mixer.step_with_norm(hidden_states, residual, self.norm,
+                                                                self.residual_in_fp32, inference_params)
         else:
-            hidden_states = self.mixer(hidden_states, inference_params=inference_params, **mixer_kwargs)
+            hidden_states, residual = add_norm(hidden_states, residual, self.norm, self.residual_in_fp32)
+            hidden_states = self._mix(hidden_states, inference_params, mixer_kwargs)
         if self.mlp is not None:
             hidden_states, residual = add_norm(hidden_states, residual, self.norm2, self.residual_in_fp32)
             hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
 
-    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None):
-        """The mixer's cache entry; None for an MLP block (it keeps no state)."""
+    def _mix(self, hidden_states, inference_params, mixer_kwargs):
+        if self.mixer_is_mlp:
+            return self.mixer(hidden_states)
+        return self.mixer(hidden_states, inference_params=inference_params, **mixer_kwargs)
+
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None,
+                                 state_dtype=None):
+        """The mixer's cache entry; None for an MLP block (it keeps no state). ``state_dtype``: the recurrent SSM
+        state's dtype of a Mamba mixer (fp32 when None); attention's KV cache follows ``dtype``."""
         if self.mixer_is_mlp:
             return None
-        return self.mixer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, device=device)
+        if isinstance(self.mixer, MHA):
+            return self.mixer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, device=device)
+        return self.mixer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, device=device,
+                                                   state_dtype=state_dtype)
 
 
 def create_mixer(config: MambaConfig, layer_idx: int, device=None, dtype=None) -> nn.Module:

@@ -222,15 +222,18 @@ class Mamba3(nn.Module):
             y = self._output(y, z)
         return self.out_proj(y.flatten(-2).to(hidden_states.dtype))[:, None]
 
-    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None) -> Mamba3State:
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None,
+                                 state_dtype=None) -> Mamba3State:
         """-> Mamba3State: angle (batch, h, a), ssm (batch, h, p, n), k (batch, [R,] h, n) fp32 (fp64 for an fp64
-        model); v (batch, h, p) in
-        ``dtype`` (the last token's x, which the next token's trapezoid half-step reads)."""
+        model; ssm in ``state_dtype`` when given); v (batch, h, p) in ``dtype`` (the last token's x, which the next
+        token's trapezoid half-step reads)."""
         w = self.in_proj.weight
         device, dtype = device or w.device, dtype or w.dtype
         f32 = dict(device=device, dtype=torch.promote_types(torch.float32, dtype))  # fp64 only for fp64 models
         h, p, n, R = self.nheads, self.headdim, self.d_state, self.mimo_rank
         k_shape = (batch_size, R, h, n) if self.is_mimo else (batch_size, h, n)
         return Mamba3State(torch.zeros(batch_size, h, self.num_rope_angles, **f32),
-                           torch.zeros(batch_size, h, p, n, **f32), torch.zeros(*k_shape, **f32),
+                           torch.zeros(batch_size, h, p, n, **(f32 if state_dtype is None else
+                                                               dict(device=device, dtype=state_dtype))),
+                           torch.zeros(*k_shape, **f32),
                            torch.zeros(batch_size, h, p, device=device, dtype=dtype))

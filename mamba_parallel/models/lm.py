@@ -210,14 +210,21 @@ class MambaLMHeadModel(nn.Module):
         return self.loss_fn(hidden_states.flatten(0, 1), self.lm_head.weight, targets.flatten())
 
     # ---- inference ----------------------------------------------------------------------------------------------
-    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None) -> InferenceParams:
-        """A fresh cache for ``batch_size`` rows and up to ``max_seqlen`` positions (see inference/cache.py)."""
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None,
+                                 state_dtype=None) -> InferenceParams:
+        """A fresh cache for ``batch_size`` rows and up to ``max_seqlen`` positions (see inference/cache.py): conv
+        states / KV caches in ``dtype`` (the weights' by default), recurrent SSM states in ``state_dtype`` (fp32 by
+        default; bf16 halves the bytes a decode step moves at large batch, at bf16 rounding of the state)."""
+        if state_dtype is not None and (not isinstance(state_dtype, torch.dtype) or not state_dtype.is_floating_point):
+            raise ValueError(f"allocate_inference_cache: state_dtype must be a floating torch.dtype (e.g. "
+                             f"torch.bfloat16), got {state_dtype!r}")
         position = None
         if self.config.attn_layer_idx:  # attention's one-token step reads seqlen_offset from the device
             position = torch.zeros((), dtype=torch.long, device=device or self.lm_head.weight.device)
         cache = InferenceParams(max_seqlen=max_seqlen, max_batch_size=batch_size, position=position)
         for i, layer in enumerate(self.backbone.layers):
-            state = layer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, device=device)
+            state = layer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype, device=device,
+                                                   state_dtype=state_dtype)
             if state is not None:  # MLP blocks keep no state
                 idx = getattr(layer.mixer, "layer_idx", None)
                 cache.key_value_memory_dict[i if idx is None else idx] = state

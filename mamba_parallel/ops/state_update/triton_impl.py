@@ -11,7 +11,8 @@ import math
 import torch
 import triton
 
-from mamba_parallel.ops.state_update.triton_kernels import mamba1_step_kernel, mamba2_step_kernel
+from mamba_parallel.ops.state_update.triton_kernels import (mamba1_step_kernel, mamba1_xproj_step_kernel,
+                                                              mamba2_step_kernel)
 
 
 def _tile(width: int, dstate_pow2: int) -> int:
@@ -40,6 +41,31 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         y.stride(0),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None, SOFTPLUS=dt_softplus,
         HAS_IDX=state_indices is not None, BD=bd, NS=ns, num_warps=4,
+    )
+    return y
+
+
+def selective_step_from_xproj(state, x, x_dbl_parts, dt_proj_weight, A, D=None, z=None, dt_bias=None,
+                              bcdt_eps=None):
+    """state (b, d, n) in place; x, z (b, d); x_dbl_parts (S, b, r + 2n) fp32; dt_proj_weight (d, r) -> y (b, d)."""
+    b, d = x.shape
+    n = state.shape[2]
+    r = dt_proj_weight.shape[1]
+    y = torch.empty((b, d), device=x.device, dtype=x.dtype)
+    if b == 0:
+        return y
+    ns = triton.next_power_of_2(n)
+    bd = _tile(d, ns)
+    zz = z if z is not None else x
+    wdt = dt_proj_weight if dt_proj_weight.stride(1) == 1 else dt_proj_weight.contiguous()
+    parts = x_dbl_parts if x_dbl_parts.stride(2) == 1 else x_dbl_parts.contiguous()
+    mamba1_xproj_step_kernel[(triton.cdiv(d, bd), b)](
+        state, x, parts, wdt, A, D if D is not None else y, zz, dt_bias if dt_bias is not None else y, y,
+        d, n, r, parts.shape[0], float(bcdt_eps or 0.0),
+        *state.stride(), *x.stride(), parts.stride(0), parts.stride(1), wdt.stride(0), *A.stride(), *zz.stride(),
+        y.stride(0),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None, BCDT_NORM=bcdt_eps is not None,
+        BD=bd, NS=ns, RS=triton.next_power_of_2(r), num_warps=4,
     )
     return y
 
