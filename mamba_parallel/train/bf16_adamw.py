@@ -17,7 +17,7 @@ import warnings
 import torch
 
 # Host-resident weights (FSDP2 CPU offload) are updated in slices of this many elements: the fp32 temporaries of a
-# slice stay small (2 x 16 MiB) however large the tensor, and one fused AdamW pass runs over each.
+# slice stay small (16 MiB each) however large the tensor, and one update pass runs over each.
 CPU_SLICE = 1 << 22
 NOISE_POOL = 1 << 24  # random 16-bit values drawn once for the host rounding (64 MiB); slices read windows of it
 
