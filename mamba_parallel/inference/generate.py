@@ -72,8 +72,9 @@ def _runner(model, batch: int, max_seqlen: int, opts: GenerateOptions):
 
         return decode_runner(model, batch, max_seqlen, opts.cache_dtype, cuda_graph=True,
                              state_dtype=opts.state_dtype)
-    return model, model.allocate_inference_cache(batch, max_seqlen, dtype=opts.cache_dtype,
-                                                 state_dtype=opts.state_dtype)
+    # only when asked: a duck-typed model's allocate_inference_cache need not take it
+    states = {} if opts.state_dtype is None else {"state_dtype": opts.state_dtype}
+    return model, model.allocate_inference_cache(batch, max_seqlen, dtype=opts.cache_dtype, **states)
 
 
 class _Decoder:
@@ -108,6 +109,8 @@ class _Decoder:
         o = self.opts
         if o.output_logits:
             self.raw.append(logits.float().clone())  # a graphed step's logits live in a static buffer
+        if not (o.do_sample or o.output_scores or self.seen is not None or self.any_min):
+            return self._finish(logits.argmax(dim=-1))  # greedy on the logits as they are: no fp32 copy per step
         scores = logits.float()
         if self.seen is not None:
             scores = repetition_penalty_(scores, self.seen, o.repetition_penalty)
@@ -121,6 +124,10 @@ class _Decoder:
             token = scores.argmax(dim=-1)
         if o.output_scores:  # a copy when nothing changed the logits (a graphed step's are a static buffer)
             self.scores.append(scores.clone() if scores.data_ptr() == logits.data_ptr() else scores)
+        return self._finish(token)
+
+    def _finish(self, token: torch.Tensor) -> torch.Tensor:
+        """Padding for finished rows, the finished / stop-string bookkeeping, the repetition record."""
         finished_before = self.done
         if self.eos is not None or self.stop_text is not None:
             token = token.masked_fill(finished_before, self.pad)

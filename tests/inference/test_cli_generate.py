@@ -42,6 +42,13 @@ def test_greedy_by_default_streamed_or_not(folder, capsys):
     assert plain == want + "\n" and streamed == want + "\n"
 
 
+def test_state_dtype_flag(folder, capsys):
+    want = _api_text(folder, "ab", 8, state_dtype=torch.bfloat16)
+    out = _run(capsys, "--checkpoint", str(folder), "--prompt", "ab", "--max-new-tokens", "8", "--no-stream",
+               "--state-dtype", "bf16")
+    assert out == want + "\n"
+
+
 def test_stop_strings_and_stdin(folder, capsys, monkeypatch):
     full = _api_text(folder, "xy", 16)[2:]
     stop = full[3:5]  # a piece of the greedy continuation: generation stops there, it is not printed

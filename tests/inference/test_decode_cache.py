@@ -131,3 +131,32 @@ def test_graph_key_tracks_parameter_versions():
     with torch.no_grad():
         model.backbone.layers[0].mixer.A_log.mul_(1.0)
     assert _param_state(model) != before  # a captured decode step would be recaptured
+
+
+@pytest.mark.parametrize("name", ["tiny-mamba", "tiny-mamba2", "tiny-hybrid", "tiny-mamba3"])
+def test_state_dtype(name):
+    """Recurrent states in bf16 on request (fp32 by default): the cache holds them so, decoding stays close to the
+    fp32 states' logits, generate takes the option by name, a bad one is a clear error."""
+    model = _model(name)
+    cache = model.allocate_inference_cache(2, 12, state_dtype=torch.bfloat16)
+    ssm = [v[1] for v in cache.key_value_memory_dict.values() if isinstance(v, tuple)]
+    assert ssm and all(t.dtype == torch.bfloat16 for t in ssm)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.no_grad():
+            cache = model.allocate_inference_cache(2, 12, state_dtype=dtype)
+            model(ids[:, :6], inference_params=cache)
+            cache.seqlen_offset = 6
+            steps = []
+            for t in range(6, 9):
+                steps.append(model(ids[:, t:t + 1], inference_params=cache).logits)
+                cache.seqlen_offset += 1
+        logits[dtype] = torch.cat(steps, 1)
+    assert_close(logits[torch.bfloat16], logits[torch.float32], dtype=torch.bfloat16, name=f"{name} bf16 states")
+    out = model.generate(ids[:, :4], max_new_tokens=3, state_dtype="bf16")
+    assert out.shape == (2, 7)
+    with pytest.raises(ValueError, match="state_dtype"):
+        model.generate(ids[:, :4], max_new_tokens=3, state_dtype="int8")
+    with pytest.raises(ValueError, match="state_dtype"):
+        model.allocate_inference_cache(1, 4, state_dtype=torch.int32)
