@@ -1,9 +1,10 @@
-"""Parameter-derived constants of the one-token decode step, computed once per parameter version.
+"""Parameter-derived constants of the inference forward and decode step, computed once per parameter version.
 
-At batch 1 a decode step is a handful of tiny kernels per layer, so deriving ``-exp(A_log)`` in fp32 at every
-token (a cast, an exp and a negation: three launches per layer) is a visible share of it. The value only changes
-when the parameter does: it is cached on the module, keyed by the parameter's storage and version counter (every
-in-place update, e.g. an optimizer step, bumps it). Not cached when autograd must reach the parameter.
+At batch 1 a decode step is a handful of tiny kernels per layer, and a prefill is bound by the host's launches, so
+deriving ``-exp(A_log)`` in fp32 at every call (a cast, an exp and a negation: three launches per layer) is a
+visible share of either. The value only changes when the parameter does: it is cached on the module, keyed by the
+parameter's storage and version counter (every in-place update, e.g. an optimizer step, bumps it). Not cached when
+autograd must reach the parameter, nor inside torch.compile (the graph computes it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch.nn as nn
 def derived(module: nn.Module, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """fn(module.<name>), recomputed only when that parameter's storage or version changed."""
     p = getattr(module, name)
-    if (torch.is_grad_enabled() and p.requires_grad) or type(p) not in (torch.Tensor, nn.Parameter):
+    if ((torch.is_grad_enabled() and p.requires_grad) or type(p) not in (torch.Tensor, nn.Parameter)
+            or torch.compiler.is_compiling()):
         return fn(p)  # gradients must flow / a tensor subclass's version need not track the data it shows
     key = (p.data_ptr(), p._version, p.dtype, p.device)
     slot = "_decode_" + name
@@ -31,3 +33,7 @@ def derived(module: nn.Module, name: str, fn: Callable[[torch.Tensor], torch.Ten
 def neg_exp_fp32(t: torch.Tensor) -> torch.Tensor:
     """A = -exp(A_log) in fp32."""
     return -torch.exp(t.float())
+
+
+def fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float()

@@ -46,7 +46,7 @@ from torch.autograd.function import once_differentiable
 
 from mamba_parallel import ops
 from mamba_parallel.layers import init
-from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
+from mamba_parallel.layers.decode_constants import derived, fp32, neg_exp_fp32
 from mamba_parallel.layers.out_proj import fusable_linear
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.recompute import (NOTHING, SCAN_CHECKPOINT_EVERY, RecomputeInBackward, recompute_plan,
@@ -243,10 +243,11 @@ class Mamba(nn.Module):
             if rebuilt is None:
                 rebuilt = RecomputeInBackward()
             rebuilt.add(dt, lambda: _token_major_linear(w, low))
-        A = -torch.exp(self.A_log.float())
+        A = derived(self, "A_log", neg_exp_fp32)
         # the scan keeps x and dt for the backward
-        y = run_saving(rebuilt, self.seq_ops.scan, x, dt, A, B, C, D=self.D.float(),
-                       delta_bias=self.dt_proj.bias.float(), delta_softplus=True, seq_idx=seq_idx, **scan_kwargs)
+        y = run_saving(rebuilt, self.seq_ops.scan, x, dt, A, B, C, D=derived(self, "D", fp32),
+                       delta_bias=derived(self.dt_proj, "bias", fp32), delta_softplus=True, seq_idx=seq_idx,
+                       **scan_kwargs)
         if ssm_state is not None:
             y, last_state = y
             ssm_state[:b].copy_(last_state)

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from mamba_parallel import ops
 from mamba_parallel.layers import init
-from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
+from mamba_parallel.layers.decode_constants import derived, fp32, neg_exp_fp32
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.norm import RMSNormGated
 from mamba_parallel.layers.out_proj import fusable_linear, no_hooks
@@ -125,7 +125,8 @@ class Mamba2(nn.Module):
         return split_with_grad_arena(zxbcdt, [d_inner, d_inner + 2 * gn, h], dim=-1)
 
     def _D(self) -> torch.Tensor:
-        return self.D.float().view(self.nheads, self.headdim) if self.D_has_hdim else self.D.float()
+        D = derived(self, "D", fp32)
+        return D.view(self.nheads, self.headdim) if self.D_has_hdim else D
 
     def forward(self, hidden_states: torch.Tensor, inference_params=None, seq_idx: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,7 +168,7 @@ class Mamba2(nn.Module):
             rebuilt.add(xBC, lambda: self._conv(conv_in, seq_idx))
         x, B, C = split_with_grad_arena(xBC.transpose(1, 2), [self.d_inner, g * n, g * n], dim=-1)
 
-        A = -torch.exp(self.A_log.float())
+        A = derived(self, "A_log", neg_exp_fp32)
         heads, groups = (lambda t: t.unflatten(-1, (h, p))), (lambda t: t.unflatten(-1, (g, n)))
         # the scan keeps x, B, C (views of the conv output)
         # packed input may come with both seq_idx and cu_seqlens (the model derives one from the other): the op takes
