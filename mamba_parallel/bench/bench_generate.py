@@ -141,7 +141,11 @@ def run(models, peer, device, batch_sizes=(1, 64), prompt_len=256, new_tokens=25
             continue
         rows += run_model(preset, peer, device, batch_sizes, prompt_len, new_tokens, repeats, dtype, seed, log,
                           n_layer=n_layer, state_dtype=state_dtype)
-    return {"bench": "generate", "title": "Generation (public generate, CUDA graphs, greedy)",
+    # fp32 states are ours by default; bf16 ones are what mamba_ssm keeps for a bf16 model: a table of their own
+    bench, title = "generate", "Generation (public generate, CUDA graphs, greedy)"
+    if state_dtype != "fp32":
+        bench, title = f"generate_{state_dtype}_states", f"{title}, our recurrent states in {state_dtype}"
+    return {"bench": bench, "title": title,
             "settings": {"dtype": dtype, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
                          "batch_sizes": list(batch_sizes), "cuda_graph": torch.device(device).type == "cuda",
                          **({"n_layer": n_layer} if n_layer else {}),

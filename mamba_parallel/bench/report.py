@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mamba_parallel.bench.results import format_table, ratio_rule, sides_present
 
-ORDER = ("ssd", "selective_scan", "train", "train_dp", "generate", "long_context")
+ORDER = ("ssd", "selective_scan", "train", "train_dp", "generate", "generate_bf16_states", "long_context")
 DEFAULT_RESULTS = "benchmarks/results"
 DEFAULT_OUT = "docs/performance.md"
 
