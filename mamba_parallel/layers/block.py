@@ -14,7 +14,6 @@ import torch.nn as nn
 
 from mamba_parallel.config import MambaConfig
 from mamba_parallel.layers.attention import MHA
-from mamba_parallel.layers.fused_step import can_fuse_step
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
 from mamba_parallel.layers.mamba3 import Mamba3
@@ -43,21 +42,15 @@ class Block(nn.Module):
 
         ``mixer_kwargs``: seq_idx, cu_seqlens, position_ids (passed to the mixer).
         """
-        if can_fuse_step(hidden_states, self.norm, self.mixer, inference_params):  # one decode token, fewer kernels
-            hidden_states, residual = self.mixer.step_with_norm(hidden_states, residual, self.norm,
-                                                                self.residual_in_fp32, inference_params)
+        hidden_states, residual = add_norm(hidden_states, residual, self.norm, self.residual_in_fp32)
+        if self.mixer_is_mlp:
+            hidden_states = self.mixer(hidden_states)
         else:
-            hidden_states, residual = add_norm(hidden_states, residual, self.norm, self.residual_in_fp32)
-            hidden_states = self._mix(hidden_states, inference_params, mixer_kwargs)
+            hidden_states = self.mixer(hidden_states, inference_params=inference_params, **mixer_kwargs)
         if self.mlp is not None:
             hidden_states, residual = add_norm(hidden_states, residual, self.norm2, self.residual_in_fp32)
             hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
-
-    def _mix(self, hidden_states, inference_params, mixer_kwargs):
-        if self.mixer_is_mlp:
-            return self.mixer(hidden_states)
-        return self.mixer(hidden_states, inference_params=inference_params, **mixer_kwargs)
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None,
                                  state_dtype=None):

@@ -289,29 +289,6 @@ class Mamba(nn.Module):
                                        dt_softplus=True)
         return self.out_proj(y)[:, None]
 
-    def step_linears(self) -> tuple[nn.Module, ...]:
-        """The projections ``step_with_norm`` reads directly (layers/fused_step.py)."""
-        return self.in_proj, self.x_proj, self.dt_proj
-
-    def step_with_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
-                       residual_in_fp32: bool, inference_params) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode token with the block's pre-norm folded in (layers/fused_step.py), four kernels: add + norm +
-        in_proj + conv update; x_proj as split-K partials; their sum, dt_proj and the state update; out_proj.
-        hidden_states, residual (b, 1, d_model) (residual None in the first block) -> (out, new residual), both
-        (b, 1, d_model)."""
-        conv_state, ssm_state = inference_params.states(self.layer_idx)
-        b, d_inner = hidden_states.shape[0], self.d_inner
-        conv = ops.ConvStep(conv_state[:b], self.conv1d.weight[:, 0, :], self.conv1d.bias, start=0)
-        xz, residual = ops.add_rms_norm_linear(hidden_states[:, 0], None if residual is None else residual[:, 0],
-                                               norm.weight, self.in_proj.weight, self.in_proj.bias, norm.eps,
-                                               residual_in_fp32, conv=conv)
-        x, z = xz.split([d_inner, d_inner], dim=-1)
-        parts = ops.linear_partials(x, self.x_proj.weight)
-        y = ops.selective_step_from_xproj(ssm_state[:b], x, parts, self.dt_proj.weight,
-                                          derived(self, "A_log", neg_exp_fp32), D=self.D, z=z,
-                                          dt_bias=self.dt_proj.bias, bcdt_eps=self.bcdt_rms_eps)
-        return self.out_proj(y)[:, None], residual[:, None]
-
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None,
                                  state_dtype=None):
         """-> (conv_state (batch, d_inner, d_conv - 1) in ``dtype``, ssm_state (batch, d_inner, d_state) in

@@ -219,47 +219,13 @@ class Mamba2(nn.Module):
         x, B, C = xBC.split([self.d_inner, g * n, g * n], dim=-1)
         A = derived(self, "A_log", neg_exp_fp32)
         y = ops.ssd_state_update(ssm_state[:b], x.unflatten(-1, (h, p)), dt, A, B.unflatten(-1, (g, n)),
-                                 C.unflatten(-1, (g, n)), D=self._D_step(),
+                                 C.unflatten(-1, (g, n)), D=self.D.view(h, p) if self.D_has_hdim else self.D,
                                  z=None if self.rmsnorm else z.unflatten(-1, (h, p)), dt_bias=self.dt_bias,
                                  dt_softplus=True, dt_limit=self.dt_limit)
         y = y.flatten(-2)
         if self.rmsnorm:
             y = self.norm(y, z)
         return self.out_proj(y)[:, None]
-
-    def step_linears(self) -> tuple[nn.Module, ...]:
-        """The projections ``step_with_norm`` reads directly (layers/fused_step.py)."""
-        return self.in_proj, self.out_proj
-
-    def step_with_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
-                       residual_in_fp32: bool, inference_params) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode token with the block's pre-norm folded in (layers/fused_step.py), three kernels: add + norm +
-        in_proj + conv update, the state update, gated norm + out_proj. hidden_states, residual (b, 1, d_model)
-        (residual None in the first block) -> (out (b, 1, d_model), new residual (b, 1, d_model))."""
-        conv_state, ssm_state = inference_params.states(self.layer_idx)
-        b = hidden_states.shape[0]
-        h, p, g, n = self.nheads, self.headdim, self.ngroups, self.d_state
-        conv = ops.ConvStep(conv_state[:b], self.conv1d.weight[:, 0, :], self.conv1d.bias, start=self.d_inner)
-        zxbcdt, residual = ops.add_rms_norm_linear(hidden_states[:, 0], None if residual is None else residual[:, 0],
-                                                   norm.weight, self.in_proj.weight, self.in_proj.bias, norm.eps,
-                                                   residual_in_fp32, conv=conv)
-        z, xBC, dt = self._split_in_proj(zxbcdt)
-        x, B, C = xBC.split([self.d_inner, g * n, g * n], dim=-1)
-        y = ops.ssd_state_update(ssm_state[:b], x.unflatten(-1, (h, p)), dt, derived(self, "A_log", neg_exp_fp32),
-                                 B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)), D=self._D_step(),
-                                 z=None if self.rmsnorm else z.unflatten(-1, (h, p)), dt_bias=self.dt_bias,
-                                 dt_softplus=True, dt_limit=self.dt_limit).flatten(-2)
-        if not self.rmsnorm:
-            out = self.out_proj(y)
-        elif type(self.norm) is RMSNormGated and no_hooks(self.norm):
-            out = ops.gated_rms_norm_linear(y, z, self.norm.weight, self.out_proj.weight, self.out_proj.bias,
-                                            self.norm.eps, self.norm.group_size, self.norm.norm_before_gate)
-        else:
-            out = self.out_proj(self.norm(y, z))
-        return out[:, None], residual[:, None]
-
-    def _D_step(self) -> torch.Tensor:
-        return self.D.view(self.nheads, self.headdim) if self.D_has_hdim else self.D  # the step computes in fp32
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None,
                                  state_dtype=None):

@@ -17,13 +17,11 @@ from mamba_parallel.ops.selective_scan import selective_scan
 from mamba_parallel.ops.selective_scan.naive import selective_scan_sequential
 from mamba_parallel.ops.ssd import ssd_chunk_scan
 from mamba_parallel.ops.ssd.naive import ssd_sequential
-from mamba_parallel.ops.state_update import selective_state_update, selective_step_from_xproj, ssd_state_update
-from mamba_parallel.ops.step_linear import ConvStep, add_rms_norm_linear, linear_partials
+from mamba_parallel.ops.state_update import selective_state_update, ssd_state_update
 
 __all__ = [
     "selective_scan", "ssd_chunk_scan", "causal_conv1d", "causal_conv1d_update", "rms_norm", "add_rms_norm",
     "gated_rms_norm", "gated_rms_norm_linear", "selective_state_update", "ssd_state_update", "linear_cross_entropy",
-    "selective_step_from_xproj", "add_rms_norm_linear", "linear_partials", "ConvStep",
     "ssd_sequential", "selective_scan_sequential", "token_major", "silu_gate", "use_backend", "use_eager_fastpath",
     "use_autotune",
 ]
@@ -34,5 +32,5 @@ from mamba_parallel.ops._common import kernel_module as _kernel_module  # noqa: 
 from mamba_parallel.ops.backend import triton_available as _triton_available  # noqa: E402
 
 if _triton_available():
-    for _pkg in ("conv1d", "cross_entropy", "layout", "norm", "selective_scan", "ssd", "state_update", "step_linear"):
+    for _pkg in ("conv1d", "cross_entropy", "layout", "norm", "selective_scan", "ssd", "state_update"):
         _kernel_module(f"{__name__}.{_pkg}")

@@ -19,7 +19,6 @@ from mamba_parallel.ops._common import linear_dtype
 from mamba_parallel.ops.eager_fastpath import eager, fastpath
 from mamba_parallel.ops.grad_arena import grad_slot
 from mamba_parallel.ops.norm import naive
-from mamba_parallel.ops.step_linear import triton_impl as step_linear
 from mamba_parallel.ops.norm.triton_impl import _fp64, _launch_bwd, _norm_fwd_impl, _tagged_rows
 
 
@@ -121,10 +120,6 @@ fastpath(_fwd, _fwd_impl, setup_context=_setup_context, backward=_backward)
 
 # -------------------------------------------------------------------------------------------- public-named entry
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def gated_rms_norm_linear(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Tensor, out_weight: torch.Tensor,
                           out_bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
                           group_size: Optional[int] = None, norm_before_gate: bool = False) -> torch.Tensor:
@@ -133,14 +128,6 @@ def gated_rms_norm_linear(x: torch.Tensor, z: Optional[torch.Tensor], weight: to
         return naive.gated_rms_norm_linear(x, z, weight, out_weight, out_bias, eps, group_size, norm_before_gate)
     d = x.shape[-1]
     gs = d if group_size is None else int(group_size)
-    rows = x.numel() // max(d, 1)
-    mm_dtype = linear_dtype(x, out_weight)
-    if (step_linear.supports_rows(rows) and not _needs_grad(x, z, weight, out_weight, out_bias)
-            and x.dtype == out_weight.dtype == mm_dtype and not torch.compiler.is_compiling()):
-        # a decode step's few rows: norm and GEMV in one launch, bound by out_weight's bytes
-        out = step_linear.gated_rms_norm_linear(x.reshape(rows, d), None if z is None else z.reshape(rows, d),
-                                                weight, out_weight, out_bias, eps, gs, bool(norm_before_gate))
-        return out.view(*x.shape[:-1], out_weight.shape[0])
     out, _ = eager(_fwd)(_tagged_rows(x, d), _tagged_rows(z, d), weight, out_weight, out_bias, float(eps), gs,
-                         bool(norm_before_gate), mm_dtype)
+                         bool(norm_before_gate), linear_dtype(x, out_weight))
     return out.view(*x.shape[:-1], out_weight.shape[0])

@@ -65,38 +65,6 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     return naive.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_indices)
 
 
-def selective_step_from_xproj(state: torch.Tensor, x: torch.Tensor, x_dbl_parts: torch.Tensor,
-                              dt_proj_weight: torch.Tensor, A: torch.Tensor, D: torch.Tensor | None = None,
-                              z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-                              bcdt_eps: float | None = None) -> torch.Tensor:
-    """One Mamba-1 token after its conv, from x_proj's split-K partials (``ops.step_linear.linear_partials``).
-    state (b, d, n) updated IN PLACE; x, z (b, d); x_dbl_parts (S, b, r + 2n) fp32; dt_proj_weight (d, r) in
-    x.dtype; A (d, n); D, dt_bias (d,) -> y (b, d) in x.dtype.
-
-    x_dbl = x_dbl_parts.sum(0) in x.dtype; with ``bcdt_eps`` its dt_low / B / C pieces are each divided by their
-    root mean square (Falcon-Mamba); dt = dt_low @ dt_proj_weight^T in x.dtype; then ``selective_state_update(
-    state, x, dt, A, B, C, D, z, dt_bias, dt_softplus=True)``.
-    """
-    op = "selective_step_from_xproj"
-    check_ndim(op, "x", x, (2,), "(b, d)")
-    b, d = x.shape
-    check_ndim(op, "state", state, (3,), "(b, d, n)")
-    n = state.shape[2]
-    check_shape(op, "state", state, ("b", b), ("d", d), ("n", n))
-    check_ndim(op, "dt_proj_weight", dt_proj_weight, (2,), "(d, r)")
-    r = dt_proj_weight.shape[1]
-    check_shape(op, "dt_proj_weight", dt_proj_weight, ("d", d), ("r", r))
-    check_ndim(op, "x_dbl_parts", x_dbl_parts, (3,), "(S, b, r + 2n)")
-    check_shape(op, "x_dbl_parts", x_dbl_parts, ("S", x_dbl_parts.shape[0]), ("b", b), ("r + 2n", r + 2 * n))
-    check_shape(op, "A", A, ("d", d), ("n", n))
-    check_shape(op, "D", D, ("d", d))
-    check_shape(op, "z", z, ("b", b), ("d", d))
-    check_shape(op, "dt_bias", dt_bias, ("d", d))
-    if use_triton(x, op=op, has_kernel=_kernel() is not None):
-        return _kernel().selective_step_from_xproj(state, x, x_dbl_parts, dt_proj_weight, A, D, z, dt_bias, bcdt_eps)
-    return naive.selective_step_from_xproj(state, x, x_dbl_parts, dt_proj_weight, A, D, z, dt_bias, bcdt_eps)
-
-
 def ssd_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                      C: torch.Tensor, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
                      dt_bias: torch.Tensor | None = None, dt_softplus: bool = False,
@@ -135,4 +103,4 @@ def ssd_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: 
     return naive.ssd_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, state_indices)
 
 
-__all__ = ["selective_state_update", "selective_step_from_xproj", "ssd_state_update"]
+__all__ = ["selective_state_update", "ssd_state_update"]

@@ -71,22 +71,3 @@ def ssd_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_sof
     if z is not None:
         y = y * F.silu(z.to(ct))
     return y.to(x.dtype)
-
-
-def _rms_pieces(x_dbl: torch.Tensor, sizes: list[int], eps: float) -> torch.Tensor:
-    """Each piece of x_dbl's last dim divided by its root mean square (+ eps), fp32 math, x_dbl's dtype."""
-    pieces = x_dbl.float().split(sizes, dim=-1)
-    return torch.cat([p * torch.rsqrt(p.square().mean(-1, keepdim=True) + eps) for p in pieces], -1).to(x_dbl.dtype)
-
-
-def selective_step_from_xproj(state, x, x_dbl_parts, dt_proj_weight, A, D=None, z=None, dt_bias=None,
-                              bcdt_eps=None):
-    """The Mamba-1 step after its conv: x_dbl = x_dbl_parts.sum(0) in x.dtype (x_proj's output), [weightless RMS
-    norm of its dt / B / C pieces], dt = dt_low @ dt_proj_weight^T, then ``selective_state_update`` (softplus)."""
-    r, n = dt_proj_weight.shape[1], state.shape[2]
-    x_dbl = x_dbl_parts.sum(0).to(x.dtype)
-    if bcdt_eps is not None:
-        x_dbl = _rms_pieces(x_dbl, [r, n, n], bcdt_eps)
-    dt_low, B, C = x_dbl.split([r, n, n], dim=-1)
-    dt = F.linear(dt_low, dt_proj_weight.to(x.dtype))
-    return selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, True)

@@ -11,8 +11,7 @@ import math
 import torch
 import triton
 
-from mamba_parallel.ops.state_update.triton_kernels import (mamba1_step_kernel, mamba1_xproj_step_kernel,
-                                                              mamba2_step_kernel)
+from mamba_parallel.ops.state_update.triton_kernels import mamba1_step_kernel, mamba2_step_kernel
 
 
 def _tile(width: int, dstate_pow2: int) -> int:
@@ -20,51 +19,27 @@ def _tile(width: int, dstate_pow2: int) -> int:
     return max(1, min(triton.next_power_of_2(width), max(1, 2048 // dstate_pow2)))
 
 
-def _mamba1_launch_setup(state, x, z):
-    """The output (b, d), the state's padded width, the channels per program and the gate (x stands in for none)."""
-    ns = triton.next_power_of_2(state.shape[2])
-    return (torch.empty(x.shape, device=x.device, dtype=x.dtype), ns, _tile(x.shape[1], ns),
-            z if z is not None else x)
-
-
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
                            state_indices=None):
     """state (B, d, n) in place; x, dt, z (b, d); A (d, n); B, C (b, n) or (b, g, n); D, dt_bias (d,) -> y (b, d)."""
     b, d = x.shape
+    n = state.shape[2]
     B3 = B if B.dim() == 3 else B.unsqueeze(1)
     C3 = C if C.dim() == 3 else C.unsqueeze(1)
-    y, ns, bd, zz = _mamba1_launch_setup(state, x, z)
+    y = torch.empty((b, d), device=x.device, dtype=x.dtype)
     if b == 0:
         return y
+    ns = triton.next_power_of_2(n)
+    bd = _tile(d, ns)
+    zz = z if z is not None else x
     mamba1_step_kernel[(triton.cdiv(d, bd), b)](
         state, x, dt, A, B3, C3, D if D is not None else y, zz, dt_bias if dt_bias is not None else y,
         state_indices if state_indices is not None else y, y,
-        d, state.shape[2], d // B3.shape[1],
+        d, n, d // B3.shape[1],
         *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B3.stride(), *C3.stride(), *zz.stride(),
         y.stride(0),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None, SOFTPLUS=dt_softplus,
         HAS_IDX=state_indices is not None, BD=bd, NS=ns, num_warps=4,
-    )
-    return y
-
-
-def selective_step_from_xproj(state, x, x_dbl_parts, dt_proj_weight, A, D=None, z=None, dt_bias=None,
-                              bcdt_eps=None):
-    """state (b, d, n) in place; x, z (b, d); x_dbl_parts (S, b, r + 2n) fp32; dt_proj_weight (d, r) -> y (b, d)."""
-    b, d = x.shape
-    r = dt_proj_weight.shape[1]
-    y, ns, bd, zz = _mamba1_launch_setup(state, x, z)
-    if b == 0:
-        return y
-    wdt = dt_proj_weight if dt_proj_weight.stride(1) == 1 else dt_proj_weight.contiguous()
-    parts = x_dbl_parts if x_dbl_parts.stride(2) == 1 else x_dbl_parts.contiguous()
-    mamba1_xproj_step_kernel[(triton.cdiv(d, bd), b)](
-        state, x, parts, wdt, A, D if D is not None else y, zz, dt_bias if dt_bias is not None else y, y,
-        d, state.shape[2], r, parts.shape[0], float(bcdt_eps or 0.0),
-        *state.stride(), *x.stride(), parts.stride(0), parts.stride(1), wdt.stride(0), *A.stride(), *zz.stride(),
-        y.stride(0),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None, BCDT_NORM=bcdt_eps is not None,
-        BD=bd, NS=ns, RS=triton.next_power_of_2(r), num_warps=4,
     )
     return y
 

@@ -16,27 +16,6 @@ def _softplus(x):
 
 
 @triton.jit
-def _mamba1_update(state_ptr, x_ptr, A_ptr, Cv, Bv, dt, D_ptr, z_ptr, y_ptr, row, pid_b, offs_d, offs_n, md, m2,
-                   ss_b, ss_d, ss_n, sx_b, sx_d, sA_d, sA_n, sz_b, sz_d, sy_b,
-                   HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
-    """state[row, d-block, :] <- exp(dt A) state + dt x B; y = (state C + D x) silu(z), for dt (BD,) after its
-    bias / softplus and B / C (BD, NS) per channel."""
-    s_ptrs = state_ptr + row * ss_b + offs_d[:, None] * ss_d + offs_n[None, :] * ss_n
-    s = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + pid_b * sx_b + offs_d * sx_d, mask=md, other=0.0).to(tl.float32)
-    A = tl.load(A_ptr + offs_d[:, None] * sA_d + offs_n[None, :] * sA_n, mask=m2, other=0.0).to(tl.float32)
-    s = tl.exp(dt[:, None] * A) * s + (dt * x)[:, None] * Bv
-    tl.store(s_ptrs, s, mask=m2)
-    y = tl.sum(s * Cv, axis=1)
-    if HAS_D:
-        y += tl.load(D_ptr + offs_d, mask=md, other=0.0).to(tl.float32) * x
-    if HAS_Z:
-        zv = tl.load(z_ptr + pid_b * sz_b + offs_d * sz_d, mask=md, other=0.0).to(tl.float32)
-        y *= zv * tl.sigmoid(zv)
-    tl.store(y_ptr + pid_b * sy_b + offs_d, y, mask=md)
-
-
-@triton.jit
 def mamba1_step_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, idx_ptr, y_ptr,
     dim, dstate, d_per_group,
@@ -56,70 +35,28 @@ def mamba1_step_kernel(
     m2 = md[:, None] & mn[None, :]
     grp = offs_d // d_per_group  # B / C group of each channel
 
+    s_ptrs = state_ptr + row * ss_b + offs_d[:, None] * ss_d + offs_n[None, :] * ss_n
+    s = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + pid_b * sx_b + offs_d * sx_d, mask=md, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + pid_b * sdt_b + offs_d * sdt_d, mask=md, other=0.0).to(tl.float32)
     if HAS_DTB:
         dt += tl.load(dtb_ptr + offs_d, mask=md, other=0.0).to(tl.float32)
     if SOFTPLUS:
         dt = _softplus(dt)
-    Bv = tl.load(B_ptr + pid_b * sB_b + grp[:, None] * sB_g + offs_n[None, :] * sB_n, mask=m2,
-                 other=0.0).to(tl.float32)
+    A = tl.load(A_ptr + offs_d[:, None] * sA_d + offs_n[None, :] * sA_n, mask=m2, other=0.0).to(tl.float32)
+    bc_off = grp[:, None] * sB_g + offs_n[None, :] * sB_n
+    Bv = tl.load(B_ptr + pid_b * sB_b + bc_off, mask=m2, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + pid_b * sC_b + grp[:, None] * sC_g + offs_n[None, :] * sC_n, mask=m2,
                  other=0.0).to(tl.float32)
-    _mamba1_update(state_ptr, x_ptr, A_ptr, Cv, Bv, dt, D_ptr, z_ptr, y_ptr, row, pid_b, offs_d, offs_n, md, m2,
-                   ss_b, ss_d, ss_n, sx_b, sx_d, sA_d, sA_n, sz_b, sz_d, sy_b, HAS_D, HAS_Z)
-
-
-@triton.jit
-def _piece_rms(v, eps, count):
-    """v / sqrt(mean(v^2) + eps) over the piece (masked lanes are zero)."""
-    return v / tl.sqrt(tl.sum(v * v, axis=0) / count + eps)
-
-
-@triton.jit
-def mamba1_xproj_step_kernel(
-    state_ptr, x_ptr, parts_ptr, wdt_ptr, A_ptr, D_ptr, z_ptr, dtb_ptr, y_ptr,
-    dim, dstate, rank, nsplit, eps,
-    ss_b, ss_d, ss_n, sx_b, sx_d, sp_s, sp_b, swdt_d, sA_d, sA_n, sz_b, sz_d, sy_b,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, BCDT_NORM: tl.constexpr,
-    BD: tl.constexpr, NS: tl.constexpr, RS: tl.constexpr,
-):
-    """Program (channel block, sequence): x_proj's output summed from its split-K partials (every program sums the
-    few hundred values itself), rounded to x's dtype as x_proj's output is; [the weightless dt / B / C norms];
-    this block's dt = dt_low @ dt_proj_weight^T (rounded likewise); then the state update."""
-    pid_d = tl.program_id(0)
-    pid_b = tl.program_id(1).to(tl.int64)
-    offs_d = pid_d * BD + tl.arange(0, BD)
-    offs_n = tl.arange(0, NS)
-    offs_r = tl.arange(0, RS)
-    md = offs_d < dim
-    mn = offs_n < dstate
-    mr = offs_r < rank
-    m2 = md[:, None] & mn[None, :]
-    io_ty = x_ptr.dtype.element_ty
-
-    p = parts_ptr + pid_b * sp_b
-    dt_low = tl.zeros((RS,), dtype=tl.float32)
-    Bv = tl.zeros((NS,), dtype=tl.float32)
-    Cv = tl.zeros((NS,), dtype=tl.float32)
-    for s in range(nsplit):
-        dt_low += tl.load(p + s * sp_s + offs_r, mask=mr, other=0.0)
-        Bv += tl.load(p + s * sp_s + rank + offs_n, mask=mn, other=0.0)
-        Cv += tl.load(p + s * sp_s + rank + dstate + offs_n, mask=mn, other=0.0)
-    dt_low = dt_low.to(io_ty).to(tl.float32)
-    Bv = Bv.to(io_ty).to(tl.float32)
-    Cv = Cv.to(io_ty).to(tl.float32)
-    if BCDT_NORM:
-        dt_low = _piece_rms(dt_low, eps, rank).to(io_ty).to(tl.float32)
-        Bv = _piece_rms(Bv, eps, dstate).to(io_ty).to(tl.float32)
-        Cv = _piece_rms(Cv, eps, dstate).to(io_ty).to(tl.float32)
-    wdt = tl.load(wdt_ptr + offs_d[:, None] * swdt_d + offs_r[None, :], mask=md[:, None] & mr[None, :],
-                  other=0.0).to(tl.float32)
-    dt = tl.sum(wdt * dt_low[None, :], axis=1).to(io_ty).to(tl.float32)
-    if HAS_DTB:
-        dt += tl.load(dtb_ptr + offs_d, mask=md, other=0.0).to(tl.float32)
-    dt = _softplus(dt)
-    _mamba1_update(state_ptr, x_ptr, A_ptr, Cv[None, :], Bv[None, :], dt, D_ptr, z_ptr, y_ptr, pid_b, pid_b, offs_d,
-                   offs_n, md, m2, ss_b, ss_d, ss_n, sx_b, sx_d, sA_d, sA_n, sz_b, sz_d, sy_b, HAS_D, HAS_Z)
+    s = tl.exp(dt[:, None] * A) * s + (dt * x)[:, None] * Bv
+    tl.store(s_ptrs, s, mask=m2)
+    y = tl.sum(s * Cv, axis=1)
+    if HAS_D:
+        y += tl.load(D_ptr + offs_d, mask=md, other=0.0).to(tl.float32) * x
+    if HAS_Z:
+        zv = tl.load(z_ptr + pid_b * sz_b + offs_d * sz_d, mask=md, other=0.0).to(tl.float32)
+        y *= zv * tl.sigmoid(zv)
+    tl.store(y_ptr + pid_b * sy_b + offs_d, y, mask=md)
 
 
 @triton.jit
