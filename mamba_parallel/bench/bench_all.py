@@ -23,7 +23,7 @@ import time
 import torch
 
 from mamba_parallel.bench import candidates, peer as peer_mod
-from mamba_parallel.bench.results import error_text, publish, say
+from mamba_parallel.bench.results import add_git_commit_flag, error_text, publish, say
 from mamba_parallel.bench.timing import Deadline
 
 SECTIONS = ("ssd", "selective_scan", "train", "generate", "long_context")
@@ -85,8 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-candidates", type=candidates.parse, default=None, metavar="I/K",
                     help="internal, set on the warm-up processes of --precompile-workers: every autotuned kernel "
                          "tries only its candidates I, I+K, I+2K, ... (K processes compile disjoint binaries)")
-    ap.add_argument("--git-commit", default=None, metavar="SHA",
-                    help="the commit to record in the results (default: the checkout's, when it has .git)")
+    add_git_commit_flag(ap)
     g = ap.add_argument_group("sizes (defaults: the published set)")
     g.add_argument("--kernel-warmup", type=int, default=3, help="kernel calls before timing (default 3)")
     g.add_argument("--kernel-reps", type=int, default=10, help="timed kernel calls, median (default 10)")

@@ -20,7 +20,7 @@ import statistics
 import torch
 
 from mamba_parallel.bench import peer as peer_mod
-from mamba_parallel.bench.results import error_text, make_row, publish, say
+from mamba_parallel.bench.results import add_git_commit_flag, error_text, make_row, publish, say
 from mamba_parallel.bench.timing import DTYPES, Clock
 
 MODELS = ["mamba2-130m", "mamba2-2.7b", "mamba-2.8b"]
@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="weights and prompt seed (default: 0)")
     ap.add_argument("--json", metavar="PATH", default=None,
                     help="write the result: a .json file, or a folder (then <date>-<device>/generate.json in it)")
+    add_git_commit_flag(ap)
     return ap
 
 
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     peer = peer_mod.resolve_peer(a.peer, a.peer_impl)
     result = run(a.models, peer, device, a.batch_sizes, a.prompt_len, a.new_tokens, a.repeats, a.dtype, a.seed,
                  state_dtype=a.state_dtype)
-    publish(result, device, peer, path=a.json)
+    publish(result, device, peer, path=a.json, git_commit=a.git_commit)
     return 0
 
 

@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--parity", action="store_true", help="compare the cp model with one device instead of timing")
     p.add_argument("--json", default=None,
                    help="append the JSON record to this file (probe: a .json file or a results folder)")
+    from mamba_parallel.bench.results import add_git_commit_flag
+
+    add_git_commit_flag(p)
     return p
 
 
@@ -211,7 +214,7 @@ def run_probe(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     peer = peer_mod.resolve_peer(args.peer, args.peer_impl)
     result = long_context_probe.run(args.preset, peer, device, args.start, args.max_len)
-    publish(result, device, peer, path=args.json)
+    publish(result, device, peer, path=args.json, git_commit=args.git_commit)
     return 0
 
 

@@ -294,9 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a, device, peer, deadline = kernels.parse_run_args(build_parser(), argv)
-    partial = ResultFile(device, peer, a.json)
+    partial = ResultFile(device, peer, a.json, git_commit=a.git_commit)
     result = run(peer, device, a.dtype, a.sections, warmup=a.warmup, reps=a.reps, deadline=deadline, save=partial)
-    publish(result, device, peer, None, partial.final())
+    publish(result, device, peer, None, partial.final(), git_commit=a.git_commit)
     return 0
 
 

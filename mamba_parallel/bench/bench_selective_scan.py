@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     a, device, peer, deadline = kernels.parse_run_args(build_parser(), argv)
     result = run([tuple(s) for s in a.shape] if a.shape else SHAPES, a.dtype, device, peer, a.warmup, a.reps,
                  deadline=deadline)
-    publish(result, device, peer, None, a.json)
+    publish(result, device, peer, None, a.json, git_commit=a.git_commit)
     return 0
 
 

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     fla_fn = None if a.no_fla else peer_mod.load_fla()
     result = run([tuple(s) for s in a.shape] if a.shape else SHAPES, a.dtype, device, peer, fla_fn, a.chunk,
                  a.warmup, a.reps, deadline=deadline)
-    publish(result, device, peer, fla_fn, a.json)
+    publish(result, device, peer, fla_fn, a.json, git_commit=a.git_commit)
     return 0
 
 

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "issue each phase in the timed steps, and device-synchronised time in extra steps")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="also write the result to FILE (side by side: a .json file or a results folder)")
+    from mamba_parallel.bench.results import add_git_commit_flag
+
+    add_git_commit_flag(p)
     add_peer_flags(p)
     return p
 
@@ -128,7 +131,7 @@ def _run_side_by_side(a: argparse.Namespace, peer) -> int:
                                            a.warmup_steps, a.steps, bench_train_dp.DP_MODES, a.json)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     result = train_side_by_side.run([a.preset], peer, device, a.seq_len, a.batch_size, a.warmup_steps, a.steps)
-    publish(result, device, peer, path=a.json)
+    publish(result, device, peer, path=a.json, git_commit=a.git_commit)
     return 0
 
 

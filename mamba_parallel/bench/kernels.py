@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from mamba_parallel.bench.results import error_text, make_row
+from mamba_parallel.bench.results import add_git_commit_flag, error_text, make_row
 from mamba_parallel.bench.timing import time_calls
 
 MODES = ("fwd", "fwd+bwd", "inference")
@@ -186,3 +186,4 @@ def add_device_flags(ap) -> None:
                          "still written (default: no limit)")
     ap.add_argument("--json", metavar="PATH", default=None,
                     help="write the result: a .json file, or a folder (then <date>-<device>/<bench>.json in it)")
+    add_git_commit_flag(ap)

@@ -75,6 +75,12 @@ def _git_commit() -> str | None:
     return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def add_git_commit_flag(ap) -> None:
+    """--git-commit: the commit a result records, for a copy of the tree whose .git is missing or not its own."""
+    ap.add_argument("--git-commit", default=None, metavar="SHA",
+                    help="the commit to record in the results (default: the checkout's, when it has .git)")
+
+
 def device_name(device) -> str:
     import torch
 

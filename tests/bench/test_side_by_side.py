@@ -193,6 +193,15 @@ def test_long_context_probe_stops_at_the_first_out_of_memory():
     assert found[32]["tokens_per_s"] > 0
 
 
+def test_a_given_git_commit_is_recorded(tmp_path):
+    """--git-commit names the tree that ran where the checkout's .git is missing or another tree's."""
+    out = tmp_path / "generate.json"
+    assert bench_generate.main(["--peer-impl", "reference", "--device", "cpu", "--models", "tiny-mamba2",
+                                "--batch-sizes", "1", "--prompt-len", "3", "--new-tokens", "2", "--repeats", "1",
+                                "--git-commit", "0123abc", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["meta"]["git_commit"] == "0123abc"
+
+
 # ---- bench all, the result files, the report ----------------------------------------------------------------------
 TINY_ALL = ["--peer-impl", "reference", "--device", "cpu", "--ssd-shape", *map(str, TINY_SSD), "--ssd-chunk", "16",
             "--scan-shape", *map(str, TINY_SCAN), "--kernel-warmup", "0", "--kernel-reps", "1",
