@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from mamba_parallel.bench import peer as peer_mod
+from mamba_parallel.bench.results import add_git_commit_flag, publish
 
 OOM_EXIT = 3
 
@@ -52,8 +53,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--parity", action="store_true", help="compare the cp model with one device instead of timing")
     p.add_argument("--json", default=None,
                    help="append the JSON record to this file (probe: a .json file or a results folder)")
-    from mamba_parallel.bench.results import add_git_commit_flag
-
     add_git_commit_flag(p)
     return p
 
@@ -209,7 +208,6 @@ def run_parity(args) -> dict:
 
 def run_probe(args) -> int:
     from mamba_parallel.bench import long_context_probe
-    from mamba_parallel.bench.results import publish
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     peer = peer_mod.resolve_peer(args.peer, args.peer_impl)

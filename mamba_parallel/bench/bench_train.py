@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mamba_parallel.bench.peer import add_peer_flags, resolve_peer
+from mamba_parallel.bench.results import add_git_commit_flag, publish
 
 
 def _non_negative_float(text: str) -> float:
@@ -97,8 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "issue each phase in the timed steps, and device-synchronised time in extra steps")
     p.add_argument("--json", metavar="FILE", default=None,
                    help="also write the result to FILE (side by side: a .json file or a results folder)")
-    from mamba_parallel.bench.results import add_git_commit_flag
-
     add_git_commit_flag(p)
     add_peer_flags(p)
     return p
@@ -124,11 +123,11 @@ def _side_by_side_peer(a: argparse.Namespace):
 
 def _run_side_by_side(a: argparse.Namespace, peer) -> int:
     from mamba_parallel.bench import bench_train_dp, train_side_by_side
-    from mamba_parallel.bench.results import publish
 
     if dist.is_torchelastic_launched():  # torchrun: the peer in DDP beside ours (FSDP2 and DDP) on every rank
         return bench_train_dp.run_launched([a.preset], a.peer, a.peer_impl, a.device, a.seq_len, a.batch_size,
-                                           a.warmup_steps, a.steps, bench_train_dp.DP_MODES, a.json)
+                                           a.warmup_steps, a.steps, bench_train_dp.DP_MODES, a.json,
+                                           git_commit=a.git_commit)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     result = train_side_by_side.run([a.preset], peer, device, a.seq_len, a.batch_size, a.warmup_steps, a.steps)
     publish(result, device, peer, path=a.json, git_commit=a.git_commit)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from mamba_parallel.bench import train_side_by_side as sbs
 from mamba_parallel.bench.peer import add_peer_flags, load_ours, resolve_peer, save_peer_weights
-from mamba_parallel.bench.results import error_text, publish, say, write_result
+from mamba_parallel.bench.results import add_git_commit_flag, error_text, publish, say, write_result
 from mamba_parallel.config import PRESETS
 
 DP_MODES = ("fsdp", "ddp")
@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="our data-parallel modes timed beside the peer: fsdp (our default), ddp (default: both)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--json", metavar="PATH", default=None, help="a .json file or a results folder")
+    add_git_commit_flag(p)
     add_peer_flags(p)
     return p
 
@@ -207,12 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     return run_launched(a.presets, a.peer, a.peer_impl, a.device, a.seq_len, a.batch_size, a.warmup_steps, a.steps,
-                        parse_modes(a.dp_modes), a.json)
+                        parse_modes(a.dp_modes), a.json, git_commit=a.git_commit)
 
 
-def run_launched(presets, wanted_peer, peer_impl, device, seq_len, batch, warmup, steps, modes, json_path) -> int:
+def run_launched(presets, wanted_peer, peer_impl, device, seq_len, batch, warmup, steps, modes, json_path,
+                 git_commit: str | None = None) -> int:
     """The side by side on every rank of this launch (torchrun: the data-parallel one; rank 0 prints and writes),
-    or in this one process (the one-GPU side by side)."""
+    or in this one process (the one-GPU side by side). ``git_commit``: recorded in the result (default: the
+    checkout's)."""
     from mamba_parallel.bench.results import run_metadata, side_names, side_versions
     from mamba_parallel.distributed.data_parallel import init_distributed
 
@@ -220,21 +223,22 @@ def run_launched(presets, wanted_peer, peer_impl, device, seq_len, batch, warmup
     if env.world_size < 2:
         peer = resolve_peer(wanted_peer, peer_impl)
         result = sbs.run(presets, peer, env.device, seq_len, batch, warmup, steps)
-        publish(result, env.device, peer, path=json_path)
+        publish(result, env.device, peer, path=json_path, git_commit=git_commit)
         return 0
     log = say if env.is_main else (lambda _: None)
     peer = resolve_peer(wanted_peer, peer_impl, log=log if env.is_main else (lambda _: None))
 
     def partial(result):
         if env.is_main and json_path:
-            result.update(meta=run_metadata(env.device, side_versions(peer)), side_names=side_names(peer))
+            result.update(meta=run_metadata(env.device, side_versions(peer), git_commit=git_commit),
+                          side_names=side_names(peer))
             write_result(result, json_path)
 
     try:
         result = run(presets, peer, env.device, seq_len, batch, warmup, steps, modes=modes, log=log,
                      on_preset=partial)
         if env.is_main:
-            publish(result, env.device, peer, path=json_path)
+            publish(result, env.device, peer, path=json_path, git_commit=git_commit)
     finally:
         dist.destroy_process_group()
     return 0

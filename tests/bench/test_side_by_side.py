@@ -153,11 +153,12 @@ def test_bench_train_under_torchrun_compares_only_with_peer(monkeypatch):
 
     monkeypatch.setattr(bench_train.dist, "is_torchelastic_launched", lambda: True)
     seen = []
-    monkeypatch.setattr(bench_train_dp, "run_launched", lambda *a: seen.append(a) or 0)
+    monkeypatch.setattr(bench_train_dp, "run_launched", lambda *a, **k: seen.append((a, k)) or 0)
     base = ["--preset", "tiny-mamba", "--device", "cpu", "--seq-len", "16", "--batch-size", "2"]
     assert bench_train._side_by_side_peer(bench_train.build_parser().parse_args(base)) is None
-    assert bench_train.main(base + ["--peer", "--peer-impl", "reference", "--json", "out"]) == 0
-    (args,) = seen
+    assert bench_train.main(base + ["--peer", "--peer-impl", "reference", "--json", "out", "--git-commit", "0a1"]) == 0
+    ((args, kwargs),) = seen
+    assert kwargs == {"git_commit": "0a1"}
     assert args[:5] == (["tiny-mamba"], True, "reference", "cpu", 16) and args[-2:] == (("fsdp", "ddp"), "out")
     with pytest.raises(SystemExit, match="bench train_dp: --dp-modes 'fsdp,zero'"):
         bench_train_dp.parse_modes("fsdp,zero")
