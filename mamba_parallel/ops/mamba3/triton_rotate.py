@@ -107,39 +107,46 @@ def _phase(ANG, DT, THS, b, h, c, t, lead, valid, j0, NC, H, NA, sab, sat, sah, 
 def rotate_kernel(Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, KT, QT, L, NC, H, HPG, NH, NA,
                   sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn, sab, sat, sah, saa, sdb, sdt, sdh,
                   skb, skt, skr, skh,
-                  T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, HALVED: tl.constexpr,
+                  T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BA: tl.constexpr, HALVED: tl.constexpr,
                   HAS_BIAS: tl.constexpr, HAS_K: tl.constexpr, HAS_Q: tl.constexpr):
     """KT / QT share one layout (strides sk*; the rank stride skr is 0 for SISO). THS (rows, h, nc, a): the phase
     entering every chunk. HAS_K / HAS_Q: write k / q (the forward needs both, the backward's state-gradient sweep
-    q alone)."""
+    q alone). Pairs BA .. BH (BA <= BH a power of two covering the NA turning pairs) never turn: they are copied
+    with their bias, without trigonometry (at d_state 128 with a quarter of it rotary, half of the pairs)."""
     pid = tl.program_id(0)
     c = tl.program_id(1)
     b = (pid // H).to(tl.int64)
     h = pid % H
     t, rank, lead = rows(c, T, R)
     valid = t < L
-    cos, sin = _phase(ANG, DT, THS, b, h, c, t, lead, valid, 0, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh, BH)
+    cos, sin = _phase(ANG, DT, THS, b, h, c, t, lead, valid, 0, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh, BA)
     g = h // HPG
     out = b * skb + t * skt + rank * skr + h * skh
     bias_row = (h * R + rank) * (2 * NH)  # the biases (h, [R,] n), contiguous
     if HAS_K:
         _rotate_rows(Bm + b * sbb + g * sbg, t * sbt + rank * sbr, BIAS_B, bias_row, KT, out, cos, sin, valid, NH, BH,
-                     HALVED, HAS_BIAS)
+                     BA, HALVED, HAS_BIAS)
     if HAS_Q:
         _rotate_rows(Cm + b * scb + g * scg, t * sct + rank * scr, BIAS_C, bias_row, QT, out, cos, sin, valid, NH, BH,
-                     HALVED, HAS_BIAS)
+                     BA, HALVED, HAS_BIAS)
 
 
 @triton.jit
-def _rotate_rows(SRC, src, BIAS, bias_row, DST, dst, cos, sin, valid, NH, BH: tl.constexpr, HALVED: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
-    """Rows (src + bias) turned by cos / sin, written at dst."""
-    v1, v2 = load_halves(SRC, src, valid, 0, NH, BH, HALVED)
+def _rotate_rows(SRC, src, BIAS, bias_row, DST, dst, cos, sin, valid, NH, BH: tl.constexpr, BA: tl.constexpr,
+                 HALVED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Rows (src + bias) turned by cos / sin (pairs 0 .. BA), the rest copied, written at dst."""
+    v1, v2 = load_halves(SRC, src, valid, 0, NH, BA, HALVED)
     if HAS_BIAS:
-        e1, e2 = load_halves(BIAS, bias_row, valid, 0, NH, BH, HALVED)
+        e1, e2 = load_halves(BIAS, bias_row, valid, 0, NH, BA, HALVED)
         v1, v2 = v1 + e1, v2 + e2
     r1, r2 = rotate_pairs(v1, v2, cos, sin)
-    store_halves(DST, dst, r1, r2, valid, 0, NH, BH, HALVED)
+    store_halves(DST, dst, r1, r2, valid, 0, NH, BA, HALVED)
+    for jb in tl.static_range(1, BH // BA):
+        v1, v2 = load_halves(SRC, src, valid, jb * BA, NH, BA, HALVED)
+        if HAS_BIAS:
+            e1, e2 = load_halves(BIAS, bias_row, valid, jb * BA, NH, BA, HALVED)
+            v1, v2 = v1 + e1, v2 + e2
+        store_halves(DST, dst, v1, v2, valid, jb * BA, NH, BA, HALVED)
 
 
 @triton.jit
@@ -147,9 +154,9 @@ def unrotate_kernel(DK, DQ, ANG, DT, THS, DB, DC, DBB, DCB, L, NC, H, HPG, NH, N
                     sgb, sgt, sgr, sgh, sob, sot, sor, sog,
                     T: tl.constexpr, R: tl.constexpr, BJ: tl.constexpr, HALVED: tl.constexpr,
                     HAS_BB: tl.constexpr, HAS_CB: tl.constexpr):
-    """One program per (batch row, group, chunk, block of BJ pairs). DK, DQ (rows, L, [R,] h, n) fp32 (strides
-    sg*): the gradients of the rotated k and q. Each head's rows are turned back by its phases and summed over the
-    group's heads into DB, DC (rows, L, [R,] g, n) fp32 (strides so*): the gradients of B and C. HAS_BB / HAS_CB:
+    """One program per (batch row, group, chunk, block of BJ pairs). DK, DQ (rows, L, [R,] h, n) fp32 or bf16
+    (strides sg*): the gradients of the rotated k and q. Each head's rows are turned back by its phases and summed
+    over the group's heads into DB, DC (rows, L, [R,] g, n) fp32 (strides so*): the gradients of B and C. HAS_BB / HAS_CB:
     per head, the chunk's share of the B / C bias' gradient (summed over its tokens, per rank) to DBB / DCB
     (rows, h, nc, R, n)."""
     pid = tl.program_id(0)
@@ -166,8 +173,12 @@ def unrotate_kernel(DK, DQ, ANG, DT, THS, DB, DC, DBB, DCB, L, NC, H, HPG, NH, N
     q2 = tl.zeros((T * R, BJ), dtype=tl.float32)
     for i in range(HPG):
         h = g * HPG + i
-        cos, sin = _phase(ANG, DT, THS, b, h, c, t, lead, valid, j0, NC, H, NA, sab, sat, sah, saa, sdb, sdt,
-                          sdh, BJ)
+        if j0 < NA:
+            cos, sin = _phase(ANG, DT, THS, b, h, c, t, lead, valid, j0, NC, H, NA, sab, sat, sah, saa, sdb, sdt,
+                              sdh, BJ)
+        else:  # pairs that never turn: no trigonometry
+            cos = tl.full((T * R, BJ), 1.0, tl.float32)
+            sin = tl.zeros((T * R, BJ), dtype=tl.float32)
         off = b * sgb + h * sgh + t * sgt + rank * sgr
         part = ((b * H + h) * NC + c) * R * (2 * NH)
         d1, d2 = _turn_back(DK, DBB, part, off, cos, sin, valid, j0, NH, T, R, BJ, HALVED, HAS_BB)
@@ -228,7 +239,8 @@ def rotated_bc(Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int, H: i
     rotate_kernel[(rows_ * H, lay.nchunks)](
         Bs, Cs, B_bias, C_bias, angs, dts, ths, kt, qt, Lk, lay.nchunks, H, H // G, N // 2, angs.shape[3],
         *bc_strides(Bs), *bc_strides(Cs), *angs.stride(), *dts.stride(), *kst,
-        T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_BIAS=B_bias is not None, HAS_K=want_k, HAS_Q=want_q,
+        T=T, R=R, BH=block(N // 2), BA=min(block(angs.shape[3]), block(N // 2)), HALVED=halved,
+        HAS_BIAS=B_bias is not None, HAS_K=want_k, HAS_Q=want_q,
         num_warps=4)
     return kt, qt
 
