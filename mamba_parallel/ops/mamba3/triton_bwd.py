@@ -142,10 +142,10 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
                      T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, BJ: tl.constexpr,
                      HALVED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                      HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr, PREC: tl.constexpr):
-    """The pairs are taken BJ at a time (at most BH), in two passes: the scores S and k dH^T summed over the
-    blocks, then the chunk's (T, T) terms and du, then per block again dq, dk and what they give. Only one
-    block's tiles are live at a time. DK / DQ (rows, L, [R,] h, n) fp32: the gradients of the rotated k and q
-    (the caller turns them back to B's and C's)."""
+    """The pairs are taken BJ at a time (at most BH), in three passes: the scores S = q k^T, then (after the
+    chunk's (T, T) terms) k dH^T for du, then per block again dq, dk and what they give. Only one block's tiles
+    are live at a time. DK / DQ (rows, L, [R,] h, n) fp32 or bf16: the gradients of the rotated k and q (the
+    caller turns them back to B's and C's)."""
     NJB: tl.constexpr = (BH + BJ - 1) // BJ
     BJE: tl.constexpr = BH // NJB
     pid = tl.program_id(0)
@@ -198,52 +198,61 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
             dzr *= load_rank_rows(MZ + h * R * P, rank, offs_p, P, R, pm)
         tl.store(DZ + tok_out, per_token(dzr, T, R, BP).to(DZ.dtype.element_ty), mask=tmp)
     dyd = dy.to(dtype)
+    if HAS_D:
+        tl.store(DD + (b * H + h) * NC + c, tl.sum(tl.sum(dy * u, 1), 0))
     hs = ((b * H + h) * NC + c) * P * N
     prow = offs_p * N  # the states' rows (p, n), n contiguous
 
-    # pass 1 over the pair blocks: the scores S and k dH^T (H, dH stay in their stored dtype, x.dtype)
+    # pass 1 over the pair blocks: the scores S = q k^T
     S = tl.zeros((T * R, T * R), dtype=tl.float32)
-    KdH = tl.zeros((T * R, BP), dtype=tl.float32)
     for jb in tl.static_range(NJB):
         q1, q2, k1, k2, offs_j, am = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA, skb, skt, skr, skh,
                                                  BJE, HALVED)
-        k1d, k2d = k1.to(dtype), k2.to(dtype)
-        S += tl.dot(q1.to(dtype), tl.trans(k1d), input_precision=PREC) \
-            + tl.dot(q2.to(dtype), tl.trans(k2d), input_precision=PREC)
-        dH1, dH2 = load_halves(DHS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
-        dH1, dH2 = dH1.to(dtype), dH2.to(dtype)
-        KdH += tl.dot(k1d, tl.trans(dH1), input_precision=PREC) + tl.dot(k2d, tl.trans(dH2), input_precision=PREC)
+        S += tl.dot(q1.to(dtype), tl.trans(k1.to(dtype)), input_precision=PREC) \
+            + tl.dot(q2.to(dtype), tl.trans(k2.to(dtype)), input_precision=PREC)
 
-    # the chunk's (T, T) terms; du (per row): through the chunk's outputs, D, and the state leaving the chunk
+    # the chunk's (T, T) terms, in an order that keeps few of them live (each is 16 registers a thread at 8 warps):
+    # G = dy u^T and V = S * G give the trapezoid weights' and the decay's per-token gradients; then the weights
+    # W give du = (S * W)^T dy (D u's share on the diagonal) and PW = G * W, what pass 2 needs
     ti = tok[:, None]
     tj = tok[None, :]
     strict = ti > tj
     same = ti == tj
-    E = tl.exp(tl.where(strict, cs[:, None] - cs[None, :], float("-inf")))
-    W = E * w[None, :] + tl.where(same, gamma[:, None], 0.0)
     G = tl.dot(dyd, tl.trans(ud), input_precision=PREC)  # G_ij = dy_i . u_j
     V = S * G
-    du = tl.dot(tl.trans(S * W).to(dtype), dyd, input_precision=PREC) + coef[:, None] * KdH
+    dg = tl.sum(tl.where(same, V, 0.0), 1)
+    EV = tl.where(strict, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)) * V, 0.0)
+    dw = tl.sum(EV, 0)
+    Rm = EV * w[None, :]
+    dcs = tl.sum(Rm, 1) - tl.sum(Rm, 0)
+    W = tl.where(strict, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)) * w[None, :], 0.0) \
+        + tl.where(same, gamma[:, None], 0.0)
+    SW = S * W
     if HAS_D:
-        du += tl.load(D + h).to(tl.float32) * dy
-        tl.store(DD + (b * H + h) * NC + c, tl.sum(tl.sum(dy * u, 1), 0))
+        diag = tl.arange(0, T * R)[:, None] == tl.arange(0, T * R)[None, :]
+        SW += tl.where(diag, tl.load(D + h).to(tl.float32), 0.0)
+    du = tl.dot(tl.trans(SW.to(dtype)), dyd, input_precision=PREC)
+    PW = (G * W).to(dtype)
+    PWt = tl.trans(PW)
+
+    # du's share through the state leaving the chunk: k dH^T (H, dH stay in their stored dtype, x.dtype)
+    KdH = tl.zeros((T * R, BP), dtype=tl.float32)
+    for jb in tl.static_range(NJB):
+        k1, k2 = load_halves(KT, b * skb + h * skh + t * skt + rank * skr, valid, jb * BJE, NH, BJE, HALVED)
+        dH1, dH2 = load_halves(DHS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
+        KdH += tl.dot(k1.to(dtype), tl.trans(dH1.to(dtype)), input_precision=PREC) \
+            + tl.dot(k2.to(dtype), tl.trans(dH2.to(dtype)), input_precision=PREC)
+    du += coef[:, None] * KdH
     if HAS_MX:
         tl.store(DMX + mrank, per_rank(xv * du, T, R, BP), mask=pm[None, :])
         du *= mx
     tl.store(DX + tok_out, per_token(du, T, R, BP).to(DX.dtype.element_ty), mask=tmp)
-    EV = tl.where(strict, E * V, 0.0)
-    dg = tl.sum(tl.where(same, V, 0.0), 1)
-    Rm = EV * w[None, :]
-    dw = tl.sum(EV, 0)
-    dcs = tl.sum(Rm, 1) - tl.sum(Rm, 0)
-    PW = (G * W).to(dtype)
-    PWt = tl.trans(PW)
 
     # pass 2 over the pair blocks: dq, dk (of the rotated vectors), the rotation's gradients, dB / dC
     Zs = tl.zeros((T * R,), dtype=tl.float32)  # u_j^T dH k_j
     qdyH = tl.zeros((T * R,), dtype=tl.float32)  # q_i^T H^T dy_i
     dHH = 0.0
-    noff = b * sgb + h * sgh + t * sgt + rank * sgr  # DK / DQ: per head, fp32
+    noff = b * sgb + h * sgh + t * sgt + rank * sgr  # DK / DQ: per head
     for jb in tl.static_range(NJB):
         q1, q2, k1, k2, offs_j, am = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA, skb, skt, skr, skh,
                                                  BJE, HALVED)

@@ -136,7 +136,9 @@ _CONFIGS = {
     # of them) keep one pair block's tiles live instead of all of them. One candidate per operand width: with 16
     # warps and BJ = 64 as well, the autotuner's timing of this kernel faulted once on an H200 (Triton 3.6; the
     # wrong dt gradients seen beside it came from dstates' turn slots, since fixed); a candidate comes back once it
-    # passes test_gpu_every_candidate_alone and a tuned run
+    # passes test_gpu_every_candidate_alone and a tuned run. Tried on an H100 (b8 L4096 h32 bf16 fwd+bwd): capping
+    # the registers at 128 for two programs per SM spilled to 12.1 ms against 6.9; 4 warps (two programs per SM at
+    # 255 registers) read out of bounds under Triton 3.6 (illegal address, non-finite gradients)
     "chunk_bwd": ([_c(8, 1, BJ=32)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
     # MIMO (R rows per token): with 16-bit operands, 64-row tiles and two blocks of 32 pairs, Triton 3.6 on an H200
     # miscompiles this kernel (compute-sanitizer: an out-of-bounds shared-memory read in a dot of pass 2; with 4

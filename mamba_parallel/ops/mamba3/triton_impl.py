@@ -173,7 +173,10 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dz = torch.empty_like(dx) if z is not None else None
     rank_axis = (R,) if R > 1 else ()
     # every element of these is written by chunk_bwd (no zero fill)
-    dBh = torch.empty(rows, Lk, *rank_axis, H, N, device=dev, dtype=f32)
+    # the per-head gradients of the rotated k / q, read once more to be turned back and summed over the heads: in
+    # bf16 with bf16 inputs (half the traffic of the two largest tensors of the backward; each head's share is
+    # rounded once, as a bf16 result would be), fp32 otherwise (fp16's range is too short for per-head sums)
+    dBh = torch.empty(rows, Lk, *rank_axis, H, N, device=dev, dtype=x.dtype if x.dtype == torch.bfloat16 else f32)
     dCh = torch.empty_like(dBh)
     dw, dg, da = (torch.empty_like(dts) for _ in range(3))
     dphi = torch.empty(rows, Lk, H, NA, device=dev, dtype=f32)
