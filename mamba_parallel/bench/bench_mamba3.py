@@ -1,6 +1,7 @@
 """The Mamba-3 scan (SISO and MIMO), decode step and layer beside mamba_ssm's, same inputs, same process.
 
-    mamba-parallel bench mamba3 [--peer | --no-peer] [--sections scan step layer] [--json PATH]
+    mamba-parallel bench mamba3 [--peer | --no-peer] [--sections scan step layer] [--scan-shape B L H P N R]
+                                [--json PATH]
 
 Every side gets a Mamba-3 layer's raw inputs and prepares them its own way, timed with it (bench/peer_mamba3.py):
 x, z (b, L, h, p), B / C (b, L, [R,] 1, n) RMS-normed, dt / A fp32, trap before its sigmoid, angles (b, L, n / 4)
@@ -288,14 +289,22 @@ def build_parser() -> argparse.ArgumentParser:
     peer_mod.add_peer_flags(ap)
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                     help="what to time: the scan kernels, the decode step, the whole layer (default: all)")
+    ap.add_argument("--scan-shape", type=int, nargs=6, action="append", metavar=("B", "L", "H", "P", "N", "R"),
+                    help="a scan shape to time (repeatable; R = 1: SISO, R > 1: MIMO of rank R; default: the "
+                         "standard ones)")
     kernels.add_device_flags(ap)
     return ap
 
 
 def main(argv=None) -> int:
-    a, device, peer, deadline = kernels.parse_run_args(build_parser(), argv)
+    ap = build_parser()
+    a, device, peer, deadline = kernels.parse_run_args(ap, argv)
+    for shape in a.scan_shape or ():
+        if min(shape) < 1 or shape[4] % 2:
+            ap.error(f"--scan-shape {' '.join(map(str, shape))}: every size must be positive and N (d_state) even")
     partial = ResultFile(device, peer, a.json, git_commit=a.git_commit)
-    result = run(peer, device, a.dtype, a.sections, warmup=a.warmup, reps=a.reps, deadline=deadline, save=partial)
+    result = run(peer, device, a.dtype, a.sections, scan_shapes=[tuple(s) for s in a.scan_shape or SCAN_SHAPES],
+                 warmup=a.warmup, reps=a.reps, deadline=deadline, save=partial)
     publish(result, device, peer, None, partial.final(), git_commit=a.git_commit)
     return 0
 

@@ -71,6 +71,20 @@ def test_every_section_runs_with_the_stand_in_peer():
     assert all(set(r["spread"]) == {"ours", "peer"} for r in layer), layer
 
 
+def test_scan_shape_flag_picks_the_shapes(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "m3.json"
+    assert bench_mamba3.main(["--peer", "--peer-impl", "reference", "--device", "cpu", "--dtype", "fp32",
+                              "--sections", "scan", "--scan-shape", "1", "20", "2", "8", "16", "1",
+                              "--warmup", "0", "--reps", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["case"] for r in rows} == {"b1 L20 h2 p8 n16"} and len(rows) == 3
+    with pytest.raises(SystemExit):
+        bench_mamba3.main(["--no-peer", "--sections", "scan", "--scan-shape", "1", "20", "2", "8", "15", "1"])
+    assert "--scan-shape 1 20 2 8 15 1" in capsys.readouterr().err
+
+
 def test_train_side_by_side_runs_a_mamba3_preset():
     from mamba_parallel.bench import train_side_by_side
 
