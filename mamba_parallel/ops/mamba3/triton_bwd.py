@@ -9,9 +9,9 @@ state leaving the chunk): what turning every later phase moves the loss by, less
 caller's phase carry; it cancels where a sum of per-token phase gradients would not).
 ``chunk_bwd``: one program per (batch row, head, chunk) with the whole headdim: with H entering the chunk and dH
 at its end, every gradient of the chunk's inputs: dx, dz, those of the rotated k and q (per head; triton_rotate's
-unrotate turns them back into dB / dC), and per token the gradients of the decay's log (da), of w and gamma (the
-trapezoid weights) and of the phase (summed from the end of the chunk: the rest comes from later chunks, added by
-the caller), and the chunk's shares of dD and of the MIMO scales' gradients.
+unrotate turns them back into dB / dC and derives the phase's gradient), and per token the gradients of the
+decay's log (da) and of w and gamma (the trapezoid weights), and the chunk's shares of dD and of the MIMO scales'
+gradients.
 """
 
 from __future__ import annotations
@@ -134,11 +134,11 @@ def _pair_block(KT, QT, b, h, t, rank, valid, j0, NH, NA, skb, skt, skr, skh, BJ
 
 @triton.jit
 def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL, HS,
-                     DHS, DX, DZ, DK, DQ, DW, DG, DA, DPHI, DD, DMX, DMZ, DMO,
+                     DHS, DX, DZ, DK, DQ, DW, DG, DA, DD, DMX, DMZ, DMO,
                      L, NC, H, P, NH, NA,
                      sxb, sxt, sxh, sxp, sdb, sdt, sdh, skb, skt, skr, skh,
                      srb, srt, srr, srh, srp, sob, sot, soh, sop, szb, szt, szh, szp,
-                     sgb, sgt, sgr, sgh, spb, spt, sph,
+                     sgb, sgt, sgr, sgh,
                      T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, BJ: tl.constexpr,
                      HALVED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                      HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr, PREC: tl.constexpr):
@@ -243,13 +243,14 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
         KdH += tl.dot(k1.to(dtype), tl.trans(dH1.to(dtype)), input_precision=PREC) \
             + tl.dot(k2.to(dtype), tl.trans(dH2.to(dtype)), input_precision=PREC)
     du += coef[:, None] * KdH
+    Zs = tl.sum(ud.to(tl.float32) * KdH, 1)  # u_j^T dH k_j
     if HAS_MX:
         tl.store(DMX + mrank, per_rank(xv * du, T, R, BP), mask=pm[None, :])
         du *= mx
     tl.store(DX + tok_out, per_token(du, T, R, BP).to(DX.dtype.element_ty), mask=tmp)
 
-    # pass 2 over the pair blocks: dq, dk (of the rotated vectors), the rotation's gradients, dB / dC
-    Zs = tl.zeros((T * R,), dtype=tl.float32)  # u_j^T dH k_j
+    # pass 2 over the pair blocks: dq, dk (of the rotated vectors; triton_rotate's unrotate turns them back into
+    # dB / dC and takes the phase's gradient from them)
     qdyH = tl.zeros((T * R,), dtype=tl.float32)  # q_i^T H^T dy_i
     dHH = 0.0
     noff = b * sgb + h * sgh + t * sgt + rank * sgr  # DK / DQ: per head
@@ -268,12 +269,7 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
         udH2 = tl.dot(ud, dH2, input_precision=PREC)
         dk1 = tl.dot(PWt, q1.to(dtype), input_precision=PREC) + coef[:, None] * udH1
         dk2 = tl.dot(PWt, q2.to(dtype), input_precision=PREC) + coef[:, None] * udH2
-        Zs += tl.sum(udH1 * k1 + udH2 * k2, 1)
         qdyH += tl.sum(q1 * dyH1 + q2 * dyH2, 1)
-        # the phase (per token, summed from the chunk's end; later chunks are the caller's)
-        dth = per_token(q1 * dq2 - q2 * dq1 + k1 * dk2 - k2 * dk1, T, R, BJE)
-        tl.store(DPHI + b * spb + h * sph + tt[:, None] * spt + offs_j[None, :],
-                 tl.sum(dth, 0)[None, :] - tl.cumsum(dth, 0) + dth, mask=tm[:, None] & am[None, :])
         store_halves(DQ, noff, dq1, dq2, valid, jb * BJE, NH, BJE, HALVED)
         store_halves(DK, noff, dk1, dk2, valid, jb * BJE, NH, BJE, HALVED)
 

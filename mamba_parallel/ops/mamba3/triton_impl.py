@@ -149,7 +149,7 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     xs, dts, As, traps, Bs, Cs, angs, zs, ypres, dys = _pack_all(lay, x, dt, A, trap, B, C, angles, z, ypre,
                                                                  dy.contiguous())
     rows, Lk, H, P = xs.shape
-    G, N, NA = B.shape[-2], B.shape[-1], angs.shape[3]
+    N, NA = B.shape[-1], angs.shape[3]
     dev, f32 = x.device, torch.float32
     dHS = torch.empty_like(HS)
     need_dangle = init_angle is not None and ctx.needs_input_grad[14]
@@ -179,7 +179,6 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dBh = torch.empty(rows, Lk, *rank_axis, H, N, device=dev, dtype=x.dtype if x.dtype == torch.bfloat16 else f32)
     dCh = torch.empty_like(dBh)
     dw, dg, da = (torch.empty_like(dts) for _ in range(3))
-    dphi = torch.empty(rows, Lk, H, NA, device=dev, dtype=f32)
     dD = torch.empty(rows, H, lay.nchunks, device=dev, dtype=f32) if D is not None else None
     part = lambda t: torch.empty(rows, H, lay.nchunks, R, P, device=dev, dtype=f32) if t is not None else None  # noqa
     dmx, dmz, dmo = part(mimo_x), part(mimo_z), part(mimo_o)
@@ -188,14 +187,15 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     kernel = tuned(chunk_bwd_kernel, "chunk_bwd_mimo" if R > 1 else "chunk_bwd", x.dtype)
     kernel[(rows * H, lay.nchunks)](
         xs, dys, zs, ypres, dts, As, traps, KT, QT, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
-        dHS, dx, dz, dBh, dCh, dw, dg, da, dphi, dD, dmx, dmz, dmo,
+        dHS, dx, dz, dBh, dCh, dw, dg, da, dD, dmx, dmz, dmo,
         Lk, lay.nchunks, H, P, N // 2, NA,
         *strides(xs), *strides(dts, 3), *kst, *row_strides(row_t),
-        *strides(dx), *strides(zs), *bc_strides(dBh)[:4], *dphi.stride()[:3],
+        *strides(dx), *strides(zs), *bc_strides(dBh)[:4],
         T=T, R=R, BH=block(N // 2), BP=block(P), HALVED=halved, HAS_D=D is not None,
         HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
         PREC=dot_precision(x.dtype))
-    dB, dC = unrotate(dBh, dCh, angs, dts, THS, lay, T, halved, G, dbb, dcb, B.dtype)  # dk, dq -> dB, dC (+ bias)
+    # dk, dq -> dB, dC (+ bias), and the phases' gradients within each chunk
+    dB, dC, dphi = unrotate(dBh, dCh, Bs, Cs, B_bias, C_bias, angs, dts, THS, lay, T, halved, dbb, dcb, B.dtype)
 
     # the final phase's and state's share of the phase gradients (when the final states are used)
     has_ends = dfin_angle is not None or (dfin is not None and fin_ssm is not None)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.mamba3.triton_common import (block, load_halves, per_rank, rotate_pairs, rows,
+from mamba_parallel.ops.mamba3.triton_common import (block, load_halves, per_rank, per_token, rotate_pairs, rows,
                                                       store_halves)
 from mamba_parallel.ops.mamba3.triton_layout import Layout, bc_strides
 
@@ -150,15 +150,20 @@ def _rotate_rows(SRC, src, BIAS, bias_row, DST, dst, cos, sin, valid, NH, BH: tl
 
 
 @triton.jit
-def unrotate_kernel(DK, DQ, ANG, DT, THS, DB, DC, DBB, DCB, L, NC, H, HPG, NH, NA, sab, sat, sah, saa, sdb, sdt, sdh,
-                    sgb, sgt, sgr, sgh, sob, sot, sor, sog,
+def unrotate_kernel(DK, DQ, Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, DB, DC, DBB, DCB, DPHI, L, NC, H, HPG, NH, NA,
+                    sab, sat, sah, saa, sdb, sdt, sdh, sgb, sgt, sgr, sgh, sob, sot, sor, sog,
+                    sbb, sbt, sbr, sbg, scb, sct, scr, scg, spb, spt, sph,
                     T: tl.constexpr, R: tl.constexpr, BJ: tl.constexpr, HALVED: tl.constexpr,
                     HAS_BB: tl.constexpr, HAS_CB: tl.constexpr):
     """One program per (batch row, group, chunk, block of BJ pairs). DK, DQ (rows, L, [R,] h, n) fp32 or bf16
     (strides sg*): the gradients of the rotated k and q. Each head's rows are turned back by its phases and summed
-    over the group's heads into DB, DC (rows, L, [R,] g, n) fp32 (strides so*): the gradients of B and C. HAS_BB / HAS_CB:
-    per head, the chunk's share of the B / C bias' gradient (summed over its tokens, per rank) to DBB / DCB
-    (rows, h, nc, R, n)."""
+    over the group's heads into DB, DC (rows, L, [R,] g, n) fp32 (strides so*): the gradients of B and C. HAS_BB /
+    HAS_CB: the biases (h, [R,] n) are there, and per head the chunk's share of their gradients (summed over its
+    tokens, per rank) goes to DBB / DCB (rows, h, nc, R, n).
+    DPHI (rows, L, h, a) fp32 (strides sp*): per head and token the gradient of its phase, summed from the end of
+    the chunk (the later chunks' share is token_bwd's). Turning a pair v (B or C plus bias) by theta and reading
+    the gradient g of the turned pair, d theta = g . J R v = (R^T g) . J v: the turned-back gradient against the
+    unturned pair, J a quarter turn."""
     pid = tl.program_id(0)
     c = tl.program_id(1)
     j0 = tl.program_id(2) * BJ
@@ -167,13 +172,16 @@ def unrotate_kernel(DK, DQ, ANG, DT, THS, DB, DC, DBB, DCB, L, NC, H, HPG, NH, N
     g = pid % G
     t, rank, lead = rows(c, T, R)
     valid = t < L
+    turns = j0 < NA
+    offs_j = j0 + tl.arange(0, BJ)
+    tt = c * T + tl.arange(0, T)
     k1 = tl.zeros((T * R, BJ), dtype=tl.float32)
     k2 = tl.zeros((T * R, BJ), dtype=tl.float32)
     q1 = tl.zeros((T * R, BJ), dtype=tl.float32)
     q2 = tl.zeros((T * R, BJ), dtype=tl.float32)
     for i in range(HPG):
         h = g * HPG + i
-        if j0 < NA:
+        if turns:
             cos, sin = _phase(ANG, DT, THS, b, h, c, t, lead, valid, j0, NC, H, NA, sab, sat, sah, saa, sdb, sdt,
                               sdh, BJ)
         else:  # pairs that never turn: no trigonometry
@@ -181,10 +189,26 @@ def unrotate_kernel(DK, DQ, ANG, DT, THS, DB, DC, DBB, DCB, L, NC, H, HPG, NH, N
             sin = tl.zeros((T * R, BJ), dtype=tl.float32)
         off = b * sgb + h * sgh + t * sgt + rank * sgr
         part = ((b * H + h) * NC + c) * R * (2 * NH)
-        d1, d2 = _turn_back(DK, DBB, part, off, cos, sin, valid, j0, NH, T, R, BJ, HALVED, HAS_BB)
-        k1, k2 = k1 + d1, k2 + d2
-        d1, d2 = _turn_back(DQ, DCB, part, off, cos, sin, valid, j0, NH, T, R, BJ, HALVED, HAS_CB)
-        q1, q2 = q1 + d1, q2 + d2
+        bias_row = (h * R + rank) * (2 * NH)
+        gk1, gk2 = _turn_back(DK, DBB, part, off, cos, sin, valid, j0, NH, T, R, BJ, HALVED, HAS_BB)
+        k1, k2 = k1 + gk1, k2 + gk2
+        gq1, gq2 = _turn_back(DQ, DCB, part, off, cos, sin, valid, j0, NH, T, R, BJ, HALVED, HAS_CB)
+        q1, q2 = q1 + gq1, q2 + gq2
+        if turns:  # the group's B and C rows, unturned (read again per head: cached, and fewer live registers)
+            v1, v2 = load_halves(Bm + b * sbb + g * sbg, t * sbt + rank * sbr, valid, j0, NH, BJ, HALVED)
+            if HAS_BB:
+                e1, e2 = load_halves(BIAS_B, bias_row, valid, j0, NH, BJ, HALVED)
+                v1, v2 = v1 + e1, v2 + e2
+            dth = v1 * gk2 - v2 * gk1
+            v1, v2 = load_halves(Cm + b * scb + g * scg, t * sct + rank * scr, valid, j0, NH, BJ, HALVED)
+            if HAS_CB:
+                e1, e2 = load_halves(BIAS_C, bias_row, valid, j0, NH, BJ, HALVED)
+                v1, v2 = v1 + e1, v2 + e2
+            dth += v1 * gq2 - v2 * gq1
+            dth = per_token(dth, T, R, BJ)
+            tl.store(DPHI + b * spb + h * sph + tt[:, None] * spt + offs_j[None, :],
+                     tl.sum(dth, 0)[None, :] - tl.cumsum(dth, 0) + dth,
+                     mask=(tt < L)[:, None] & (offs_j < NA)[None, :])
     out = b * sob + g * sog + t * sot + rank * sor
     store_halves(DB, out, k1, k2, valid, j0, NH, BJ, HALVED)
     store_halves(DC, out, q1, q2, valid, j0, NH, BJ, HALVED)
@@ -245,24 +269,26 @@ def rotated_bc(Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int, H: i
     return kt, qt
 
 
-def unrotate(dk, dq, angs, dts, ths, lay: Layout, T: int, halved: bool, groups: int, dbb=None, dcb=None,
-             dtype=torch.float32):
-    """dk, dq (rows, Lk, [R,] h, n) fp32, the gradients of the rotated k / q -> those of B and C (rows, Lk, [R,]
-    groups, n) in ``dtype`` (each head's turned back and summed over its group's heads in fp32); dbb / dcb
-    (rows, h, nc, R, n) get each chunk's share of the biases' gradients."""
+def unrotate(dk, dq, Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int, halved: bool, dbb=None,
+             dcb=None, dtype=torch.float32):
+    """dk, dq (rows, Lk, [R,] h, n), the gradients of the rotated k / q -> those of B and C (shaped as Bs / Cs: rows,
+    Lk, [R,] groups, n) in ``dtype`` (each head's turned back and summed over its group's heads in fp32), and the
+    phases' gradients (rows, Lk, h, a) fp32, each token's summed from the end of its chunk; dbb / dcb
+    (rows, h, nc, R, n) get each chunk's share of the biases' gradients (given when the biases are)."""
+    Bs, Cs = (t if t.stride(-1) == 1 else t.contiguous() for t in (Bs, Cs))  # whole rows of n
     rows_, Lk = dk.shape[:2]
     mimo = dk.dim() == 5
     R, H, N = (dk.shape[2] if mimo else 1), dk.shape[-2], dk.shape[-1]
-    NH = N // 2
-    shape = (rows_, Lk, *((R,) if mimo else ()), groups, N)
-    dB = torch.empty(shape, device=dk.device, dtype=dtype)
+    groups, NH, NA = Bs.shape[-2], N // 2, angs.shape[3]
+    dB = torch.empty(Bs.shape, device=dk.device, dtype=dtype)
     dC = torch.empty_like(dB)
+    dphi = torch.empty(rows_, Lk, H, NA, device=dk.device, dtype=torch.float32)
     st, so = dk.stride(), dB.stride()
     # pair blocks of 16 (whole 128-byte rows of interleaved fp32 pairs) give the grid enough programs at one group
     BJ = min(16, block(NH))
     unrotate_kernel[(rows_ * groups, lay.nchunks, triton.cdiv(NH, BJ))](
-        dk, dq, angs, dts, ths, dB, dC, dbb, dcb, Lk, lay.nchunks, H, H // groups, NH, angs.shape[3],
-        *angs.stride(), *dts.stride(), st[0], st[1], st[2] if mimo else 0, st[-2],
-        so[0], so[1], so[2] if mimo else 0, so[-2],
-        T=T, R=R, BJ=BJ, HALVED=halved, HAS_BB=dbb is not None, HAS_CB=dcb is not None, num_warps=4)
-    return dB, dC
+        dk, dq, Bs, Cs, B_bias, C_bias, angs, dts, ths, dB, dC, dbb, dcb, dphi, Lk, lay.nchunks, H, H // groups, NH,
+        NA, *angs.stride(), *dts.stride(), st[0], st[1], st[2] if mimo else 0, st[-2],
+        so[0], so[1], so[2] if mimo else 0, so[-2], *bc_strides(Bs)[:4], *bc_strides(Cs)[:4], *dphi.stride()[:3],
+        T=T, R=R, BJ=BJ, HALVED=halved, HAS_BB=B_bias is not None, HAS_CB=C_bias is not None, num_warps=4)
+    return dB, dC, dphi
