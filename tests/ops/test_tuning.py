@@ -42,7 +42,7 @@ def test_fp32_scan_forward_has_its_own_candidates():
     half = tuned.candidates("scan_fwd", torch.bfloat16)
     assert tuned.candidates("scan_fwd", torch.float16) == half and all(c.num_stages == 2 for c in half)
     assert all(c.num_stages == 1 for c in tuned.candidates("scan_fwd", torch.float32))
-    assert tuned.candidates("chunk_bwd", torch.float16) == tuned.candidates("chunk_bwd", torch.bfloat16)
+    assert tuned.candidates("chunk_bwd_dx", torch.float16) == tuned.candidates("chunk_bwd_dx", torch.bfloat16)
 
 
 def test_compile_check_reports_shared_memory_and_fails_past_the_limit():

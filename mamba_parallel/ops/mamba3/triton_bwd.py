@@ -11,7 +11,7 @@ caller's phase carry; it cancels where a sum of per-token phase gradients would 
 at its end, every gradient of the chunk's inputs: dx, dz, those of the rotated k and q (per head; triton_rotate's
 unrotate turns them back into dB / dC and derives the phase's gradient), and per token the gradients of the
 decay's log (da) and of w and gamma (the trapezoid weights), and the chunk's shares of dD and of the MIMO scales'
-gradients.
+gradients. SISO launches it twice, each launch doing about half of that work (``PART``): fewer live tiles each.
 """
 
 from __future__ import annotations
@@ -134,18 +134,22 @@ def _pair_block(KT, QT, b, h, t, rank, valid, j0, NH, NA, skb, skt, skr, skh, BJ
 
 @triton.jit
 def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL, HS,
-                     DHS, DX, DZ, DK, DQ, DW, DG, DA, DD, DMX, DMZ, DMO,
+                     DHS, DX, DZ, DK, DQ, DW, DG, DA, DAP, DD, DMX, DMZ, DMO,
                      L, NC, H, P, NH, NA,
                      sxb, sxt, sxh, sxp, sdb, sdt, sdh, skb, skt, skr, skh,
                      srb, srt, srr, srh, srp, sob, sot, soh, sop, szb, szt, szh, szp,
                      sgb, sgt, sgr, sgh,
                      T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, BJ: tl.constexpr,
                      HALVED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-                     HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr, PREC: tl.constexpr):
+                     HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr, PREC: tl.constexpr,
+                     PART: tl.constexpr):
     """The pairs are taken BJ at a time (at most BH), in three passes: the scores S = q k^T, then (after the
     chunk's (T, T) terms) k dH^T for du, then per block again dq, dk and what they give. Only one block's tiles
     are live at a time. DK / DQ (rows, L, [R,] h, n) fp32 or bf16: the gradients of the rotated k and q (the
-    caller turns them back to B's and C's)."""
+    caller turns them back to B's and C's).
+    PART 0 does it all. Or two launches, each with about half the live tiles (so that two programs share an SM):
+    PART 1 the scores and everything du needs (dx, dz, dD, the MIMO scales, dw, dg), its share of the decay's
+    per-token gradient left in DAP (the shape of DA); then PART 2 dq and dk, which completes DA from DAP."""
     NJB: tl.constexpr = (BH + BJ - 1) // BJ
     BJE: tl.constexpr = BH // NJB
     pid = tl.program_id(0)
@@ -188,9 +192,9 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
     tmp = tm[:, None] & pm[None, :]
     tok_out = b * sob + h * soh + tt[:, None] * sot + offs_p[None, :] * sop
     mrank = ((b * H + h) * NC + c) * R * P + tl.arange(0, R)[:, None] * P + offs_p[None, :]
-    if HAS_MO:
+    if HAS_MO and PART != 2:
         tl.store(DMO + mrank, per_rank(dy_tok * yg, T, R, BP), mask=pm[None, :])
-    if HAS_Z:
+    if HAS_Z and PART != 2:
         zraw = tl.load(Z + b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp, mask=xm,
                        other=0.0).to(tl.float32)
         if HAS_MZ:
@@ -198,18 +202,10 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
             dzr *= load_rank_rows(MZ + h * R * P, rank, offs_p, P, R, pm)
         tl.store(DZ + tok_out, per_token(dzr, T, R, BP).to(DZ.dtype.element_ty), mask=tmp)
     dyd = dy.to(dtype)
-    if HAS_D:
+    if HAS_D and PART != 2:
         tl.store(DD + (b * H + h) * NC + c, tl.sum(tl.sum(dy * u, 1), 0))
     hs = ((b * H + h) * NC + c) * P * N
     prow = offs_p * N  # the states' rows (p, n), n contiguous
-
-    # pass 1 over the pair blocks: the scores S = q k^T
-    S = tl.zeros((T * R, T * R), dtype=tl.float32)
-    for jb in tl.static_range(NJB):
-        q1, q2, k1, k2, offs_j, am = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA, skb, skt, skr, skh,
-                                                 BJE, HALVED)
-        S += tl.dot(q1.to(dtype), tl.trans(k1.to(dtype)), input_precision=PREC) \
-            + tl.dot(q2.to(dtype), tl.trans(k2.to(dtype)), input_precision=PREC)
 
     # the chunk's (T, T) terms, in an order that keeps few of them live (each is 16 registers a thread at 8 warps):
     # G = dy u^T and V = S * G give the trapezoid weights' and the decay's per-token gradients; then the weights
@@ -218,69 +214,100 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
     tj = tok[None, :]
     strict = ti > tj
     same = ti == tj
+    if PART != 2:
+        # pass 1 over the pair blocks: the scores S = q k^T
+        S = tl.zeros((T * R, T * R), dtype=tl.float32)
+        for jb in tl.static_range(NJB):
+            q1, q2, k1, k2, offs_j, am = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA, skb, skt, skr,
+                                                     skh, BJE, HALVED)
+            S += tl.dot(q1.to(dtype), tl.trans(k1.to(dtype)), input_precision=PREC) \
+                + tl.dot(q2.to(dtype), tl.trans(k2.to(dtype)), input_precision=PREC)
     G = tl.dot(dyd, tl.trans(ud), input_precision=PREC)  # G_ij = dy_i . u_j
-    V = S * G
-    dg = tl.sum(tl.where(same, V, 0.0), 1)
-    EV = tl.where(strict, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)) * V, 0.0)
-    dw = tl.sum(EV, 0)
-    Rm = EV * w[None, :]
-    dcs = tl.sum(Rm, 1) - tl.sum(Rm, 0)
+    if PART != 2:
+        V = S * G
+        dg = tl.sum(tl.where(same, V, 0.0), 1)
+        EV = tl.where(strict, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)) * V, 0.0)
+        dw = tl.sum(EV, 0)
+        Rm = EV * w[None, :]
+        dcs = tl.sum(Rm, 1) - tl.sum(Rm, 0)
     W = tl.where(strict, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)) * w[None, :], 0.0) \
         + tl.where(same, gamma[:, None], 0.0)
-    SW = S * W
-    if HAS_D:
-        diag = tl.arange(0, T * R)[:, None] == tl.arange(0, T * R)[None, :]
-        SW += tl.where(diag, tl.load(D + h).to(tl.float32), 0.0)
-    du = tl.dot(tl.trans(SW.to(dtype)), dyd, input_precision=PREC)
-    PW = (G * W).to(dtype)
-    PWt = tl.trans(PW)
+    if PART != 2:
+        SW = S * W
+        if HAS_D:
+            diag = tl.arange(0, T * R)[:, None] == tl.arange(0, T * R)[None, :]
+            SW += tl.where(diag, tl.load(D + h).to(tl.float32), 0.0)
+        du = tl.dot(tl.trans(SW.to(dtype)), dyd, input_precision=PREC)
+        if PART == 0:  # G and W not live through the next pass
+            PW = (G * W).to(dtype)
+            PWt = tl.trans(PW)
 
-    # du's share through the state leaving the chunk: k dH^T (H, dH stay in their stored dtype, x.dtype)
-    KdH = tl.zeros((T * R, BP), dtype=tl.float32)
-    for jb in tl.static_range(NJB):
-        k1, k2 = load_halves(KT, b * skb + h * skh + t * skt + rank * skr, valid, jb * BJE, NH, BJE, HALVED)
-        dH1, dH2 = load_halves(DHS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
-        KdH += tl.dot(k1.to(dtype), tl.trans(dH1.to(dtype)), input_precision=PREC) \
-            + tl.dot(k2.to(dtype), tl.trans(dH2.to(dtype)), input_precision=PREC)
-    du += coef[:, None] * KdH
-    Zs = tl.sum(ud.to(tl.float32) * KdH, 1)  # u_j^T dH k_j
-    if HAS_MX:
-        tl.store(DMX + mrank, per_rank(xv * du, T, R, BP), mask=pm[None, :])
-        du *= mx
-    tl.store(DX + tok_out, per_token(du, T, R, BP).to(DX.dtype.element_ty), mask=tmp)
+        # du's share through the state leaving the chunk: k dH^T (H, dH stay in their stored dtype, x.dtype)
+        KdH = tl.zeros((T * R, BP), dtype=tl.float32)
+        for jb in tl.static_range(NJB):
+            k1, k2 = load_halves(KT, b * skb + h * skh + t * skt + rank * skr, valid, jb * BJE, NH, BJE, HALVED)
+            dH1, dH2 = load_halves(DHS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
+            KdH += tl.dot(k1.to(dtype), tl.trans(dH1.to(dtype)), input_precision=PREC) \
+                + tl.dot(k2.to(dtype), tl.trans(dH2.to(dtype)), input_precision=PREC)
+        du += coef[:, None] * KdH
+        Zs = tl.sum(ud.to(tl.float32) * KdH, 1)  # u_j^T dH k_j
+        if HAS_MX:
+            tl.store(DMX + mrank, per_rank(xv * du, T, R, BP), mask=pm[None, :])
+            du *= mx
+        tl.store(DX + tok_out, per_token(du, T, R, BP).to(DX.dtype.element_ty), mask=tmp)
 
-    # pass 2 over the pair blocks: dq, dk (of the rotated vectors; triton_rotate's unrotate turns them back into
-    # dB / dC and takes the phase's gradient from them)
-    qdyH = tl.zeros((T * R,), dtype=tl.float32)  # q_i^T H^T dy_i
-    dHH = 0.0
-    noff = b * sgb + h * sgh + t * sgt + rank * sgr  # DK / DQ: per head
-    for jb in tl.static_range(NJB):
-        q1, q2, k1, k2, offs_j, am = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA, skb, skt, skr, skh,
-                                                 BJE, HALVED)
-        H1, H2 = load_halves(HS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
-        dH1, dH2 = load_halves(DHS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
-        H1, H2, dH1, dH2 = H1.to(dtype), H2.to(dtype), dH1.to(dtype), dH2.to(dtype)
-        dHH += tl.sum(tl.sum(dH1.to(tl.float32) * H1.to(tl.float32) + dH2.to(tl.float32) * H2.to(tl.float32), 1), 0)
-        dyH1 = tl.dot(dyd, H1, input_precision=PREC)  # (rows, BJ)
-        dyH2 = tl.dot(dyd, H2, input_precision=PREC)
-        dq1 = tl.dot(PW, k1.to(dtype), input_precision=PREC) + ecs[:, None] * dyH1
-        dq2 = tl.dot(PW, k2.to(dtype), input_precision=PREC) + ecs[:, None] * dyH2
-        udH1 = tl.dot(ud, dH1, input_precision=PREC)
-        udH2 = tl.dot(ud, dH2, input_precision=PREC)
-        dk1 = tl.dot(PWt, q1.to(dtype), input_precision=PREC) + coef[:, None] * udH1
-        dk2 = tl.dot(PWt, q2.to(dtype), input_precision=PREC) + coef[:, None] * udH2
-        qdyH += tl.sum(q1 * dyH1 + q2 * dyH2, 1)
-        store_halves(DQ, noff, dq1, dq2, valid, jb * BJE, NH, BJE, HALVED)
-        store_halves(DK, noff, dk1, dk2, valid, jb * BJE, NH, BJE, HALVED)
+    if PART != 1:
+        if PART == 2:
+            PW = (G * W).to(dtype)
+            PWt = tl.trans(PW)
+        # pass 2 over the pair blocks: dq, dk (of the rotated vectors; triton_rotate's unrotate turns them back into
+        # dB / dC and takes the phase's gradient from them)
+        qdyH = tl.zeros((T * R,), dtype=tl.float32)  # q_i^T H^T dy_i
+        dHH = 0.0
+        noff = b * sgb + h * sgh + t * sgt + rank * sgr  # DK / DQ: per head
+        for jb in tl.static_range(NJB):
+            q1, q2, k1, k2, offs_j, am = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA, skb, skt, skr,
+                                                     skh, BJE, HALVED)
+            H1, H2 = load_halves(HS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
+            dH1, dH2 = load_halves(DHS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
+            H1, H2, dH1, dH2 = H1.to(dtype), H2.to(dtype), dH1.to(dtype), dH2.to(dtype)
+            dHH += tl.sum(tl.sum(dH1.to(tl.float32) * H1.to(tl.float32) + dH2.to(tl.float32) * H2.to(tl.float32), 1),
+                          0)
+            dyH1 = tl.dot(dyd, H1, input_precision=PREC)  # (rows, BJ)
+            dyH2 = tl.dot(dyd, H2, input_precision=PREC)
+            dq1 = tl.dot(PW, k1.to(dtype), input_precision=PREC) + ecs[:, None] * dyH1
+            dq2 = tl.dot(PW, k2.to(dtype), input_precision=PREC) + ecs[:, None] * dyH2
+            udH1 = tl.dot(ud, dH1, input_precision=PREC)
+            udH2 = tl.dot(ud, dH2, input_precision=PREC)
+            dk1 = tl.dot(PWt, q1.to(dtype), input_precision=PREC) + coef[:, None] * udH1
+            dk2 = tl.dot(PWt, q2.to(dtype), input_precision=PREC) + coef[:, None] * udH2
+            qdyH += tl.sum(q1 * dyH1 + q2 * dyH2, 1)
+            store_halves(DQ, noff, dq1, dq2, valid, jb * BJE, NH, BJE, HALVED)
+            store_halves(DK, noff, dk1, dk2, valid, jb * BJE, NH, BJE, HALVED)
 
-    # per-token scalars: the trapezoid weights and the decay's log
-    dw += tl.exp(tot - cs) * Zs
-    dcs += ecs * qdyH - coef * Zs
-    dtot = tl.exp(tot) * dHH + tl.sum(coef * Zs, 0)
+    # per-token scalars: the trapezoid weights and the decay's log. The gradient of the chunk's total decay
+    # (dtot) reaches every token up to the chunk's last: it is added there (past it nothing is stored)
+    if PART == 2:
+        dcs = ecs * qdyH
+        dtot = tl.exp(tot) * dHH
+    else:
+        dw += tl.exp(tot - cs) * Zs
+        if PART == 1:
+            dcs -= coef * Zs
+            dtot = tl.sum(coef * Zs, 0)
+        else:
+            dcs += ecs * qdyH - coef * Zs
+            dtot = tl.exp(tot) * dHH + tl.sum(coef * Zs, 0)
     dcs = per_token_vec(dcs, T, R)
-    dcs += tl.where(tl.arange(0, T) == T - 1, dtot, 0.0)
-    da = tl.sum(dcs, 0) - tl.cumsum(dcs, 0) + dcs  # d(dt A)_t = sum_{i >= t} dcs_i
+    dcs += tl.where(tl.arange(0, T) == tl.minimum(T - 1, L - 1 - c * T), dtot, 0.0)
     soff = b * sdb + h * sdh + tt * sdt
-    tl.store(DW + soff, per_token_vec(dw, T, R), mask=tm)
-    tl.store(DG + soff, per_token_vec(dg, T, R), mask=tm)
-    tl.store(DA + soff, da, mask=tm)
+    if PART != 2:
+        tl.store(DW + soff, per_token_vec(dw, T, R), mask=tm)
+        tl.store(DG + soff, per_token_vec(dg, T, R), mask=tm)
+    if PART == 1:
+        tl.store(DAP + soff, dcs, mask=tm)
+    else:
+        if PART == 2:
+            dcs += tl.load(DAP + soff, mask=tm, other=0.0)
+        da = tl.sum(dcs, 0) - tl.cumsum(dcs, 0) + dcs  # d(dt A)_t = sum_{i >= t} dcs_i
+        tl.store(DA + soff, da, mask=tm)

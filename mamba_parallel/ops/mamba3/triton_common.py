@@ -132,14 +132,16 @@ _CONFIGS = {
     "dstates": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
                 _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z"],
                 [_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=64)]),
-    # the backward holds ~20 chunk-sized tiles: more warps spread its registers; BJ pairs at a time (at most all
-    # of them) keep one pair block's tiles live instead of all of them. One candidate per operand width: with 16
-    # warps and BJ = 64 as well, the autotuner's timing of this kernel faulted once on an H200 (Triton 3.6; the
-    # wrong dt gradients seen beside it came from dstates' turn slots, since fixed); a candidate comes back once it
-    # passes test_gpu_every_candidate_alone and a tuned run. Tried on an H100 (b8 L4096 h32 bf16 fwd+bwd): capping
-    # the registers at 128 for two programs per SM spilled to 12.1 ms against 6.9; 4 warps (two programs per SM at
-    # 255 registers) read out of bounds under Triton 3.6 (illegal address, non-finite gradients)
-    "chunk_bwd": ([_c(8, 1, BJ=32)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
+    # the per-chunk backward holds ~20 chunk-sized tiles; BJ pairs at a time (at most all of them) keep one pair
+    # block's tiles live instead of all of them. SISO runs it in two launches (du's part, then dq / dk's), each with
+    # about half the tiles. One candidate each, what won on an H100 (b8 L4096 h32 bf16 fwd+bwd, same inputs, one
+    # process): du's part at 4 warps (two programs per SM) 5.76 ms per fwd+bwd, against 6.93 at 8 warps and 6.63 at
+    # 8 warps with BJ = 64; dq / dk's at 8 warps with BJ = 32 (BJ = 16: 7.55). dq / dk's part at 4 warps computes
+    # wrong dB under Triton 3.6 and made the autotuner's timing fault (illegal address); so did the one-launch form
+    # at 4 warps. Capping the one-launch form at 128 registers (two programs per SM) spilled to 12.1 ms against 6.9.
+    # A candidate comes back once it passes test_gpu_every_candidate_alone and a tuned run
+    "chunk_bwd_dx": ([_c(4, 1, BJ=32)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
+    "chunk_bwd_dqk": ([_c(8, 1, BJ=32)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
     # MIMO (R rows per token): with 16-bit operands, 64-row tiles and two blocks of 32 pairs, Triton 3.6 on an H200
     # miscompiles this kernel (compute-sanitizer: an out-of-bounds shared-memory read in a dot of pass 2; with 4
     # warps, wrong gradients and no fault); all pairs in one block at d_state 128 (BJ = 64) computes right

@@ -184,16 +184,20 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dmx, dmz, dmo = part(mimo_x), part(mimo_z), part(mimo_o)
     bias_part = lambda t: torch.empty(rows, H, lay.nchunks, R, N, device=dev, dtype=f32) if t is not None else None  # noqa
     dbb, dcb = bias_part(B_bias), bias_part(C_bias)
-    kernel = tuned(chunk_bwd_kernel, "chunk_bwd_mimo" if R > 1 else "chunk_bwd", x.dtype)
-    kernel[(rows * H, lay.nchunks)](
-        xs, dys, zs, ypres, dts, As, traps, KT, QT, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
-        dHS, dx, dz, dBh, dCh, dw, dg, da, dD, dmx, dmz, dmo,
-        Lk, lay.nchunks, H, P, N // 2, NA,
-        *strides(xs), *strides(dts, 3), *kst, *row_strides(row_t),
-        *strides(dx), *strides(zs), *bc_strides(dBh)[:4],
-        T=T, R=R, BH=block(N // 2), BP=block(P), HALVED=halved, HAS_D=D is not None,
-        HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
-        PREC=dot_precision(x.dtype))
+    # SISO in two launches (du's part, then dq / dk's, which completes da from dap), each holding about half the
+    # tiles of one; MIMO's rows in one (its two-part form is untried on a GPU)
+    dap = torch.empty_like(dts) if R == 1 else None
+    parts = ((1, "chunk_bwd_dx"), (2, "chunk_bwd_dqk")) if R == 1 else ((0, "chunk_bwd_mimo"),)
+    for part, name in parts:
+        tuned(chunk_bwd_kernel, name, x.dtype)[(rows * H, lay.nchunks)](
+            xs, dys, zs, ypres, dts, As, traps, KT, QT, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
+            dHS, dx, dz, dBh, dCh, dw, dg, da, dap, dD, dmx, dmz, dmo,
+            Lk, lay.nchunks, H, P, N // 2, NA,
+            *strides(xs), *strides(dts, 3), *kst, *row_strides(row_t),
+            *strides(dx), *strides(zs), *bc_strides(dBh)[:4],
+            T=T, R=R, BH=block(N // 2), BP=block(P), HALVED=halved, HAS_D=D is not None,
+            HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
+            PREC=dot_precision(x.dtype), PART=part)
     # dk, dq -> dB, dC (+ bias), and the phases' gradients within each chunk
     dB, dC, dphi = unrotate(dBh, dCh, Bs, Cs, B_bias, C_bias, angs, dts, THS, lay, T, halved, dbb, dcb, B.dtype)
 
