@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kernel-reps", type=int, default=10, help="timed kernel calls, median (default 10)")
     g.add_argument("--ssd-shape", type=int, nargs=6, action="append", metavar=("B", "L", "H", "P", "N", "G"))
     g.add_argument("--ssd-chunk", type=int, default=256)
-    g.add_argument("--scan-shape", type=int, nargs=4, action="append", metavar=("B", "D", "L", "N"))
+    g.add_argument("--selective-scan-shape", type=int, nargs=4, action="append", metavar=("B", "D", "L", "N"),
+                   help="a Mamba-1 selective-scan shape (repeatable; default: the published set)")
     g.add_argument("--train-presets", nargs="+", default=train_side_by_side.PRESETS)
     g.add_argument("--train-seq-len", type=int, default=2048)
     g.add_argument("--train-batch", type=int, default=8)
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.n_layer is not None and a.n_layer < 1:
         raise SystemExit(f"bench all: --n-layer must be >= 1, got {a.n_layer}")
     ssd_shapes = [tuple(s) for s in a.ssd_shape] if a.ssd_shape else bench_ssd.SHAPES
-    scan_shapes = [tuple(s) for s in a.scan_shape] if a.scan_shape else bench_selective_scan.SHAPES
+    scan_shapes = [tuple(s) for s in a.selective_scan_shape] if a.selective_scan_shape else bench_selective_scan.SHAPES
     deadline = Deadline(a.budget_s)
     say(f"bench all: {', '.join(sections)} on {device} with peer {peer.name if peer else 'none'}"
         f"{' and fla' if fla_fn else ''}{f', budget {a.budget_s:.0f} s' if a.budget_s else ''}"

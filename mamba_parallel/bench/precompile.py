@@ -94,7 +94,8 @@ def jobs_for(a, sections, ssd_shapes, scan_shapes, out: str, fla: bool | None = 
                                     "--n-layer", layers], family=f"train {_kind(p)}",
                      sliceable=_kind(p).startswith("Mamba3")) for p in a.train_presets]  # the peer's Mamba-3 autotunes long
     if "selective_scan" in sections:
-        jobs += [Job(f"selective_scan {' '.join(map(str, s))}", ["--only", "selective_scan", "--scan-shape",
+        jobs += [Job(f"selective_scan {' '.join(map(str, s))}", ["--only", "selective_scan",
+                                                                "--selective-scan-shape",
                                                                 *map(str, s)], family="selective_scan")
                  for s in scan_shapes]
     if "generate" in sections:

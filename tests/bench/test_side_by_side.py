@@ -205,7 +205,7 @@ def test_a_given_git_commit_is_recorded(tmp_path):
 
 # ---- bench all, the result files, the report ----------------------------------------------------------------------
 TINY_ALL = ["--peer-impl", "reference", "--device", "cpu", "--ssd-shape", *map(str, TINY_SSD), "--ssd-chunk", "16",
-            "--scan-shape", *map(str, TINY_SCAN), "--kernel-warmup", "0", "--kernel-reps", "1",
+            "--selective-scan-shape", *map(str, TINY_SCAN), "--kernel-warmup", "0", "--kernel-reps", "1",
             "--train-presets", "tiny-mamba2", "--train-seq-len", "16", "--train-batch", "2", "--train-warmup", "0",
             "--train-steps", "1", "--generate-models", "tiny-mamba", "--generate-batches", "1", "--prompt-len", "3",
             "--new-tokens", "2", "--generate-repeats", "1", "--long-preset", "tiny-mamba2", "--long-start", "16",
