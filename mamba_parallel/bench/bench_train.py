@@ -106,17 +106,27 @@ def build_parser() -> argparse.ArgumentParser:
 def _side_by_side_peer(a: argparse.Namespace):
     """The peer adapter when this run compares with it (flags permitting), else None. Under torchrun only an
     explicit ``--peer`` compares (the data-parallel side by side, bench_train_dp.py); otherwise ours runs alone, as
-    the scaling table's runs do."""
+    the scaling table's runs do. ``--recompute`` applies to our side only (mamba_ssm's layers rebuild what their
+    fused kernels choose): a one-process run compares the two at the memory each keeps."""
+    if a.recompute:
+        from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS, parse_items
+
+        unknown = parse_items(a.recompute)[1]
+        if unknown:
+            raise SystemExit(f"bench train: --recompute {a.recompute!r}: unknown item(s) {', '.join(unknown)}; "
+                             f"expected a comma list of {', '.join(RECOMPUTE_ITEMS)}")
+    launched = dist.is_torchelastic_launched()
     other = [flag for flag, on in (("--tp", a.tp > 1), ("--cp", a.cp > 1), ("--cuda-graph", a.cuda_graph),
-                                   ("--profile", a.profile), ("--compile", a.compile), ("--recompute", a.recompute),
+                                   ("--profile", a.profile), ("--compile", a.compile),
+                                   ("--recompute under torchrun", bool(a.recompute) and (launched or not a.peer)),
                                    ("--activation-checkpointing", a.activation_checkpointing),
                                    ("--dtype fp32", a.dtype != "bf16")) if on]
     if other:
         if a.peer:
-            raise SystemExit(f"bench train: --peer compares the default bf16 step; drop {', '.join(other)} "
+            raise SystemExit(f"bench train: --peer compares the bf16 step without {', '.join(other)}: drop it "
                              "(or pass --no-peer)")
         return None
-    if dist.is_torchelastic_launched() and not a.peer:
+    if launched and not a.peer:
         return None
     return resolve_peer(a.peer, a.peer_impl)
 
@@ -129,7 +139,8 @@ def _run_side_by_side(a: argparse.Namespace, peer) -> int:
                                            a.warmup_steps, a.steps, bench_train_dp.DP_MODES, a.json,
                                            git_commit=a.git_commit)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    result = train_side_by_side.run([a.preset], peer, device, a.seq_len, a.batch_size, a.warmup_steps, a.steps)
+    result = train_side_by_side.run([a.preset], peer, device, a.seq_len, a.batch_size, a.warmup_steps, a.steps,
+                                    recompute=a.recompute)
     publish(result, device, peer, path=a.json, git_commit=a.git_commit)
     return 0
 

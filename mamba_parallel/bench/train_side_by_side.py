@@ -102,11 +102,13 @@ def _optimizer_groups(model) -> list[dict]:
 
 
 def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, warmup: int = 2, steps: int = 5,
-               seed: int = 0, loss_rtol: float = LOSS_RTOL, log=say, n_layer: int | None = None
-               ) -> tuple[list[dict], dict]:
+               seed: int = 0, loss_rtol: float = LOSS_RTOL, log=say, n_layer: int | None = None,
+               recompute: str = "") -> tuple[list[dict], dict]:
     """-> (rows: tokens/s, step ms, peak GiB; check: both step-1 losses and whether they agree). ``n_layer``: the
-    preset cut to that many layers (the compile warm-up)."""
+    preset cut to that many layers (the compile warm-up). ``recompute``: what our layers rebuild in the backward
+    instead of keeping (layers/recompute.py; the peer's model as it is): the case names it."""
     from mamba_parallel.config import get_preset
+    from mamba_parallel.layers.recompute import apply_recompute
     from mamba_parallel.models.lm import MambaLMHeadModel
 
     config = get_preset(preset)
@@ -126,9 +128,9 @@ def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, w
 
     def build_ours():
         if "folder" in handed:
-            return load_ours(handed.pop("folder"), device)
+            return apply_recompute(load_ours(handed.pop("folder"), device), recompute)
         torch.manual_seed(seed)
-        return MambaLMHeadModel(config, device=device)
+        return apply_recompute(MambaLMHeadModel(config, device=device), recompute)
 
     if peer is not None:
         figures["peer"], errors["peer"] = _side(f"{preset} {peer.name}", build_peer,
@@ -140,8 +142,8 @@ def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, w
     if "folder" in handed:  # ours failed before reading it
         import shutil
         shutil.rmtree(handed.pop("folder"), ignore_errors=True)
-    rows = _rows(f"{preset} b{batch} L{seq_len}", figures, errors, batch * seq_len, peer is not None,
-                 preset=preset)
+    case = f"{preset} b{batch} L{seq_len}" + (f" recompute {recompute}" if recompute else "")
+    rows = _rows(case, figures, errors, batch * seq_len, peer is not None, preset=preset)
     check = _loss_check(preset, figures.get("ours"), figures.get("peer") if peer is not None else None, loss_rtol,
                         log)
     if errors.get("ours_weights"):
@@ -180,7 +182,7 @@ def _loss_check(preset: str, ours: dict | None, peer: dict | None, loss_rtol: fl
 
 
 def run(presets, peer, device, seq_len=2048, batch=8, warmup=2, steps=5, seed=0, deadline=None, log=say,
-        n_layer=None) -> dict:
+        n_layer=None, recompute: str = "") -> dict:
     """Every preset (skipped with a note once ``deadline`` has passed) -> the result's settings, rows, checks."""
     rows, checks = [], []
     for preset in presets:
@@ -189,7 +191,7 @@ def run(presets, peer, device, seq_len=2048, batch=8, warmup=2, steps=5, seed=0,
                                  {"ours": "skipped: time budget spent"}, preset=preset))
             continue
         new_rows, check = run_preset(preset, peer, device, seq_len, batch, warmup, steps, seed, log=log,
-                                     n_layer=n_layer)
+                                     n_layer=n_layer, recompute=recompute)
         rows += new_rows
         checks.append(check)
     return {"bench": "train", "title": "One training step (fp32 params, bf16 autocast, fused AdamW)",
@@ -197,6 +199,7 @@ def run(presets, peer, device, seq_len=2048, batch=8, warmup=2, steps=5, seed=0,
                          **({"n_layer": n_layer} if n_layer else {}),
                          "optimizer": f"AdamW fused, lr {LR}, weight decay {WEIGHT_DECAY}, betas {BETAS}, no clipping",
                          "peer": "MambaLMHeadModel + F.cross_entropy on its logits",
-                         "ours": "MambaLMHeadModel.from_pretrained(peer's save_pretrained) + its fused loss",
+                         "ours": "MambaLMHeadModel.from_pretrained(peer's save_pretrained) + its fused loss"
+                                 + (f", recompute {recompute}" if recompute else ""),
                          "sides": ["ours"] + (["peer"] if peer is not None else [])},
             "rows": rows, "checks": {"step1_loss": checks}}

@@ -143,8 +143,32 @@ def test_bench_train_cli_side_by_side(tmp_path):
     assert path.parent.name.endswith("-cpu")
     res = json.loads(path.read_text())
     assert res["side_names"]["peer"] == "reference" and res["checks"]["step1_loss"][0]["agree"]
-    with pytest.raises(SystemExit, match="drop --tp"):
+    with pytest.raises(SystemExit, match="without --tp"):
         bench_train.main(["--peer", "--peer-impl", "reference", "--preset", "tiny-mamba", "--tp", "2"])
+
+
+def test_bench_train_side_by_side_with_our_recompute(tmp_path, monkeypatch):
+    """--recompute beside --peer: ours rebuilds those activations (less memory), the peer runs as it is; same
+    weights, so the same step-1 loss; the case names what ours recomputed."""
+    from mamba_parallel.layers import recompute as recompute_mod
+
+    applied = []
+    real = recompute_mod.apply_recompute
+    monkeypatch.setattr(recompute_mod, "apply_recompute", lambda m, items: applied.append(items) or real(m, items))
+    out = tmp_path / "results"
+    assert bench_train.main(["--peer", "--peer-impl", "reference", "--preset", "tiny-mamba", "--device", "cpu",
+                             "--seq-len", "16", "--batch-size", "2", "--steps", "1", "--warmup-steps", "0",
+                             "--recompute", "conv,states", "--json", str(out)]) == 0
+    (path,) = out.glob("*/train.json")
+    res = json.loads(path.read_text())
+    assert applied == ["conv,states"]
+    assert {r["case"] for r in res["rows"]} == {"tiny-mamba b2 L16 recompute conv,states"}
+    assert res["checks"]["step1_loss"][0]["agree"] and "recompute conv,states" in res["settings"]["ours"]
+    with pytest.raises(SystemExit, match="--recompute 'conv,nope': unknown item.*nope"):
+        bench_train.main(["--peer", "--peer-impl", "reference", "--preset", "tiny-mamba", "--recompute", "conv,nope"])
+    monkeypatch.setattr(bench_train.dist, "is_torchelastic_launched", lambda: True)
+    with pytest.raises(SystemExit, match="without --recompute under torchrun"):
+        bench_train.main(["--peer", "--peer-impl", "reference", "--preset", "tiny-mamba", "--recompute", "conv"])
 
 
 def test_bench_train_under_torchrun_compares_only_with_peer(monkeypatch):
