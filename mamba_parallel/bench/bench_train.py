@@ -108,13 +108,14 @@ def _side_by_side_peer(a: argparse.Namespace):
     explicit ``--peer`` compares (the data-parallel side by side, bench_train_dp.py); otherwise ours runs alone, as
     the scaling table's runs do. ``--recompute`` applies to our side only (mamba_ssm's layers rebuild what their
     fused kernels choose): a one-process run compares the two at the memory each keeps."""
-    if a.recompute:
+    if a.recompute and a.peer:  # ours alone checks it with the rest of its config (train/config.py)
+        from mamba_parallel.config import ConfigError
         from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS, parse_items
 
         unknown = parse_items(a.recompute)[1]
         if unknown:
-            raise SystemExit(f"bench train: --recompute {a.recompute!r}: unknown item(s) {', '.join(unknown)}; "
-                             f"expected a comma list of {', '.join(RECOMPUTE_ITEMS)}")
+            raise ConfigError(f"--recompute: unknown item(s) {', '.join(unknown)} in {a.recompute!r}; expected a "
+                              f"comma list of {', '.join(RECOMPUTE_ITEMS)}")
     launched = dist.is_torchelastic_launched()
     other = [flag for flag, on in (("--tp", a.tp > 1), ("--cp", a.cp > 1), ("--cuda-graph", a.cuda_graph),
                                    ("--profile", a.profile), ("--compile", a.compile),
