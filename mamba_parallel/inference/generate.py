@@ -2,7 +2,8 @@
 
 Arguments are transformers' and mamba_ssm's (inference/generate_options.py): greedy by default, ``max_new_tokens``
 or ``max_length``, ``do_sample`` / ``temperature`` / ``top_k`` / ``top_p`` / ``min_p`` / ``repetition_penalty``,
-``eos_token_id`` (one or several), ``streamer`` (``put`` / ``end``, as transformers' TextStreamer), ``cg`` /
+``eos_token_id`` (one or several), ``streamer`` (``put`` / ``end``, as transformers' TextStreamer; for every row
+of a batch: inference/token_stream.py), ``cg`` /
 ``cuda_graph``, ``return_dict_in_generate`` with ``output_scores`` / ``output_logits``.
 
 Ragged requests (a list of prompts of different lengths, or a left-padded batch with its ``attention_mask``) share
@@ -187,8 +188,9 @@ def _generate_ragged(model, prompts: list[torch.Tensor], opts: GenerateOptions):
     lengths = [p.numel() for p in prompts]
     caps = [opts.new_tokens_for(n) for n in lengths]
     n_steps = max(caps)
-    if opts.streamer is not None and len(prompts) > 1:
-        raise ValueError("generate: a streamer follows one sequence; pass one prompt (or a (1, L) tensor)")
+    if opts.streamer is not None and len(prompts) > 1 and not _batched(opts):
+        raise ValueError("generate: a streamer follows one sequence; pass one prompt (or a (1, L) tensor), or "
+                         "stream every row with inference.TokenStream / stream_generate")
     vocab = _vocab(model, opts)
     order = sorted(range(len(prompts)), key=lambda i: lengths[i])  # stable: equal lengths keep the input order
     sorted_prompts = [prompts[i] for i in order]
@@ -211,8 +213,8 @@ def _generate_ragged(model, prompts: list[torch.Tensor], opts: GenerateOptions):
         start = stop
     # Mamba steps only test offset > 0; the longest prompt bounds every row's position (cache capacity checks).
     cache.seqlen_offset = longest
-    emit = _streamer_emit(opts)
-    if opts.streamer is not None:
+    emit = _streamer_emit(opts, order, [caps[i] for i in order], decoder.pad)
+    if opts.streamer is not None and not _batched(opts):
         opts.streamer.put(prompts[0][None].cpu())
     new = _decode(run, cache, torch.cat(last_logits), n_steps, vocab, decoder, emit).cpu()
     _unsort_records(decoder, order)
@@ -239,10 +241,30 @@ def _unsort_records(decoder: _Decoder, order: list[int]) -> None:
             records[k] = t[inverse.to(t.device)]
 
 
-def _streamer_emit(opts: GenerateOptions):
+def _batched(opts: GenerateOptions) -> bool:
+    """A streamer that takes every row of each step (TokenStream), not one sequence with its prompt first."""
+    return bool(getattr(opts.streamer, "batched", False))
+
+
+def _streamer_emit(opts: GenerateOptions, order: list[int] | None = None, caps: list[int] | None = None,
+                   pad: int = 0):
+    """Each step's tokens -> the streamer. A batched one gets them in input order (``order``: the decode rows'
+    input indices), rows past their own limit (``caps``, in decode order) as ``pad``."""
     if opts.streamer is None:
         return lambda token: None
-    return lambda token: opts.streamer.put(token.cpu())
+    if not _batched(opts):
+        return lambda token: opts.streamer.put(token.cpu())
+    inverse = None if order is None else torch.argsort(torch.tensor(order))
+    limits = None if caps is None else torch.tensor(caps)
+    step = [0]
+
+    def emit(token):
+        t = token.cpu()
+        if limits is not None:
+            t = t.masked_fill(limits <= step[0], pad)
+        opts.streamer.put(t if inverse is None else t[inverse])
+        step[0] += 1
+    return emit
 
 
 def _left_padded_to_prompts(input_ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
@@ -305,9 +327,10 @@ def _generate_batch(model, input_ids: torch.Tensor, opts: GenerateOptions):
     prompts = list(input_ids)
     decoder = _Decoder(opts, prompts, vocab, input_ids.device)
     n = opts.new_tokens_for(L)
-    if opts.streamer is not None:
+    if opts.streamer is not None and not _batched(opts):
         if b != 1:
-            raise ValueError(f"generate: a streamer follows one sequence; input_ids has {b} rows")
+            raise ValueError(f"generate: a streamer follows one sequence; input_ids has {b} rows (stream every "
+                             "row with inference.TokenStream / stream_generate)")
         opts.streamer.put(input_ids.cpu())
     if n == 0:
         return input_ids, decoder
