@@ -102,3 +102,15 @@ def test_a_one_sequence_streamer_still_refuses_a_batch():
 
     with pytest.raises(ValueError, match="follows one sequence.*TokenStream"):
         _model().generate(torch.zeros(2, 3, dtype=torch.long), max_new_tokens=2, streamer=Printer())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny-mamba", "tiny-mamba2"])
+def test_gpu_every_row_streams_under_cuda_graphs(preset):
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(get_preset(preset)).cuda().eval()
+    prompts = [p.cuda() for p in _prompts([6, 3, 6])]
+    eager = model.generate(prompts, max_new_tokens=9, temperature=0.0)
+    steps = torch.stack(list(stream_generate(model, prompts, max_new_tokens=9, temperature=0.0, cg=True)), 1)
+    for row, (p, o) in enumerate(zip(prompts, eager)):
+        assert torch.equal(steps[row].cuda(), o[p.numel():])
