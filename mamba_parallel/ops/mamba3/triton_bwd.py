@@ -122,14 +122,12 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, QT, CINIT, CFINAL, DFIN, D
 
 
 @triton.jit
-def _pair_block(KT, QT, b, h, t, rank, valid, j0, NH, NA, skb, skt, skr, skh, BJ: tl.constexpr,
-                HALVED: tl.constexpr):
+def _pair_block(KT, QT, b, h, t, rank, valid, j0, NH, skb, skt, skr, skh, BJ: tl.constexpr, HALVED: tl.constexpr):
     """Pairs j0 .. j0 + BJ of the chunk's rotated q and k (as the forward's rotation wrote them), fp32."""
-    offs_j = j0 + tl.arange(0, BJ)
     off = b * skb + h * skh + t * skt + rank * skr
     q1, q2 = load_halves(QT, off, valid, j0, NH, BJ, HALVED)
     k1, k2 = load_halves(KT, off, valid, j0, NH, BJ, HALVED)
-    return q1, q2, k1, k2, offs_j, offs_j < NA
+    return q1, q2, k1, k2
 
 
 @triton.jit
@@ -218,8 +216,8 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
         # pass 1 over the pair blocks: the scores S = q k^T
         S = tl.zeros((T * R, T * R), dtype=tl.float32)
         for jb in tl.static_range(NJB):
-            q1, q2, k1, k2, offs_j, am = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA, skb, skt, skr,
-                                                     skh, BJE, HALVED)
+            q1, q2, k1, k2 = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, skb, skt, skr, skh, BJE,
+                                          HALVED)
             S += tl.dot(q1.to(dtype), tl.trans(k1.to(dtype)), input_precision=PREC) \
                 + tl.dot(q2.to(dtype), tl.trans(k2.to(dtype)), input_precision=PREC)
     G = tl.dot(dyd, tl.trans(ud), input_precision=PREC)  # G_ij = dy_i . u_j
@@ -266,8 +264,8 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
         dHH = 0.0
         noff = b * sgb + h * sgh + t * sgt + rank * sgr  # DK / DQ: per head
         for jb in tl.static_range(NJB):
-            q1, q2, k1, k2, offs_j, am = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, NA, skb, skt, skr,
-                                                     skh, BJE, HALVED)
+            q1, q2, k1, k2 = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, skb, skt, skr, skh, BJE,
+                                          HALVED)
             H1, H2 = load_halves(HS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
             dH1, dH2 = load_halves(DHS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
             H1, H2, dH1, dH2 = H1.to(dtype), H2.to(dtype), dH1.to(dtype), dH2.to(dtype)

@@ -132,20 +132,25 @@ def rotate_kernel(Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, KT, QT, L, NC, H, HPG, N
 
 
 @triton.jit
+def _with_bias(SRC, src, BIAS, bias_row, valid, j0, NH, BJ: tl.constexpr, HALVED: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
+    """Pairs j0 .. j0 + BJ of the rows at src, plus the bias row at bias_row (HAS_BIAS): fp32 halves, unturned."""
+    v1, v2 = load_halves(SRC, src, valid, j0, NH, BJ, HALVED)
+    if HAS_BIAS:
+        e1, e2 = load_halves(BIAS, bias_row, valid, j0, NH, BJ, HALVED)
+        v1, v2 = v1 + e1, v2 + e2
+    return v1, v2
+
+
+@triton.jit
 def _rotate_rows(SRC, src, BIAS, bias_row, DST, dst, cos, sin, valid, NH, BH: tl.constexpr, BA: tl.constexpr,
                  HALVED: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Rows (src + bias) turned by cos / sin (pairs 0 .. BA), the rest copied, written at dst."""
-    v1, v2 = load_halves(SRC, src, valid, 0, NH, BA, HALVED)
-    if HAS_BIAS:
-        e1, e2 = load_halves(BIAS, bias_row, valid, 0, NH, BA, HALVED)
-        v1, v2 = v1 + e1, v2 + e2
+    v1, v2 = _with_bias(SRC, src, BIAS, bias_row, valid, 0, NH, BA, HALVED, HAS_BIAS)
     r1, r2 = rotate_pairs(v1, v2, cos, sin)
     store_halves(DST, dst, r1, r2, valid, 0, NH, BA, HALVED)
     for jb in tl.static_range(1, BH // BA):
-        v1, v2 = load_halves(SRC, src, valid, jb * BA, NH, BA, HALVED)
-        if HAS_BIAS:
-            e1, e2 = load_halves(BIAS, bias_row, valid, jb * BA, NH, BA, HALVED)
-            v1, v2 = v1 + e1, v2 + e2
+        v1, v2 = _with_bias(SRC, src, BIAS, bias_row, valid, jb * BA, NH, BA, HALVED, HAS_BIAS)
         store_halves(DST, dst, v1, v2, valid, jb * BA, NH, BA, HALVED)
 
 
@@ -195,15 +200,11 @@ def unrotate_kernel(DK, DQ, Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, DB, DC, DBB, D
         gq1, gq2 = _turn_back(DQ, DCB, part, off, cos, sin, valid, j0, NH, T, R, BJ, HALVED, HAS_CB)
         q1, q2 = q1 + gq1, q2 + gq2
         if turns:  # the group's B and C rows, unturned (read again per head: cached, and fewer live registers)
-            v1, v2 = load_halves(Bm + b * sbb + g * sbg, t * sbt + rank * sbr, valid, j0, NH, BJ, HALVED)
-            if HAS_BB:
-                e1, e2 = load_halves(BIAS_B, bias_row, valid, j0, NH, BJ, HALVED)
-                v1, v2 = v1 + e1, v2 + e2
+            v1, v2 = _with_bias(Bm + b * sbb + g * sbg, t * sbt + rank * sbr, BIAS_B, bias_row, valid, j0, NH, BJ,
+                                HALVED, HAS_BB)
             dth = v1 * gk2 - v2 * gk1
-            v1, v2 = load_halves(Cm + b * scb + g * scg, t * sct + rank * scr, valid, j0, NH, BJ, HALVED)
-            if HAS_CB:
-                e1, e2 = load_halves(BIAS_C, bias_row, valid, j0, NH, BJ, HALVED)
-                v1, v2 = v1 + e1, v2 + e2
+            v1, v2 = _with_bias(Cm + b * scb + g * scg, t * sct + rank * scr, BIAS_C, bias_row, valid, j0, NH, BJ,
+                                HALVED, HAS_CB)
             dth += v1 * gq2 - v2 * gq1
             dth = per_token(dth, T, R, BJ)
             tl.store(DPHI + b * spb + h * sph + tt[:, None] * spt + offs_j[None, :],
