@@ -108,18 +108,10 @@ def _side_by_side_peer(a: argparse.Namespace):
     explicit ``--peer`` compares (the data-parallel side by side, bench_train_dp.py); otherwise ours runs alone, as
     the scaling table's runs do. ``--recompute`` applies to our side only (mamba_ssm's layers rebuild what their
     fused kernels choose): a one-process run compares the two at the memory each keeps."""
-    if a.recompute and a.peer:  # ours alone checks it with the rest of its config (train/config.py)
-        from mamba_parallel.config import ConfigError
-        from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS, parse_items
-
-        unknown = parse_items(a.recompute)[1]
-        if unknown:
-            raise ConfigError(f"--recompute: unknown item(s) {', '.join(unknown)} in {a.recompute!r}; expected a "
-                              f"comma list of {', '.join(RECOMPUTE_ITEMS)}")
     launched = dist.is_torchelastic_launched()
     other = [flag for flag, on in (("--tp", a.tp > 1), ("--cp", a.cp > 1), ("--cuda-graph", a.cuda_graph),
                                    ("--profile", a.profile), ("--compile", a.compile),
-                                   ("--recompute under torchrun", bool(a.recompute) and (launched or not a.peer)),
+                                   ("--recompute under torchrun", bool(a.recompute) and launched),
                                    ("--activation-checkpointing", a.activation_checkpointing),
                                    ("--dtype fp32", a.dtype != "bf16")) if on]
     if other:
@@ -127,13 +119,14 @@ def _side_by_side_peer(a: argparse.Namespace):
             raise SystemExit(f"bench train: --peer compares the bf16 step without {', '.join(other)}: drop it "
                              "(or pass --no-peer)")
         return None
-    if launched and not a.peer:
+    if not a.peer and (launched or a.recompute):  # the comparison is asked for, not assumed
         return None
     return resolve_peer(a.peer, a.peer_impl)
 
 
 def _run_side_by_side(a: argparse.Namespace, peer) -> int:
     from mamba_parallel.bench import bench_train_dp, train_side_by_side
+    from mamba_parallel.train.trainer import resolve_recompute
 
     if dist.is_torchelastic_launched():  # torchrun: the peer in DDP beside ours (FSDP2 and DDP) on every rank
         return bench_train_dp.run_launched([a.preset], a.peer, a.peer_impl, a.device, a.seq_len, a.batch_size,
@@ -141,7 +134,7 @@ def _run_side_by_side(a: argparse.Namespace, peer) -> int:
                                            git_commit=a.git_commit)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     result = train_side_by_side.run([a.preset], peer, device, a.seq_len, a.batch_size, a.warmup_steps, a.steps,
-                                    recompute=a.recompute)
+                                    recompute=resolve_recompute(a.recompute))
     publish(result, device, peer, path=a.json, git_commit=a.git_commit)
     return 0
 
