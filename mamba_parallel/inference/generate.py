@@ -232,10 +232,15 @@ def _generate_ragged(model, prompts: list[torch.Tensor], opts: GenerateOptions):
     return out, decoder
 
 
+def _inverse(order: list[int]) -> torch.Tensor:
+    """The decode rows' input indices -> the decode row of every input (indexing a decode-order tensor with it
+    gives input order)."""
+    return torch.argsort(torch.tensor(order))
+
+
 def _unsort_records(decoder: _Decoder, order: list[int]) -> None:
     """Scores / logits recorded in the sorted row order -> input order."""
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
+    inverse = _inverse(order)
     for records in (decoder.scores, decoder.raw):
         for k, t in enumerate(records):
             records[k] = t[inverse.to(t.device)]
@@ -254,7 +259,7 @@ def _streamer_emit(opts: GenerateOptions, order: list[int] | None = None, caps: 
         return lambda token: None
     if not _batched(opts):
         return lambda token: opts.streamer.put(token.cpu())
-    inverse = None if order is None else torch.argsort(torch.tensor(order))
+    inverse = None if order is None else _inverse(order)
     limits = None if caps is None else torch.tensor(caps)
     step = [0]
 
