@@ -11,7 +11,7 @@ caller's phase carry; it cancels where a sum of per-token phase gradients would 
 at its end, every gradient of the chunk's inputs: dx, dz, those of the rotated k and q (per head; triton_rotate's
 unrotate turns them back into dB / dC and derives the phase's gradient), and per token the gradients of the
 decay's log (da) and of w and gamma (the trapezoid weights), and the chunk's shares of dD and of the MIMO scales'
-gradients. SISO launches it twice, each launch doing about half of that work (``PART``): fewer live tiles each.
+gradients. It runs in two launches, each doing about half of that work (``PART``): fewer live tiles each.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
     chunk's (T, T) terms) k dH^T for du, then per block again dq, dk and what they give. Only one block's tiles
     are live at a time. DK / DQ (rows, L, [R,] h, n) fp32 or bf16: the gradients of the rotated k and q (the
     caller turns them back to B's and C's).
-    PART 0 does it all. Or two launches, each with about half the live tiles (so that two programs share an SM):
+    Two launches, each with about half the live tiles (so that two programs share an SM):
     PART 1 the scores and everything du needs (dx, dz, dD, the MIMO scales, dw, dg), its share of the decay's
     per-token gradient left in DAP (the shape of DA); then PART 2 dq and dk, which completes DA from DAP."""
     NJB: tl.constexpr = (BH + BJ - 1) // BJ
@@ -190,9 +190,9 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
     tmp = tm[:, None] & pm[None, :]
     tok_out = b * sob + h * soh + tt[:, None] * sot + offs_p[None, :] * sop
     mrank = ((b * H + h) * NC + c) * R * P + tl.arange(0, R)[:, None] * P + offs_p[None, :]
-    if HAS_MO and PART != 2:
+    if HAS_MO and PART == 1:
         tl.store(DMO + mrank, per_rank(dy_tok * yg, T, R, BP), mask=pm[None, :])
-    if HAS_Z and PART != 2:
+    if HAS_Z and PART == 1:
         zraw = tl.load(Z + b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp, mask=xm,
                        other=0.0).to(tl.float32)
         if HAS_MZ:
@@ -200,7 +200,7 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
             dzr *= load_rank_rows(MZ + h * R * P, rank, offs_p, P, R, pm)
         tl.store(DZ + tok_out, per_token(dzr, T, R, BP).to(DZ.dtype.element_ty), mask=tmp)
     dyd = dy.to(dtype)
-    if HAS_D and PART != 2:
+    if HAS_D and PART == 1:
         tl.store(DD + (b * H + h) * NC + c, tl.sum(tl.sum(dy * u, 1), 0))
     hs = ((b * H + h) * NC + c) * P * N
     prow = offs_p * N  # the states' rows (p, n), n contiguous
@@ -212,7 +212,7 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
     tj = tok[None, :]
     strict = ti > tj
     same = ti == tj
-    if PART != 2:
+    if PART == 1:
         # pass 1 over the pair blocks: the scores S = q k^T
         S = tl.zeros((T * R, T * R), dtype=tl.float32)
         for jb in tl.static_range(NJB):
@@ -221,7 +221,7 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
             S += tl.dot(q1.to(dtype), tl.trans(k1.to(dtype)), input_precision=PREC) \
                 + tl.dot(q2.to(dtype), tl.trans(k2.to(dtype)), input_precision=PREC)
     G = tl.dot(dyd, tl.trans(ud), input_precision=PREC)  # G_ij = dy_i . u_j
-    if PART != 2:
+    if PART == 1:
         V = S * G
         dg = tl.sum(tl.where(same, V, 0.0), 1)
         EV = tl.where(strict, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)) * V, 0.0)
@@ -230,15 +230,12 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
         dcs = tl.sum(Rm, 1) - tl.sum(Rm, 0)
     W = tl.where(strict, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)) * w[None, :], 0.0) \
         + tl.where(same, gamma[:, None], 0.0)
-    if PART != 2:
+    if PART == 1:
         SW = S * W
         if HAS_D:
             diag = tl.arange(0, T * R)[:, None] == tl.arange(0, T * R)[None, :]
             SW += tl.where(diag, tl.load(D + h).to(tl.float32), 0.0)
         du = tl.dot(tl.trans(SW.to(dtype)), dyd, input_precision=PREC)
-        if PART == 0:  # G and W not live through the next pass
-            PW = (G * W).to(dtype)
-            PWt = tl.trans(PW)
 
         # du's share through the state leaving the chunk: k dH^T (H, dH stay in their stored dtype, x.dtype)
         KdH = tl.zeros((T * R, BP), dtype=tl.float32)
@@ -254,10 +251,9 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
             du *= mx
         tl.store(DX + tok_out, per_token(du, T, R, BP).to(DX.dtype.element_ty), mask=tmp)
 
-    if PART != 1:
-        if PART == 2:
-            PW = (G * W).to(dtype)
-            PWt = tl.trans(PW)
+    if PART == 2:
+        PW = (G * W).to(dtype)
+        PWt = tl.trans(PW)
         # pass 2 over the pair blocks: dq, dk (of the rotated vectors; triton_rotate's unrotate turns them back into
         # dB / dC and takes the phase's gradient from them)
         qdyH = tl.zeros((T * R,), dtype=tl.float32)  # q_i^T H^T dy_i
@@ -290,22 +286,16 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
         dtot = tl.exp(tot) * dHH
     else:
         dw += tl.exp(tot - cs) * Zs
-        if PART == 1:
-            dcs -= coef * Zs
-            dtot = tl.sum(coef * Zs, 0)
-        else:
-            dcs += ecs * qdyH - coef * Zs
-            dtot = tl.exp(tot) * dHH + tl.sum(coef * Zs, 0)
+        dcs -= coef * Zs
+        dtot = tl.sum(coef * Zs, 0)
     dcs = per_token_vec(dcs, T, R)
     dcs += tl.where(tl.arange(0, T) == tl.minimum(T - 1, L - 1 - c * T), dtot, 0.0)
     soff = b * sdb + h * sdh + tt * sdt
-    if PART != 2:
+    if PART == 1:
         tl.store(DW + soff, per_token_vec(dw, T, R), mask=tm)
         tl.store(DG + soff, per_token_vec(dg, T, R), mask=tm)
-    if PART == 1:
         tl.store(DAP + soff, dcs, mask=tm)
     else:
-        if PART == 2:
-            dcs += tl.load(DAP + soff, mask=tm, other=0.0)
+        dcs += tl.load(DAP + soff, mask=tm, other=0.0)
         da = tl.sum(dcs, 0) - tl.cumsum(dcs, 0) + dcs  # d(dt A)_t = sum_{i >= t} dcs_i
         tl.store(DA + soff, da, mask=tm)

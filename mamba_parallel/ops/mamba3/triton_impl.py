@@ -184,10 +184,10 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dmx, dmz, dmo = part(mimo_x), part(mimo_z), part(mimo_o)
     bias_part = lambda t: torch.empty(rows, H, lay.nchunks, R, N, device=dev, dtype=f32) if t is not None else None  # noqa
     dbb, dcb = bias_part(B_bias), bias_part(C_bias)
-    # SISO in two launches (du's part, then dq / dk's, which completes da from dap), each holding about half the
-    # tiles of one; MIMO's rows in one (its two-part form is untried on a GPU)
-    dap = torch.empty_like(dts) if R == 1 else None
-    parts = ((1, "chunk_bwd_dx"), (2, "chunk_bwd_dqk")) if R == 1 else ((0, "chunk_bwd_mimo"),)
+    # two launches (du's part, then dq / dk's, which completes da from dap), each holding about half the tiles of one
+    dap = torch.empty_like(dts)
+    parts = ((1, "chunk_bwd_dx"), (2, "chunk_bwd_dqk")) if R == 1 else ((1, "chunk_bwd_mimo_dx"),
+                                                                         (2, "chunk_bwd_mimo_dqk"))
     for part, name in parts:
         tuned(chunk_bwd_kernel, name, x.dtype)[(rows * H, lay.nchunks)](
             xs, dys, zs, ypres, dts, As, traps, KT, QT, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
