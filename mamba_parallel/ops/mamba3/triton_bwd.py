@@ -145,7 +145,7 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
     chunk's (T, T) terms) k dH^T for du, then per block again dq, dk and what they give. Only one block's tiles
     are live at a time. DK / DQ (rows, L, [R,] h, n) fp32 or bf16: the gradients of the rotated k and q (the
     caller turns them back to B's and C's).
-    Two launches, each with about half the live tiles (so that two programs share an SM):
+    Two launches, each with about half the live tiles (du's part fits two programs on an SM):
     PART 1 the scores and everything du needs (dx, dz, dD, the MIMO scales, dw, dg), its share of the decay's
     per-token gradient left in DAP (the shape of DA); then PART 2 dq and dk, which completes DA from DAP."""
     NJB: tl.constexpr = (BH + BJ - 1) // BJ
