@@ -182,8 +182,6 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dD = torch.empty(rows, H, lay.nchunks, device=dev, dtype=f32) if D is not None else None
     part = lambda t: torch.empty(rows, H, lay.nchunks, R, P, device=dev, dtype=f32) if t is not None else None  # noqa
     dmx, dmz, dmo = part(mimo_x), part(mimo_z), part(mimo_o)
-    bias_part = lambda t: torch.empty(rows, H, lay.nchunks, R, N, device=dev, dtype=f32) if t is not None else None  # noqa
-    dbb, dcb = bias_part(B_bias), bias_part(C_bias)
     # two launches (du's part, then dq / dk's, which completes da from dap), each holding about half the tiles of one
     dap = torch.empty_like(dts)
     parts = ((1, "chunk_bwd_dx"), (2, "chunk_bwd_dqk")) if R == 1 else ((1, "chunk_bwd_mimo_dx"),
@@ -199,7 +197,8 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
             HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
             PREC=dot_precision(x.dtype), PART=part)
     # dk, dq -> dB, dC (+ bias), and the phases' gradients within each chunk
-    dB, dC, dphi = unrotate(dBh, dCh, Bs, Cs, B_bias, C_bias, angs, dts, THS, lay, T, halved, dbb, dcb, B.dtype)
+    dB, dC, dphi, dB_bias, dC_bias = unrotate(dBh, dCh, Bs, Cs, B_bias, C_bias, angs, dts, THS, lay, T, halved,
+                                              B.dtype)
 
     # the final phase's and state's share of the phase gradients (when the final states are used)
     has_ends = dfin_angle is not None or (dfin is not None and fin_ssm is not None)
@@ -222,8 +221,7 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     rank_sum = lambda t, like: t.sum((0, 2)).to(like.dtype) if like is not None else None  # noqa: E731
     return (unpack(dx), unpack(ddt), unpack(dA), unpack(dB), unpack(dC), unpack(dtrap), unpack(dang),
             dD.sum((0, 2)).to(D.dtype) if D is not None else None, unpack(dz),
-            dbb.sum((0, 2)).reshape(B_bias.shape).to(B_bias.dtype) if B_bias is not None else None,
-            dcb.sum((0, 2)).reshape(C_bias.shape).to(C_bias.dtype) if C_bias is not None else None,
+            dB_bias, dC_bias,
             rank_sum(dmx, mimo_x), rank_sum(dmz, mimo_z), rank_sum(dmo, mimo_o), dinit_angle, dinit,
             None, None, None, None, None)
 

@@ -270,12 +270,13 @@ def rotated_bc(Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int, H: i
     return kt, qt
 
 
-def unrotate(dk, dq, Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int, halved: bool, dbb=None,
-             dcb=None, dtype=torch.float32):
+def unrotate(dk, dq, Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int, halved: bool,
+             dtype=torch.float32):
     """dk, dq (rows, Lk, [R,] h, n), the gradients of the rotated k / q -> those of B and C (shaped as Bs / Cs: rows,
-    Lk, [R,] groups, n) in ``dtype`` (each head's turned back and summed over its group's heads in fp32), and the
-    phases' gradients (rows, Lk, h, a) fp32, each token's summed from the end of its chunk; dbb / dcb
-    (rows, h, nc, R, n) get each chunk's share of the biases' gradients (given when the biases are)."""
+    Lk, [R,] groups, n) in ``dtype`` (each head's turned back and summed over its group's heads in fp32), the
+    phases' gradients (rows, Lk, h, a) fp32, each token's summed from the end of its chunk, and those of the
+    biases (shaped and typed as B_bias / C_bias; None without one): per-chunk partials (rows, h, nc, R, n) fp32
+    summed here."""
     Bs, Cs = (t if t.stride(-1) == 1 else t.contiguous() for t in (Bs, Cs))  # whole rows of n
     rows_, Lk = dk.shape[:2]
     mimo = dk.dim() == 5
@@ -284,6 +285,9 @@ def unrotate(dk, dq, Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int
     dB = torch.empty(Bs.shape, device=dk.device, dtype=dtype)
     dC = torch.empty_like(dB)
     dphi = torch.empty(rows_, Lk, H, NA, device=dk.device, dtype=torch.float32)
+    bias_part = lambda t: (None if t is None else  # noqa: E731
+                           torch.empty(rows_, H, lay.nchunks, R, N, device=dk.device, dtype=torch.float32))
+    dbb, dcb = bias_part(B_bias), bias_part(C_bias)
     st, so = dk.stride(), dB.stride()
     # pair blocks of 16 (whole 128-byte rows of interleaved fp32 pairs) give the grid enough programs at one group
     BJ = min(16, block(NH))
@@ -292,4 +296,6 @@ def unrotate(dk, dq, Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int
         NA, *angs.stride(), *dts.stride(), st[0], st[1], st[2] if mimo else 0, st[-2],
         so[0], so[1], so[2] if mimo else 0, so[-2], *bc_strides(Bs)[:4], *bc_strides(Cs)[:4], *dphi.stride()[:3],
         T=T, R=R, BJ=BJ, HALVED=halved, HAS_BB=B_bias is not None, HAS_CB=C_bias is not None, num_warps=4)
-    return dB, dC, dphi
+    bias_grad = lambda part, bias: (None if bias is None else  # noqa: E731
+                                    part.sum((0, 2)).reshape(bias.shape).to(bias.dtype))
+    return dB, dC, dphi, bias_grad(dbb, B_bias), bias_grad(dcb, C_bias)
