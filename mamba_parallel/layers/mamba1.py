@@ -15,6 +15,7 @@ and the gate write dx and dz straight into in_proj's output gradient: torch conc
 ``recompute`` (a subset of conv, dt, gate, states; layers/recompute.py, docs/memory.md) rebuilds the conv output
 (its token-major copy), the scan's delta and out_proj's input in the backward instead of keeping them; ``states``
 keeps one selective-scan checkpoint per SCAN_CHECKPOINT_EVERY chunks (the scan's backward rebuilds the others).
+The scan's per-chunk checkpoints are bf16 under bf16 inputs, fp32 otherwise (``scan_checkpoint_dtype`` overrides).
 
 ``bcdt_rms_norm`` (Falcon-Mamba): x_proj's three outputs dt_low (dt_rank), B and C (d_state) each pass through a
 weightless RMS norm (eps ``bcdt_rms_eps``, computed in fp32) before dt_proj and the scan, in the reference, the
@@ -105,12 +106,14 @@ class Mamba1Ops(SequenceOps):
     and the sum of x_proj's output over channel shards (the identity here)."""
 
     def scan(self, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
-             return_last_state=False, seq_idx=None, checkpoint_every=1):
+             return_last_state=False, seq_idx=None, checkpoint_every=1, checkpoint_dtype=None):
         """``ops.selective_scan``: u / delta / z (b, d, L), A (d, n), B / C (b, n, L) -> y (b, d, L)
-        [, last_state (b, d, n) fp32]; one state checkpoint kept per ``checkpoint_every`` chunks."""
+        [, last_state (b, d, n) fp32]; one state checkpoint kept per ``checkpoint_every`` chunks, in
+        ``checkpoint_dtype`` (None: the op's default)."""
         return ops.selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
                                   initial_state=initial_state, return_last_state=return_last_state,
-                                  seq_idx=seq_idx, checkpoint_every=checkpoint_every)
+                                  seq_idx=seq_idx, checkpoint_every=checkpoint_every,
+                                  checkpoint_dtype=checkpoint_dtype)
 
     def channel_sum(self, t: torch.Tensor) -> torch.Tensor:
         """x_proj's output (b, r + 2n, L) from this device's d_inner channels -> the sum over all channels."""
@@ -122,7 +125,8 @@ class Mamba(nn.Module):
                  dt_min: float = 0.001, dt_max: float = 0.1, dt_init: str = "random", dt_scale: float = 1.0,
                  dt_init_floor: float = 1e-4, conv_bias: bool = True, bias: bool = False,
                  bcdt_rms_norm: bool = False, bcdt_rms_eps: float = 1e-6, layer_idx: int | None = None,
-                 device=None, dtype=None, *, recompute=(), use_fused_path: bool = True):
+                 device=None, dtype=None, *, recompute=(), use_fused_path: bool = True,
+                 scan_checkpoint_dtype: torch.dtype | None = None):
         super().__init__()
         if dt_init not in ("random", "constant"):
             raise ValueError(f"Mamba: dt_init must be 'random' or 'constant', got {dt_init!r}")
@@ -139,6 +143,12 @@ class Mamba(nn.Module):
         # training on the Triton path: the middle as one autograd node (``_Mamba1Inner`` below); False: the
         # reference forward, op by op (e.g. to compare, or to run the sub-modules' forward hooks)
         self.use_fused_path = bool(use_fused_path)
+        # the selective scan's per-chunk state checkpoints: fp32 or bf16; None: the op's default (bf16 under bf16
+        # inputs: ops.selective_scan's checkpoint_dtype)
+        if scan_checkpoint_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"Mamba: scan_checkpoint_dtype must be torch.float32, torch.bfloat16 or None, got "
+                             f"{scan_checkpoint_dtype!r}")
+        self.scan_checkpoint_dtype = scan_checkpoint_dtype
         self.seq_ops = Mamba1Ops()  # conv, scan, channel_sum: what context / tensor parallelism replace
 
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=bias, **fk)
@@ -202,12 +212,15 @@ class Mamba(nn.Module):
         if conv_state is None and self.use_fused_path and self.seq_ops.local and fused_ok(xz):
             plan = recompute_plan(self)
             every = self._scan_checkpoint_every()
+            ckpt_dtype = self.scan_checkpoint_dtype
+            if ckpt_dtype is None:
+                ckpt_dtype = _kernels()[1].default_checkpoint_dtype(xz, every)
             if fusable_linear(self.out_proj):  # out_proj in the node: its input is not kept ("gate": nothing left)
                 return _fused_middle(self, xz, seq_idx, recompute_conv="conv" in plan, out_proj=self.out_proj,
-                                     checkpoint_every=every)
+                                     checkpoint_every=every, checkpoint_dtype=ckpt_dtype)
             if plan <= _FUSED_RECOMPUTE:  # one autograd node (below); it always rebuilds dt
                 return self.out_proj(_fused_middle(self, xz, seq_idx, recompute_conv="conv" in plan,
-                                                   checkpoint_every=every))
+                                                   checkpoint_every=every, checkpoint_dtype=ckpt_dtype))
         # channels-last (b, d_inner, L) views of xz, whose gradient the conv and the gate write in place
         x, z = (_channels_last(t) for t in split_with_grad_arena(xz, [d_inner, d_inner], dim=-1))
 
@@ -216,9 +229,10 @@ class Mamba(nn.Module):
             resume = inference_params.seqlen_offset > 0  # chunked prefill continues from the cached states
             conv_kwargs = dict(initial_state=conv_state[:b] if resume else None, return_final_state=True)
             scan_kwargs = dict(initial_state=ssm_state[:b] if resume else None, return_last_state=True)
-        elif self._scan_checkpoint_every() > 1 and type(self.seq_ops).scan is Mamba1Ops.scan:
-            # (context parallelism's own scan takes no checkpoint_every: it keeps one checkpoint per chunk)
-            scan_kwargs = dict(checkpoint_every=self._scan_checkpoint_every())
+        elif type(self.seq_ops).scan is Mamba1Ops.scan:
+            # (context parallelism's own scan takes neither: one checkpoint per chunk, in the op's default dtype)
+            scan_kwargs = dict(checkpoint_every=self._scan_checkpoint_every(),
+                               checkpoint_dtype=self.scan_checkpoint_dtype)
         conv_in = x
         x = self._conv(x, seq_idx, **conv_kwargs)  # reads the strided view; may keep its layout
         if conv_state is not None:
@@ -264,7 +278,13 @@ class Mamba(nn.Module):
     def _scan_checkpoint_every(self) -> int:
         """Chunks of the selective scan per kept state checkpoint: SCAN_CHECKPOINT_EVERY with recompute "states"
         (a scan argument: compiled too), else 1."""
-        return SCAN_CHECKPOINT_EVERY if "states" in self.recompute else 1
+        if "states" not in self.recompute:
+            return 1
+        if self.scan_checkpoint_dtype == torch.bfloat16:
+            raise ValueError("Mamba: recompute 'states' keeps one fp32 scan checkpoint per "
+                             f"{SCAN_CHECKPOINT_EVERY} chunks; scan_checkpoint_dtype=torch.bfloat16 needs one per "
+                             "chunk: drop one of the two")
+        return SCAN_CHECKPOINT_EVERY
 
     def _conv(self, x: torch.Tensor, seq_idx: torch.Tensor | None, **state_kwargs):
         """x (b, d_inner, L) any strides -> silu(causal depthwise conv(x)) (b, d_inner, L), any layout."""
@@ -364,7 +384,7 @@ class _Mamba1Inner(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xz, conv_w, conv_b, xproj_w, dt_w, dt_b, A_log, D, out_w, out_b, seq_idx, d_inner: int, r: int,
                 n: int, recompute_conv: bool, bcdt_eps: float | None, out_dtype: torch.dtype | None,
-                checkpoint_every: int):
+                checkpoint_every: int, checkpoint_dtype: torch.dtype):
         conv, scan, layout = _kernels()
         b = xz.shape[0]
         d, cdt = d_inner, xz.dtype
@@ -384,7 +404,7 @@ class _Mamba1Inner(torch.autograd.Function):
         sid = seq_idx.to(torch.int32) if seq_idx is not None else None
         path = scan.scan_path(xc, dt, None, A, B4)
         y, _, ckpt, _ = scan.scan_forward(xc, dt, A, B4, C4, D32, None, dtb32, None, sid, True, False, b, True, path,
-                                          checkpoint_every=checkpoint_every)
+                                          checkpoint_every=checkpoint_every, checkpoint_dtype=checkpoint_dtype)
         out = layout._gate_fwd(y, z)  # (b, L, d) contiguous: out_proj's input
         if out_w is not None:  # out_proj as nn.Linear computes it (out_dtype: autocast's); its input is not kept
             out = F.linear(out.to(out_dtype), out_w.to(out_dtype), None if out_b is None else out_b.to(out_dtype))
@@ -441,16 +461,17 @@ class _Mamba1Inner(torch.autograd.Function):
         grads = (dxz, dw2.view_as(conv_w), dcb if conv_b is not None else None, dwx, dwdt, ddtb.to(dtb_dtype),
                  dA_log.to(alog_dtype), dD.to(d_dtype), dout_w, dout_b)
         return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None, None, None,
-                None)
+                None, None)
 
 
 def _fused_middle(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None, recompute_conv: bool = False,
-                  out_proj: nn.Linear | None = None, checkpoint_every: int = 1) -> torch.Tensor:
+                  out_proj: nn.Linear | None = None, checkpoint_every: int = 1,
+                  checkpoint_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """xz (b, L, 2 d_inner) in_proj's output -> y * silu(z) (b, L, d_inner) contiguous (out_proj's input), the
     middle of ``layer`` as one autograd node; with ``out_proj`` (a plain nn.Linear) -> out_proj(y * silu(z))
     (b, L, d_model), out_proj in the node too. ``recompute_conv``: rebuild the conv output in the backward instead
-    of keeping it. ``checkpoint_every``: the scan's chunks per kept state checkpoint. Call only where ``fused_ok``
-    allows and ``layer.seq_ops`` are local."""
+    of keeping it. ``checkpoint_every``, ``checkpoint_dtype``: the scan's chunks per kept state checkpoint and
+    their dtype. Call only where ``fused_ok`` allows and ``layer.seq_ops`` are local."""
     conv1d, dt_proj = layer.conv1d, layer.dt_proj
     out_w = out_b = out_dtype = None
     if out_proj is not None:
@@ -458,4 +479,5 @@ def _fused_middle(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None, 
         out_dtype = linear_dtype(xz, out_w)  # the gate's output has xz's dtype
     return _Mamba1Inner.apply(xz, conv1d.weight, conv1d.bias, layer.x_proj.weight, dt_proj.weight, dt_proj.bias,
                               layer.A_log, layer.D, out_w, out_b, seq_idx, layer.d_inner, layer.dt_rank,
-                              layer.d_state, recompute_conv, layer.bcdt_rms_eps, out_dtype, checkpoint_every)
+                              layer.d_state, recompute_conv, layer.bcdt_rms_eps, out_dtype, checkpoint_every,
+                              checkpoint_dtype)

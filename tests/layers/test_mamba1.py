@@ -139,6 +139,30 @@ def test_fused_matches_the_modular_path(dtype, b, L, packed, monkeypatch):
         assert_close(g, r, dtype=dtype, grad=name != "out", name=name)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_bf16_scan_checkpoints_in_both_paths(fused, monkeypatch):
+    """``scan_checkpoint_dtype=torch.bfloat16``: the same output bit for bit, the gradients within bf16 rounding of
+    the fp32 checkpoints' (fp32 layer; the default picks bf16 only for bf16 inputs)."""
+    m = _layer(torch.float32)
+    h = torch.randn(2, 37, 16, generator=torch.Generator().manual_seed(1))
+    ref, _ = _run(m, h, monkeypatch, fused=fused)
+    m.scan_checkpoint_dtype = torch.bfloat16
+    got, _ = _run(m, h, monkeypatch, fused=fused)
+    assert torch.equal(got[0], ref[0])
+    for g, r, name in zip(got[1:], ref[1:], _names(m)[1:]):
+        assert_close(g, r, dtype=torch.bfloat16, grad=True, name=name)
+    assert not torch.equal(m.A_log.grad, ref[_names(m).index("A_log")])
+
+
+def test_scan_checkpoint_dtype_is_checked(monkeypatch):
+    with pytest.raises(ValueError, match="scan_checkpoint_dtype must be"):
+        Mamba(16, scan_checkpoint_dtype=torch.float16)
+    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
+    m = Mamba(16, scan_checkpoint_dtype=torch.bfloat16, recompute="states")
+    with pytest.raises(ValueError, match="recompute 'states' keeps one fp32 scan checkpoint"):
+        m(torch.randn(1, 9, 16, requires_grad=True))
+
+
 def test_fused_matches_the_reference_ops(monkeypatch):
     """Against the pure-PyTorch reference ops (the modular layer on MAMBA_PARALLEL_BACKEND=naive)."""
     m = _layer(torch.float32)

@@ -101,6 +101,23 @@ def test_mamba1_fused_saved_bytes_match_the_table(triton_backend, recompute, L):
     assert saved == _mamba1_fused_expected(m, b, L, recompute)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_mamba1_bf16_checkpoints_keep_half(triton_backend, fused):
+    """``scan_checkpoint_dtype=torch.bfloat16`` (the default under bf16 inputs): the scan's per-chunk states take
+    2 bytes instead of 4, in the fused node and op by op; nothing else changes."""
+    b, L = 2, 72
+    h = torch.randn(b, L, 16, requires_grad=True)
+    kept = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        m = _mamba1(fused=fused)
+        m.scan_checkpoint_dtype = dtype
+        kept[dtype] = saved_bytes(m, lambda: m(h))[1]
+    halved = b * _scan_checkpoints(L, "") * m.d_state * m.d_inner * (F32 - 2)
+    assert kept[torch.float32] - kept[torch.bfloat16] == halved
+    if fused:
+        assert kept[torch.float32] == _mamba1_fused_expected(m, b, L, "")
+
+
 def _run_with_grads(m, h, **kw):
     m.zero_grad(set_to_none=True)
     h = h.detach().requires_grad_(True)

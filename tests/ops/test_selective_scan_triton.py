@@ -344,6 +344,114 @@ def test_checkpoint_every_custom_op_registration():
                                                                "test_autograd_registration"))
 
 
+# ------------------------------------------------------------------------------- CPU: bf16 checkpoints
+
+# what the backward reads only through the adjoint (not the rebuilt states): bit-equal whatever the checkpoints
+ADJOINT_ONLY = ("y", "last_state", "du", "dB", "dD", "dz", "dinitial_state")
+
+
+def ours_with(kw, path, checkpoint_dtype):
+    """Our y, last state and every gradient (fixed random cotangents) with checkpoints in ``checkpoint_dtype``."""
+    leaves = [k for k in GRAD_NAMES if isinstance(kw.get(k), torch.Tensor)]
+    ours = {k: (v.detach().clone().requires_grad_(k in leaves) if isinstance(v, torch.Tensor) else v)
+            for k, v in kw.items()}
+    y, last = triton_impl.selective_scan(**ours, return_last_state=True, path=path,
+                                         checkpoint_dtype=checkpoint_dtype)
+    gen = torch.Generator().manual_seed(1)
+    gy = torch.randn(y.shape, generator=gen).to(y.device, y.dtype)
+    gl = torch.randn(last.shape, generator=gen).to(y.device)
+    g = torch.autograd.grad((y * gy).sum() + (last * gl).sum(), [ours[k] for k in leaves])
+    return dict(y=y, last_state=last, **{f"d{k}": t for k, t in zip(leaves, g)})
+
+
+def check_bf16_checkpoints(kw, path, tol):
+    """bf16 checkpoints against fp32 ones: the forward and the adjoint-only gradients bit for bit, ddelta, dA,
+    dC and d delta_bias within ``tol`` (relative norm) and not equal (the rounded states were read)."""
+    a, c = ours_with(kw, path, torch.float32), ours_with(kw, path, torch.bfloat16)
+    moved = []
+    for name in a:
+        if name in ADJOINT_ONLY:
+            assert torch.equal(a[name], c[name]), name
+        else:
+            err = ((a[name].float() - c[name].float()).norm() / a[name].float().norm()).item()
+            assert err < tol, (name, err)
+            moved.append(err > 0)
+    assert any(moved)
+
+
+@pytest.mark.parametrize("path,mode", [(launch.GENERIC, None), (launch.GENERIC_TWO_ROWS, "seq_idx"),
+                                       (launch.ROW_PER_THREAD, None), (launch.TWO_ROWS_PER_CHANNEL, "seq_idx"),
+                                       (launch.TWO_ROWS_STATE_LOOP, None), (None, "cu_seqlens")])
+def test_bf16_checkpoints(path, mode):
+    """Every kernel form (the unrolled forward stores its register states apart; the state loop carries through
+    fp32 slots and stores the checkpoints beside), restarts and packed sequences. The interpreter truncates to
+    bf16 (a GPU rounds), so the error here is up to twice a GPU's."""
+    kw = make_inputs(b=1 if mode == "cu_seqlens" else 2, d=32 if path in launch.ROW_LAYOUT_PATHS else 8, L=45,
+                     n=4, mode=mode)
+    if path is not None:
+        assert resolved(kw, path) == path
+    check_bf16_checkpoints(kw, path, tol=1e-2)
+
+
+def test_bf16_checkpoints_kept():
+    """One bf16 (b, n, d) state per chunk, the fp32 ones rounded; the default for bf16 inputs only, with K = 1."""
+    kw = make_inputs(d=8, L=45, n=4)
+    args = (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["delta_bias"],
+            kw["initial_state"], None, True, False, 2, True, resolved(kw, None))
+    _, _, ck32, _ = triton_impl.scan_forward(*args)
+    _, _, ck16, _ = triton_impl.scan_forward(*args, checkpoint_dtype=torch.bfloat16)
+    assert ck16.dtype == torch.bfloat16 and ck16.shape == ck32.shape == (2, 6, 4, 8)
+    assert torch.equal(ck16[:, 0].float(), ck32[:, 0].to(torch.bfloat16).float())  # the initial state
+    assert (ck16.float() - ck32).abs().max() <= ck32.abs().max() * 2 ** -7  # one bf16 step (truncated here)
+    default = triton_impl.default_checkpoint_dtype
+    assert default(kw["u"].bfloat16(), 1) == torch.bfloat16
+    assert default(kw["u"].bfloat16(), 2) == default(kw["u"].half(), 1) == default(kw["u"], 1) == torch.float32
+
+
+def test_bf16_checkpoints_are_checked():
+    kw = make_inputs(L=9)
+    with pytest.raises(ValueError, match="checkpoint_dtype must be"):
+        public_selective_scan(**kw, checkpoint_dtype=torch.float16)
+    with pytest.raises(ValueError, match="bf16 checkpoints need one per chunk"):
+        public_selective_scan(**kw, checkpoint_every=2, checkpoint_dtype=torch.bfloat16)
+    kw = make_inputs(L=45, full=False, with_init=False)
+    args = (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], None, None, None, None, None, False, False, 2)
+    run = resolved(kw, None)
+    _, _, ck, ypre = triton_impl.scan_forward(*args, True, run, checkpoint_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="fp32 unless one per chunk"):
+        triton_impl.scan_backward(*args[:10], ck[:, ::2], ypre, torch.ones_like(kw["u"]), None, False, False, run,
+                                  checkpoint_every=2)
+
+
+def test_checkpoint_precision_tool(capsys):
+    """tools/scan_checkpoint_precision.py (the figures docs/memory.md cites) on a short sequence: bf16 checkpoints
+    leave du and dB exactly as they are (the backward reads them through the adjoint only) and move the others
+    less than bf16 activations do."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "scan_checkpoint_precision.py")
+    spec = importlib.util.spec_from_file_location("scan_checkpoint_precision", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.main(["--length", "40", "--channels", "4", "--states", "4", "--chunk", "8"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if "bf16" in line]
+    assert len(rows) == 4
+    for ck, act in zip(rows[0::2], rows[1::2]):
+        ck_err, act_err = [float(v) for v in ck[-5:]], [float(v) for v in act[-5:]]
+        assert ck_err[0] == ck_err[3] == 0.0  # du, dB
+        assert all(0 < ck_err[i] < act_err[i] for i in (1, 2, 4))  # ddelta, dA, dC
+
+
+def test_bf16_checkpoints_custom_op_registration():
+    kw = make_inputs(L=27, d=4, n=2, b=1)
+    args = (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["delta_bias"],
+            kw["initial_state"], None, True, False, 1, True, launch.GENERIC, 1, torch.bfloat16)
+    args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    torch.library.opcheck(selective_scan_fwd, args, test_utils=("test_schema", "test_faketensor",
+                                                               "test_autograd_registration"))
+
+
 # ------------------------------------------------------------------------------------------------------ GPU
 
 GPU_SUBSET = ((torch.bfloat16, None), (torch.bfloat16, "cu_seqlens"), (torch.float32, "seq_idx"))
@@ -419,3 +527,19 @@ def test_gpu_checkpoint_every(dtype, path, K, nan_poison):
             kw = make_inputs(b=1 if mode == "cu_seqlens" else 2, d=256, L=L, n=16, dtype=dtype, device="cuda",
                              mode=mode)
             check(run_both(kw, checkpoint_every=K), dtype, factor=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", (None,) + ROW_PATHS + GENERIC_PATHS)
+def test_gpu_bf16_checkpoints(path, nan_poison):
+    """bf16 checkpoints (the default for bf16 inputs) against fp32 ones on every path: the forward and the
+    adjoint-only gradients bit for bit, the others within 1e-2 (fp32 inputs: only the checkpoints round); packed
+    sequences and an unaligned length on the default path."""
+    kw = make_inputs(b=2, d=256, L=704, n=16, device="cuda", g=2)
+    if path is not None:
+        assert resolved(kw, path) == path
+    check_bf16_checkpoints(kw, path, tol=1e-2)
+    if path is None:
+        for mode, L in (("cu_seqlens", 700), (None, 700)):
+            kw = make_inputs(b=1 if mode == "cu_seqlens" else 2, d=256, L=L, n=16, device="cuda", mode=mode)
+            check_bf16_checkpoints(kw, None, tol=1e-2)

@@ -19,7 +19,7 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
                    delta_bias: torch.Tensor | None = None, delta_softplus: bool = False,
                    initial_state: torch.Tensor | None = None, return_last_state: bool = False,
                    seq_idx: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                   checkpoint_every: int = 1):
+                   checkpoint_every: int = 1, checkpoint_dtype: torch.dtype | None = None):
     """The selective SSM of Mamba-1 over a whole sequence.
 
     u, delta, z (b, d, L); A (d, n) real (negative); B, C (b, n, L) or grouped (b, g, n, L) with g dividing d
@@ -29,10 +29,14 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
     seq_idx (b, L) int32 (non-decreasing): the state restarts from zero where it changes. cu_seqlens (nseq+1,)
     int32 with b == 1: packed sequences, each starting from its own initial_state (nseq, d, n).
     Returns y (b, d, L) in u.dtype [, last_state (b, d, n) or (nseq, d, n) with cu_seqlens, in fp32].
-    checkpoint_every K (a power of two; Triton path with gradients): the forward keeps the fp32 state entering
+    checkpoint_every K (a power of two; Triton path with gradients): the forward keeps the state entering
     every K-th chunk of the kernels' S-token chunks (S = 16 on a GPU, less for L < 16; 8 in the interpreter), i.e.
     (b, cdiv(L, S K), n, d), and the backward rebuilds the states entering the other chunks (one more forward scan
     in the backward). 1: one per chunk (the fastest). The results do not depend on it (the reference ignores it).
+    checkpoint_dtype (Triton path with gradients): torch.float32, or torch.bfloat16 with checkpoint_every 1 (half
+    the memory; the forward still carries its state in fp32, only the backward restarts each chunk from the
+    rounded state: ddelta, dA and dC move by less than bf16 inputs' own rounding moves them, du and dB not at
+    all). None: bf16 for bf16 u with checkpoint_every 1, else fp32.
     """
     op = "selective_scan"
     check_ndim(op, "u", u, (3,), "(b, d, L)")
@@ -65,10 +69,17 @@ def selective_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
             or checkpoint_every & (checkpoint_every - 1)):
         raise ValueError(f"{op}: checkpoint_every must be a power of two >= 1 (chunks per kept state), got "
                          f"{checkpoint_every!r}")
+    if checkpoint_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"{op}: checkpoint_dtype must be torch.float32, torch.bfloat16 or None, got "
+                         f"{checkpoint_dtype!r}")
+    if checkpoint_dtype == torch.bfloat16 and checkpoint_every != 1:
+        raise ValueError(f"{op}: bf16 checkpoints need one per chunk (checkpoint_every 1), got checkpoint_every "
+                         f"{checkpoint_every}")
     if use_triton(u, op=op, has_kernel=_kernel() is not None):
         check_int32_span(op, per_row=True, u=u, delta=delta, z=z, B=B, C=C)  # the kernels offset rows in int64
         return _kernel().selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
-                                        return_last_state, seq_idx, cu_seqlens, checkpoint_every=checkpoint_every)
+                                        return_last_state, seq_idx, cu_seqlens, checkpoint_every=checkpoint_every,
+                                        checkpoint_dtype=checkpoint_dtype)
     return naive.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
                                 return_last_state, seq_idx, cu_seqlens)
 

@@ -93,8 +93,9 @@ def selective_scan_bwd_kernel(
 ):
     """One program: channels [pid * BD, +BD) of sequence pid_b, chunks of P * V tokens walked in reverse.
 
-    A (n, d) and ckpt (b, nchunks, n, d) (states entering each chunk) are state-major, as the forward's; ypre
-    (b, d, L): y before the z gate; dy (b, d, L) contiguous; dlast like hlast, but (b, n, d) unless VARLEN.
+    A (n, d) and ckpt (b, nchunks, n, d) (states entering each chunk; fp32, or bf16 with CK == 1) are
+    state-major, as the forward's; ypre (b, d, L): y before the z gate; dy (b, d, L) contiguous; dlast like hlast,
+    but (b, n, d) unless VARLEN.
     Writes du, ddt, dz (b, d, L); dB, dC partials (b, nblk, n, L) fp32; dA (b, n, d) (accumulated: zeros from
     the host), dD (b, d), ddtb (b, d) fp32 per-sequence partials; dh0 like h0. adj (b, 2, n, d) fp32 zeros:
     ping-pong slots for g = a dh at a chunk's first token.
@@ -198,7 +199,7 @@ def selective_scan_bwd_kernel(
                     am = tl.where(start, 0.0, a)
                 else:
                     am = a
-                hs = scan_forward(am, hx, tl.load(ck + n * dim), v_idx, p_idx, P, V, LANE_SUM)
+                hs = scan_forward(am, hx, tl.load(ck + n * dim).to(tl.float32), v_idx, p_idx, P, V, LANE_SUM)
                 cx = dy * C_n
                 if HAS_DLAST:
                     if VARLEN:

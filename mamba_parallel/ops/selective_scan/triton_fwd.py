@@ -39,7 +39,7 @@ def selective_scan_fwd_kernel(
     FAST_EXP: tl.constexpr, BD: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
     R: tl.constexpr = 1, LANES: tl.constexpr = False, UNROLL: tl.constexpr = 1, STAGES: tl.constexpr = 1,
     EMU: tl.constexpr = False, NS: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, CKPT: tl.constexpr = True,
-    CK: tl.constexpr = 1,
+    CK: tl.constexpr = 1, CKPT_APART: tl.constexpr = False,
 ):
     """One program: channels [pid_d * BD, +BD) of sequence pid_b, chunks of S = P * V tokens; R (1 or 2, dividing
     n) rows per channel, row R c + h scanning states [h n / R, (h + 1) n / R). LANES: the row-per-thread layout is
@@ -53,6 +53,9 @@ def selective_scan_fwd_kernel(
     code was timed: at the unrolled forward's 168-register cap ptxas allocates by it (without them: 24 B of spills
     on sm_90). CK > 1 (with CKPT): st (b, nslots = cdiv(nchunks, CK), n, d) keeps only the state entering every
     CK-th chunk; the others pass through carry (b, 2, n, d), ping-pong.
+    CKPT_APART (CKPT, CK == 1): the checkpoints go to carry_ptr's (b, nchunks, n, d) buffer in its own dtype (bf16:
+    half the bytes), slot 0 filled by the host; st (b, nslots <= 2, n, d) fp32 only carries, so the forward's
+    chain never passes through the narrower type.
     UNROLL states per iteration of the state loop, pipelined over STAGES stages.
     NS > 0 (LANES, no VARLEN, NS / R <= S): n = NS known, the row's states unrolled; st is then only written when
     CKPT (checkpoints for the backward). PREFETCH > 0: prefetch u / delta / z that many chunks ahead (GPU only).
@@ -128,6 +131,8 @@ def selective_scan_fwd_kernel(
         else:
             st_out = hlast_ptr + pid_b * dn + d_off
             st_step = 1
+        if CKPT_APART:
+            ck_out = carry_ptr + (pid_b * nchunks + c + 1) * dn + s_row
         y = tl.zeros([P, BD * R, V], dtype=tl.float32)
         if NS > 0:
             Bn = state_rows(B_base, 0, NH, sB_n, sB_l, t0, L, P, BD * R, V, R)
@@ -150,6 +155,8 @@ def selective_scan_fwd_kernel(
                         if CK > 1:  # the registers carry the state; only the groups' checkpoints are stored
                             if (c + 1) % CK == 0:
                                 tl.store(st_out + k * dim, h_last)
+                        elif CKPT_APART:
+                            tl.store(ck_out + k * dim, h_last)
                         else:
                             tl.store(st_out + k * dim, h_last)
         else:
@@ -177,6 +184,9 @@ def selective_scan_fwd_kernel(
                             tl.store(st_out + n * st_step, last_token(hs, v_idx, p_idx, P, V))
                     else:
                         tl.store(st_out + n * st_step, last_token(hs, v_idx, p_idx, P, V))
+                    if CKPT_APART:
+                        if c + 1 < nchunks:
+                            tl.store(ck_out + n * dim, last_token(hs, v_idx, p_idx, P, V))
         y = rows_sum(y, R, LANES, EMU)
         if HAS_D:
             y += Dv * u

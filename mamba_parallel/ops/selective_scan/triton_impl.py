@@ -100,21 +100,39 @@ def _tile_meta(run: launch.Launch) -> dict:
     return meta
 
 
+def default_checkpoint_dtype(u: torch.Tensor, checkpoint_every: int) -> torch.dtype:
+    """The checkpoints' dtype when the caller names none: bf16 for bf16 inputs with one checkpoint per chunk
+    (half of one of the largest things a Mamba-1 layer keeps; the gradients move by less than the inputs' own
+    bf16 rounding does, docs/memory.md), else fp32 (fp16 inputs: a state may outgrow fp16's range)."""
+    return torch.bfloat16 if u.dtype == torch.bfloat16 and checkpoint_every == 1 else torch.float32
+
+
+def _checkpoints_apart(save_ckpt: bool, ck: int, checkpoint_dtype: torch.dtype) -> bool:
+    """Whether the checkpoints have their own narrower buffer (the kernels' CKPT_APART): one per chunk, not fp32."""
+    return save_ckpt and ck == 1 and checkpoint_dtype != torch.float32
+
+
 def scan_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                  D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
                  initial_state: torch.Tensor | None, sid: torch.Tensor | None, delta_softplus: bool,
-                 varlen: bool, nstates: int, save_ckpt: bool, path: str,
-                 checkpoint_every: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 varlen: bool, nstates: int, save_ckpt: bool, path: str, checkpoint_every: int = 1,
+                 checkpoint_dtype: torch.dtype = torch.float32,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """u, delta, z (b, d, L); A (d, n); B, C (b, [g,] n, L); sid (b, L) int32 -> y (b, d, L),
-    last_state (nstates, d, n) fp32, checkpoints (b, cdiv(nchunks, checkpoint_every), n, d) fp32 (state-major: the
+    last_state (nstates, d, n) fp32, checkpoints (b, cdiv(nchunks, checkpoint_every), n, d) (state-major: the
     states entering chunks 0, K, 2K, ..; empty unless save_ckpt), ypre (b, d, L) = y before the z gate (empty
     unless save_ckpt and z is given). path: launch.FORWARD_PATHS; checkpoint_every K: a power of two (pass the
-    same to ``scan_backward``)."""
+    same to ``scan_backward``). checkpoint_dtype: fp32, or bf16 where K is 1 (the forward itself still carries
+    its state in fp32; only the backward restarts each chunk from the rounded state)."""
     b, d, L = u.shape
     n = A.shape[1]
     run = _plan(u, delta, z, A, B, varlen, path).fwd
     nchunks = triton.cdiv(L, run.chunk)
     ck = launch.checkpoint_group(checkpoint_every, nchunks) if save_ckpt else 1
+    if save_ckpt and ck > 1 and checkpoint_dtype != torch.float32:
+        raise ValueError(f"selective_scan: {checkpoint_dtype} checkpoints need one per chunk (checkpoint_every 1), "
+                         f"got checkpoint_every {checkpoint_every}")
+    apart = _checkpoints_apart(save_ckpt, ck, checkpoint_dtype)
     B4, C4 = _bc32(B), _bc32(C)
     dev, f32 = u.device, torch.float32
     y = torch.empty((b, d, L), device=dev, dtype=u.dtype)
@@ -123,13 +141,19 @@ def scan_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch
                  else torch.zeros((nstates, d, n), device=dev, dtype=f32))
     else:
         hlast = torch.empty((nstates, d, n), device=dev, dtype=f32)
-    nslots = triton.cdiv(nchunks, ck) if save_ckpt else min(nchunks, 2)  # the checkpoints, or a ping-pong carry
+    # the fp32 checkpoints, or a ping-pong carry (no checkpoints, or checkpoints apart)
+    nslots = triton.cdiv(nchunks, ck) if save_ckpt and not apart else min(nchunks, 2)
     states = torch.empty((b, nslots, n, d), device=dev, dtype=f32)
-    carry = torch.empty((b, 2, n, d), device=dev, dtype=f32) if ck > 1 else states  # between the checkpoints
+    if apart:  # the kernels' carry_ptr: the checkpoints in their own dtype
+        carry = torch.empty((b, nchunks, n, d), device=dev, dtype=checkpoint_dtype)
+    else:
+        carry = torch.empty((b, 2, n, d), device=dev, dtype=f32) if ck > 1 else states  # between the checkpoints
     if initial_state is not None and not varlen:
         states[:, 0] = initial_state.transpose(1, 2)
     else:
         states[:, 0] = 0.0
+    if apart:
+        carry[:, 0] = states[:, 0]
     ypre = torch.empty((b, d, L) if save_ckpt and z is not None else (0,), device=dev, dtype=u.dtype)
     h0 = initial_state.contiguous() if initial_state is not None else None
     zz = z if z is not None else u
@@ -142,9 +166,9 @@ def scan_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch
         states, carry, L, d, n, d // B4.shape[1], nchunks, nslots, nchunks, *_strides(u, delta, zz, B4, C4, sid),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, SAVE_YPRE=save_ckpt and z is not None,
-        FAST_EXP=_on_gpu(u), R=run.rows, LANES=run.row_layout, CKPT=save_ckpt, CK=ck, **meta,
+        FAST_EXP=_on_gpu(u), R=run.rows, LANES=run.row_layout, CKPT=save_ckpt, CK=ck, CKPT_APART=apart, **meta,
     )
-    ckpt = states if save_ckpt else states.new_empty((0,))
+    ckpt = carry if apart else states if save_ckpt else states.new_empty((0,))
     return y, hlast, ckpt, ypre
 
 
@@ -153,13 +177,14 @@ selective_scan_fwd = torch.library.custom_op("mamba_parallel::selective_scan_fwd
 
 @selective_scan_fwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates, save_ckpt, path,
-      checkpoint_every=1):
+      checkpoint_every=1, checkpoint_dtype=torch.float32):
     b, d, L = u.shape
     n = A.shape[1]
     nchunks = triton.cdiv(L, launch.chunk_tokens(L, interp=not _on_gpu(u)))
+    apart = _checkpoints_apart(save_ckpt, launch.checkpoint_group(checkpoint_every, nchunks), checkpoint_dtype)
     return (u.new_empty((b, d, L)), u.new_empty((nstates, d, n), dtype=torch.float32),
             u.new_empty((b, triton.cdiv(nchunks, checkpoint_every), n, d) if save_ckpt else (0,),
-                        dtype=torch.float32),
+                        dtype=checkpoint_dtype if apart else torch.float32),
             u.new_empty((b, d, L) if save_ckpt and z is not None else (0,)))
 
 
@@ -176,17 +201,18 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     output gradient): dB / dC are written there and the list holds empty placeholders for them. dA_scale (d, n):
     the returned dA is dA * dA_scale (A = -exp(A_log) with dA_scale = A gives d A_log). checkpoint_every: the
     forward's; with K > 1 the states entering the chunks between checkpoints are rebuilt into a (b, K, n, d) fp32
-    scratch (each program its own channels' slots) before each group of K chunks is walked in reverse."""
+    scratch (each program its own channels' slots) before each group of K chunks is walked in reverse. ckpt: the
+    forward's checkpoints, fp32 or (K = 1) bf16."""
     b, d, L = u.shape
     n = A.shape[1]
     run = _plan(u, delta, z, A, B, varlen, path).bwd
     nchunks = triton.cdiv(L, run.chunk)
     ck = launch.checkpoint_group(checkpoint_every, nchunks)
     ngroups = triton.cdiv(nchunks, ck)
-    if ckpt.shape != (b, ngroups, n, d):
-        raise RuntimeError(f"selective_scan_bwd: checkpoints {tuple(ckpt.shape)} do not match chunks of "
-                           f"{run.chunk} tokens, one kept per {checkpoint_every} (path {path!r}): pass the "
-                           "forward's path, checkpoint_every and tensors")
+    if ckpt.shape != (b, ngroups, n, d) or (ck > 1 and ckpt.dtype != torch.float32):
+        raise RuntimeError(f"selective_scan_bwd: checkpoints {tuple(ckpt.shape)} {ckpt.dtype} do not match chunks "
+                           f"of {run.chunk} tokens, one kept per {checkpoint_every} (path {path!r}; fp32 unless one "
+                           "per chunk): pass the forward's path, checkpoint_every and tensors")
     for name, out, like in (("dB_out", dB_out, B), ("dC_out", dC_out, C)):
         if out is not None and out.shape != like.shape:
             raise ValueError(f"selective_scan_bwd: {name} {tuple(out.shape)} must have B / C's shape "
@@ -274,7 +300,7 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, d
 
 def _setup_context(ctx, inputs, output):
     (u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates, save_ckpt, path,
-     checkpoint_every) = inputs
+     checkpoint_every, _checkpoint_dtype) = inputs
     ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, output[2], output[3])
     ctx.delta_softplus, ctx.varlen, ctx.path, ctx.checkpoint_every = delta_softplus, varlen, path, checkpoint_every
 
@@ -290,7 +316,7 @@ def _backward(ctx, dy, dlast, _dckpt, _dypre):
     du, ddt, dA, dB, dC, dD, dz, ddtb, dh0 = grads
     none_if_absent = lambda g, t: g if t is not None else None  # noqa: E731
     return (du, ddt, dA, dB, dC, none_if_absent(dD, D), none_if_absent(dz, z), none_if_absent(ddtb, delta_bias),
-            none_if_absent(dh0, initial_state), None, None, None, None, None, None, None)
+            none_if_absent(dh0, initial_state), None, None, None, None, None, None, None, None)
 
 
 selective_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -298,10 +324,12 @@ fastpath(selective_scan_fwd, scan_forward, setup_context=_setup_context, backwar
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None,
-                   return_last_state=False, seq_idx=None, cu_seqlens=None, path=None, checkpoint_every=1):
+                   return_last_state=False, seq_idx=None, cu_seqlens=None, path=None, checkpoint_every=1,
+                   checkpoint_dtype=None):
     """Same contract as ``mamba_parallel.ops.selective_scan.selective_scan`` (u (b, d, L) -> y (b, d, L)
     [, last_state (b or nseq, d, n) fp32]). ``path`` (launch.FORWARD_PATHS; tests and benchmarks): the kernel path
-    to run instead of the default, where the shape and layout allow it. ``checkpoint_every``: as the public op's."""
+    to run instead of the default, where the shape and layout allow it. ``checkpoint_every``,
+    ``checkpoint_dtype``: as the public op's."""
     b, d, L = u.shape
     if L == 0:  # nothing to scan: the reference handles the empty edge case
         from mamba_parallel.ops.selective_scan import naive
@@ -318,6 +346,9 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         path = launch.default_request(b, d, A.shape[1], varlen, _sms(u))
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save_ckpt = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if checkpoint_dtype is None:
+        checkpoint_dtype = default_checkpoint_dtype(u, checkpoint_every)
     y, last, _, _ = eager(selective_scan_fwd)(u, delta, A, B, C, D, z, delta_bias, initial_state, sid,
-                                              delta_softplus, varlen, nstates, save_ckpt, path, checkpoint_every)
+                                              delta_softplus, varlen, nstates, save_ckpt, path, checkpoint_every,
+                                              checkpoint_dtype)
     return (y, last) if return_last_state else y
