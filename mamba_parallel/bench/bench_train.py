@@ -12,7 +12,8 @@ parallelize() path as `mamba-parallel train`. Works under torchrun (dp / tp / cp
     torchrun --nproc_per_node 2 -m mamba_parallel.cli bench train --preset mamba2-370m --profile
 
 ``--cuda-graph`` captures the whole step (forward, backward, clipping, AdamW) in one CUDA graph and times its replays
-(one GPU or --tp); ``--grad-clip 0`` leaves out the gradient norm ("fwd + bwd + fused AdamW").
+(one GPU or --tp; with ``--peer``: our step graphed beside the peer's eager one, the case named so);
+``--grad-clip 0`` leaves out the gradient norm ("fwd + bwd + fused AdamW").
 ``--profile`` adds the host time to issue each phase (forward, backward, clip, optimizer; when it nears the step
 time the step is CPU-bound), each phase's time with a device sync around it, and the all-reduce bus bandwidth
 (NVLink-class links give hundreds of GB/s; a host-memory path tens, too slow to hide fp32 gradients).
@@ -107,9 +108,11 @@ def _side_by_side_peer(a: argparse.Namespace):
     """The peer adapter when this run compares with it (flags permitting), else None. Under torchrun only an
     explicit ``--peer`` compares (the data-parallel side by side, bench_train_dp.py); otherwise ours runs alone, as
     the scaling table's runs do. ``--recompute`` applies to our side only (mamba_ssm's layers rebuild what their
-    fused kernels choose): a one-process run compares the two at the memory each keeps."""
+    fused kernels choose): a one-process run compares the two at the memory each keeps. ``--cuda-graph`` applies
+    to our step only (captured whole; the peer has no such mode), one GPU."""
     launched = dist.is_torchelastic_launched()
-    other = [flag for flag, on in (("--tp", a.tp > 1), ("--cp", a.cp > 1), ("--cuda-graph", a.cuda_graph),
+    other = [flag for flag, on in (("--tp", a.tp > 1), ("--cp", a.cp > 1),
+                                   ("--cuda-graph under torchrun", a.cuda_graph and launched),
                                    ("--profile", a.profile), ("--compile", a.compile),
                                    ("--recompute under torchrun", bool(a.recompute) and launched),
                                    ("--activation-checkpointing", a.activation_checkpointing),
@@ -119,7 +122,7 @@ def _side_by_side_peer(a: argparse.Namespace):
             raise SystemExit(f"bench train: --peer compares the bf16 step without {', '.join(other)}: drop it "
                              "(or pass --no-peer)")
         return None
-    if not a.peer and (launched or a.recompute):  # the comparison is asked for, not assumed
+    if not a.peer and (launched or a.recompute or a.cuda_graph):  # the comparison is asked for, not assumed
         return None
     return resolve_peer(a.peer, a.peer_impl)
 
@@ -133,8 +136,10 @@ def _run_side_by_side(a: argparse.Namespace, peer) -> int:
                                            a.warmup_steps, a.steps, bench_train_dp.DP_MODES, a.json,
                                            git_commit=a.git_commit)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if a.cuda_graph and device.type != "cuda":
+        raise SystemExit(f"bench train: --cuda-graph needs a CUDA device, got --device {a.device}")
     result = train_side_by_side.run([a.preset], peer, device, a.seq_len, a.batch_size, a.warmup_steps, a.steps,
-                                    recompute=resolve_recompute(a.recompute))
+                                    recompute=resolve_recompute(a.recompute), cuda_graph=a.cuda_graph)
     publish(result, device, peer, path=a.json, git_commit=a.git_commit)
     return 0
 

@@ -7,6 +7,9 @@ peer model is built and initialised by the peer, written with its ``save_pretrai
 both start from the same weights; both step-1 losses (before any update, same batch) are reported and checked to
 agree within bf16 tolerance. Each side: ``--warmup-steps`` untimed steps, then ``--steps`` CUDA-event timed steps
 (median); peak memory from ``torch.cuda.max_memory_allocated`` with the cache emptied and the peak reset before it.
+With ``cuda_graph`` our step runs as ``--cuda-graph`` trains (train/cuda_graph.py: the whole step captured once,
+then replayed; its first call warms up, undoes that, captures and replays, so step 1 is the same loss and the
+capture's memory counts in the peak); the peer's as it ships, eager.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def time_steps(loss_fn, optimizer, device, warmup: int, steps: int) -> dict:
-    """Run ``warmup + steps`` training steps; -> step-1 loss, median step ms, peak GiB (CUDA), all losses."""
+def time_steps(loss_fn, optimizer, device, warmup: int, steps: int, graphed=None) -> dict:
+    """Run ``warmup + steps`` training steps; -> step-1 loss, median step ms, peak GiB (CUDA), all losses.
+    ``graphed``: a ``GraphedTrainStep`` call (-> (loss, norm)) that runs each step instead (loss_fn unused)."""
     cuda = torch.device(device).type == "cuda"
     autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cuda)
     clock = Clock(device)
@@ -47,13 +51,16 @@ def time_steps(loss_fn, optimizer, device, warmup: int, steps: int) -> dict:
     marks, losses = [], []
     for i in range(warmup + steps):
         start = clock.mark()
-        with autocast:
-            loss = loss_fn()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if graphed is not None:
+            loss, _ = graphed()
+        else:
+            with autocast:
+                loss = loss_fn()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         stop = clock.mark()
-        losses.append(loss.detach())
+        losses.append(loss.detach().clone())  # a graph's loss is a static buffer: the next replay overwrites it
         if i >= warmup:
             marks.append((start, stop))
     synchronize(device)
@@ -62,21 +69,28 @@ def time_steps(loss_fn, optimizer, device, warmup: int, steps: int) -> dict:
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
 
 
-def _side(name, build, loss_of, device, warmup, steps, log, combine=None) -> tuple[dict | None, str | None]:
+def _side(name, build, loss_of, device, warmup, steps, log, combine=None,
+          graph_batch=None) -> tuple[dict | None, str | None]:
     """Build one side's model + optimizer, time its steps, free it; -> (figures, error). ``combine(figures,
-    error)``: what every rank of a data-parallel run agrees on (the slowest rank's time, the mean loss)."""
-    model = opt = figures = error = None
+    error)``: what every rank of a data-parallel run agrees on (the slowest rank's time, the mean loss).
+    ``graph_batch`` (input ids, targets): our model's step as one CUDA graph on that batch (``--cuda-graph``)."""
+    model = opt = figures = error = graphed = None
     try:
         _free(device)
         model = build()
         model.train()
         opt = torch.optim.AdamW(_optimizer_groups(model), lr=LR, betas=BETAS,
                                 fused=torch.device(device).type == "cuda" or None)
-        figures = time_steps(lambda: loss_of(model), opt, device, warmup, steps)
+        if graph_batch is not None:
+            from mamba_parallel.train.cuda_graph import GraphedTrainStep
+
+            step = GraphedTrainStep(model, opt, grad_clip=None, autocast_dtype=torch.bfloat16)
+            graphed = lambda: step(*graph_batch)  # noqa: E731
+        figures = time_steps(lambda: loss_of(model), opt, device, warmup, steps, graphed=graphed)
     except Exception as e:  # an OOM or a failing side is recorded; the other side and the next preset go on
         error = error_text(e)
     finally:
-        model = opt = None  # noqa: F841 (frees the side before the next one is measured)
+        model = opt = graphed = step = None  # noqa: F841 (frees the side before the next one is measured)
         _free(device)
     if combine is not None:
         figures, error = combine(figures, error)
@@ -103,10 +117,11 @@ def _optimizer_groups(model) -> list[dict]:
 
 def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, warmup: int = 2, steps: int = 5,
                seed: int = 0, loss_rtol: float = LOSS_RTOL, log=say, n_layer: int | None = None,
-               recompute: str = "") -> tuple[list[dict], dict]:
+               recompute: str = "", cuda_graph: bool = False) -> tuple[list[dict], dict]:
     """-> (rows: tokens/s, step ms, peak GiB; check: both step-1 losses and whether they agree). ``n_layer``: the
     preset cut to that many layers (the compile warm-up). ``recompute``: what our layers rebuild in the backward
-    instead of keeping (layers/recompute.py; the peer's model as it is): the case names it."""
+    instead of keeping (layers/recompute.py; the peer's model as it is): the case names it. ``cuda_graph``: our
+    step captured as one CUDA graph (the peer's eager, as it ships): the case names it."""
     from mamba_parallel.config import get_preset
     from mamba_parallel.layers.recompute import apply_recompute
     from mamba_parallel.models.lm import MambaLMHeadModel
@@ -138,11 +153,13 @@ def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, w
         if "folder" not in handed and figures["peer"] is None:
             errors["ours_weights"] = "the peer's weights were not handed over; ours starts from its own init"
     figures["ours"], errors["ours"] = _side(f"{preset} ours", build_ours, lambda m: our_loss(m, ids, targets),
-                                            device, warmup, steps, log)
+                                            device, warmup, steps, log,
+                                            graph_batch=(ids, targets) if cuda_graph else None)
     if "folder" in handed:  # ours failed before reading it
         import shutil
         shutil.rmtree(handed.pop("folder"), ignore_errors=True)
-    case = f"{preset} b{batch} L{seq_len}" + (f" recompute {recompute}" if recompute else "")
+    case = (f"{preset} b{batch} L{seq_len}" + (f" recompute {recompute}" if recompute else "")
+            + (" cuda graph (ours)" if cuda_graph else ""))
     rows = _rows(case, figures, errors, batch * seq_len, peer is not None, preset=preset)
     check = _loss_check(preset, figures.get("ours"), figures.get("peer") if peer is not None else None, loss_rtol,
                         log)
@@ -182,7 +199,7 @@ def _loss_check(preset: str, ours: dict | None, peer: dict | None, loss_rtol: fl
 
 
 def run(presets, peer, device, seq_len=2048, batch=8, warmup=2, steps=5, seed=0, deadline=None, log=say,
-        n_layer=None, recompute: str = "") -> dict:
+        n_layer=None, recompute: str = "", cuda_graph: bool = False) -> dict:
     """Every preset (skipped with a note once ``deadline`` has passed) -> the result's settings, rows, checks."""
     rows, checks = [], []
     for preset in presets:
@@ -191,7 +208,7 @@ def run(presets, peer, device, seq_len=2048, batch=8, warmup=2, steps=5, seed=0,
                                  {"ours": "skipped: time budget spent"}, preset=preset))
             continue
         new_rows, check = run_preset(preset, peer, device, seq_len, batch, warmup, steps, seed, log=log,
-                                     n_layer=n_layer, recompute=recompute)
+                                     n_layer=n_layer, recompute=recompute, cuda_graph=cuda_graph)
         rows += new_rows
         checks.append(check)
     return {"bench": "train", "title": "One training step (fp32 params, bf16 autocast, fused AdamW)",
@@ -200,6 +217,7 @@ def run(presets, peer, device, seq_len=2048, batch=8, warmup=2, steps=5, seed=0,
                          "optimizer": f"AdamW fused, lr {LR}, weight decay {WEIGHT_DECAY}, betas {BETAS}, no clipping",
                          "peer": "MambaLMHeadModel + F.cross_entropy on its logits",
                          "ours": "MambaLMHeadModel.from_pretrained(peer's save_pretrained) + its fused loss"
-                                 + (f", recompute {recompute}" if recompute else ""),
+                                 + (f", recompute {recompute}" if recompute else "")
+                                 + (", the whole step as one CUDA graph (--cuda-graph)" if cuda_graph else ""),
                          "sides": ["ours"] + (["peer"] if peer is not None else [])},
             "rows": rows, "checks": {"step1_loss": checks}}

@@ -173,6 +173,44 @@ def test_bench_train_side_by_side_with_our_recompute(tmp_path, monkeypatch):
         bench_train.main(["--peer", "--peer-impl", "reference", "--preset", "tiny-mamba", "--recompute", "conv"])
 
 
+def test_bench_train_side_by_side_with_our_cuda_graph(ref, monkeypatch):
+    """--cuda-graph beside --peer: our step goes through GraphedTrainStep (its replays timed; the loss it returns
+    is a static buffer, so each step's is copied), the peer's eager; the case and settings say so. On the CPU the
+    flag is refused by name (a graph needs CUDA)."""
+    from mamba_parallel.train import cuda_graph
+
+    calls = []
+
+    class FakeGraphed:  # a CPU stand-in: eager steps, the loss returned in one reused buffer like a graph's
+        def __init__(self, model, optimizer, grad_clip, autocast_dtype):
+            assert grad_clip is None and autocast_dtype == torch.bfloat16
+            self.model, self.optimizer, self.out = model, optimizer, torch.zeros(())
+
+        def __call__(self, ids, targets):
+            calls.append(ids.shape)
+            loss = self.model(ids, targets=targets).loss
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.out.copy_(loss.detach())
+            return self.out, None
+
+    monkeypatch.setattr(cuda_graph, "GraphedTrainStep", FakeGraphed)
+    res = train_side_by_side.run(["tiny-mamba"], ref, "cpu", seq_len=16, batch=2, warmup=1,
+                                 steps=2, log=lambda _: None, cuda_graph=True)
+    assert len(calls) == 3  # our side only: warm-up + timed steps
+    assert {r["case"] for r in res["rows"]} == {"tiny-mamba b2 L16 cuda graph (ours)"}
+    assert "CUDA graph" in res["settings"]["ours"]
+    check = res["checks"]["step1_loss"][0]
+    assert check["agree"], check  # the first graphed step's loss is step 1's: the same weights, the same batch
+    with pytest.raises(SystemExit, match="--cuda-graph needs a CUDA device"):
+        bench_train.main(["--peer", "--peer-impl", "reference", "--preset", "tiny-mamba", "--device", "cpu",
+                          "--cuda-graph"])
+    monkeypatch.setattr(bench_train.dist, "is_torchelastic_launched", lambda: True)
+    with pytest.raises(SystemExit, match="without --cuda-graph under torchrun"):
+        bench_train.main(["--peer", "--peer-impl", "reference", "--preset", "tiny-mamba", "--cuda-graph"])
+
+
 def test_bench_train_under_torchrun_compares_only_with_peer(monkeypatch):
     """torchrun + --peer: the data-parallel side by side (bench_train_dp); torchrun alone: ours alone (scaling)."""
     from mamba_parallel.bench import bench_train_dp
