@@ -1,8 +1,8 @@
 """Compile every Triton kernel an op launches for sm_90 on a machine without a GPU: catches what the CPU interpreter
 lets through (globals that are not constexpr, dot shapes, type mismatches, too much shared memory) before a GPU run.
 
-    python tools/compile_check.py [--ops mamba3 norm layout] [--workloads variants tiles tiny] [--kernels NAME ...]
-                                  [--arch 90] [--max-shared BYTES]
+    python tools/compile_check.py [--ops mamba3 norm layout selective_scan] [--workloads variants tiles tiny]
+                                  [--kernels NAME ...] [--arch 90] [--max-shared BYTES] [--ptx-hash]
 
 Step one runs each op's forward and backward (and its decode step) in the CPU interpreter and records every kernel
 launch: the kernel, its argument types and values, its constexprs, and for an autotuned kernel the GPU candidates
@@ -11,7 +11,10 @@ compiles each recorded launch with Triton's real compiler for the target GPU, an
 candidate instead of the interpreter's config, and prints per compile the shared memory it needs, its registers
 per thread and its stack bytes (spills). It fails when a compile fails or a candidate needs more shared memory
 than the target has (232448 bytes on sm_90): the launch would raise OutOfResources there. Triton's wheel bundles
-ptxas and cuobjdump, so this runs the whole pipeline to a cubin.
+ptxas and cuobjdump, so this runs the whole pipeline to a cubin. The selective scan plans its launches for the GPU
+it runs on (chunk, layout, unrolled states), so its launches are recorded as an H100 / H200 (132 SMs) would plan
+them, without running them. ``--ptx-hash`` adds a hash of each launch's PTX (line info, comments and parameter
+names left out): equal hashes before and after a change mean the change leaves that GPU code as it was.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = ("variants", "tiles", "tiny")
 
 
-def _workloads(ops, which=("variants", "tiles")):
+def _workloads(ops, which=("variants", "tiles"), rec=None):
     """variants: every kernel variant (SISO / MIMO, groups, fewer rotated pairs, a bare scan, d_state 64 and 128,
     the decode step) on small tiles, bf16 and fp32; tiles: the tiles the layers run (d_state 128, headdim 64,
     64-row chunks: SISO chunk 64, MIMO rank 4 chunk 16) in fp32, fp16 and bf16, with and without gradients, the
@@ -43,6 +46,8 @@ def _workloads(ops, which=("variants", "tiles")):
         yield from _norm_workloads()
     if "layout" in ops:
         yield from _layout_workloads()
+    if "selective_scan" in ops:
+        yield from _selective_scan_workloads(rec, which)
     if "mamba3" not in ops:
         return
     from mamba3_cases import make_inputs
@@ -129,6 +134,65 @@ def _layout_workloads():
         yield f"silu gate, token-major copy {dtype}"
 
 
+def _selective_scan_workloads(rec, which):
+    """The Mamba-1 scan's forward and backward launches as a 132-SM GPU plans them (recorded, not run: their GPU
+    code does not run in the interpreter): tiles: mamba-1.4b's d_inner 4096 and n 16 at batch 2 and 8 (the two
+    default paths), bf16 with its default bf16 checkpoints and with one fp32 checkpoint per 8 chunks; variants:
+    every path with fp32 and bf16 checkpoints, fp32 and fp16 inputs, packed sequences and restarts, n 32."""
+    import torch
+
+    from mamba_parallel.ops.selective_scan import launch
+    from mamba_parallel.ops.selective_scan import triton_impl as scan
+
+    class Recorded:
+        def __init__(self, kernel):
+            self.fn = kernel.fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: rec.launches.append(dict(rec.describe(self.fn, args, kwargs), tuned=None))
+
+    saved = {k: getattr(scan, k) for k in ("_on_gpu", "_sms", "selective_scan_fwd_kernel",
+                                           "selective_scan_bwd_kernel", "finish_bwd")}
+    scan._on_gpu, scan._sms = (lambda u: True), (lambda u: 132)
+    scan.selective_scan_fwd_kernel = Recorded(saved["selective_scan_fwd_kernel"])
+    scan.selective_scan_bwd_kernel = Recorded(saved["selective_scan_bwd_kernel"])
+    scan.finish_bwd = lambda *args, **kwargs: None
+
+    def run(b, dtype, path=None, n=16, every=1, ckpt_dtype=None, mode=None, d=4096, L=2048):
+        g = torch.Generator().manual_seed(0)
+        u, dt, z = (torch.randn(b, d, L, generator=g).to(dtype) for _ in range(3))
+        A, B, C = -torch.rand(d, n), torch.randn(b, 1, n, L), torch.randn(b, 1, n, L)
+        sid, varlen, nstates = None, mode == "cu_seqlens", b
+        if mode is not None:  # restarts / packed sequences: a per-token sequence id
+            sid = (torch.arange(L) * 3 // L).to(torch.int32).expand(b, L).contiguous()
+            nstates = 3 if varlen else b
+        path = scan.scan_path(u, dt, z, A, B, varlen, path)
+        ckpt_dtype = ckpt_dtype or scan.default_checkpoint_dtype(u, every)
+        y, _, ck, ypre = scan.scan_forward(u, dt, A, B, C, torch.randn(d), z, torch.randn(d), None, sid, True, varlen,
+                                           nstates, True, path, checkpoint_every=every, checkpoint_dtype=ckpt_dtype)
+        scan.scan_backward(u, dt, A, B, C, torch.randn(d), z, torch.randn(d), None, sid, ck, ypre, torch.randn_like(u),
+                           None, True, varlen, path, checkpoint_every=every)
+        return f"selective scan b{b} n{n} {path} {dtype} K{every} {ckpt_dtype} {mode or ''}".rstrip()
+
+    try:
+        if "tiles" in which:
+            for b in (2, 8):
+                yield run(b, torch.bfloat16)
+                yield run(b, torch.bfloat16, every=8)
+        if "variants" in which:
+            for path in launch.FORWARD_PATHS:
+                for ckpt_dtype in (torch.float32, torch.bfloat16):
+                    yield run(2, torch.bfloat16, path, ckpt_dtype=ckpt_dtype)
+            for dtype in (torch.float32, torch.float16):
+                yield run(2, dtype)
+            for mode in ("seq_idx", "cu_seqlens"):
+                yield run(1 if mode == "cu_seqlens" else 2, torch.bfloat16, mode=mode)
+            yield run(2, torch.bfloat16, n=32)
+    finally:
+        for k, v in saved.items():
+            setattr(scan, k, v)
+
+
 class Recorder:
     def __init__(self):
         self.launches, self.tag = [], None
@@ -204,7 +268,7 @@ def record(ops, path, which):
     os.environ["TRITON_INTERPRET"] = "1"
     rec = Recorder()
     rec.install()
-    done = [w for w in _workloads(ops, which)]
+    done = [w for w in _workloads(ops, which, rec)]
     with open(path, "w") as f:
         json.dump({"workloads": done, "launches": rec.launches}, f)
 
@@ -288,7 +352,8 @@ def resource_usage(cubin: bytes) -> dict:
 
 
 SHOWN = ("T", "R", "BH", "BP", "HALVED", "OUTPUTS", "STATES", "KEEP_YPRE", "HAS_MO",  # constexprs named per line
-         "HAS_Z", "NORM_BEFORE_GATE", "HAS_RES", "STORE_DX2", "STORE_Y", "STORE_OUT", "BLOCK_N")
+         "HAS_Z", "NORM_BEFORE_GATE", "HAS_RES", "STORE_DX2", "STORE_Y", "STORE_OUT", "BLOCK_N",
+         "LANES", "LANE_SUM", "NS", "VARLEN", "CK", "CKPT_APART")
 
 
 def _label(launch, config) -> str:
@@ -302,10 +367,22 @@ def _label(launch, config) -> str:
     return f"{kernel}{tuner} {first} {shown} | {cfg}".rstrip(" |")
 
 
-def compile_all(path, arch, max_shared=None, kernels=None) -> int:
+def ptx_hash(ptx: str) -> str:
+    """12 hex digits of a PTX text without what changes with no change to the code: line info, comments, labels,
+    debug sections and the parameter lines (their names)."""
+    import hashlib
+    import re
+
+    skip = re.compile(r"\s*(\.loc|\.file|//|\$L__|\.section|\.b8|\.b32|\.b64|\.debug)")
+    kept = "\n".join(ln for ln in ptx.splitlines() if not skip.match(ln) and "param" not in ln)
+    return hashlib.sha1(kept.encode()).hexdigest()[:12]
+
+
+def compile_all(path, arch, max_shared=None, kernels=None, show_hash=False) -> int:
     """Compile every recorded launch with each of its GPU candidates; one line per compile with its shared memory,
-    registers and stack. Fails when a compile fails or a candidate needs more shared memory than ``max_shared``
-    (default: the arch's, MAX_SHARED): the autotuner would drop it there, and an untuned launch would skip it."""
+    registers and stack (and ``ptx_hash`` with ``show_hash``). Fails when a compile fails or a candidate needs more
+    shared memory than ``max_shared`` (default: the arch's, MAX_SHARED): the autotuner would drop it there, and an
+    untuned launch would skip it."""
     limit = max_shared or MAX_SHARED.get(arch)
     data = json.load(open(path))
     seen, failures = set(), []
@@ -331,7 +408,8 @@ def compile_all(path, arch, max_shared=None, kernels=None) -> int:
                 continue
             shared = int(kernel.metadata.shared)
             use = resource_usage(kernel.asm["cubin"])
-            print(f"{label}: shared {shared} B, {use['reg']} registers, stack {use['stack']} B", flush=True)
+            digest = f", ptx {ptx_hash(kernel.asm['ptx'])}" if show_hash else ""
+            print(f"{label}: shared {shared} B, {use['reg']} registers, stack {use['stack']} B{digest}", flush=True)
             if limit is not None and shared > limit:
                 failures.append(f"{label}: needs {shared} B of shared memory, sm_{arch} has {limit} B")
     print(f"compile_check: {len(seen)} kernel launches compiled for sm_{arch}, {len(failures)} failed"
@@ -343,7 +421,7 @@ def compile_all(path, arch, max_shared=None, kernels=None) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", nargs="+", default=["mamba3"], choices=["mamba3", "norm", "layout"],
+    ap.add_argument("--ops", nargs="+", default=["mamba3"], choices=["mamba3", "norm", "layout", "selective_scan"],
                     help="the ops whose launches to record and compile (those with a workload here)")
     ap.add_argument("--workloads", nargs="+", default=["variants", "tiles"], choices=WORKLOADS,
                     help="which launches to record (see _workloads; default: variants and tiles)")
@@ -353,6 +431,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--max-shared", type=int, default=None, metavar="BYTES",
                     help="fail a candidate needing more shared memory (default: the arch's, e.g. 232448 on sm_90)")
+    ap.add_argument("--ptx-hash", action="store_true",
+                    help="print a hash of each launch's PTX: the same hash before and after a change, the same code")
     ap.add_argument("--record-only", metavar="PATH", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.record_only:
@@ -366,6 +446,7 @@ def main(argv=None) -> int:
     cmd = [sys.executable, __file__, "--compile", path, "--arch", str(a.arch)]
     cmd += ["--max-shared", str(a.max_shared)] if a.max_shared else []
     cmd += ["--kernels", *a.kernels] if a.kernels else []
+    cmd += ["--ptx-hash"] if a.ptx_hash else []
     return subprocess.run(cmd, env=env).returncode
 
 
@@ -375,8 +456,9 @@ def _compile_main(argv) -> int:
     ap.add_argument("--arch", type=int, required=True)
     ap.add_argument("--max-shared", type=int, default=None)
     ap.add_argument("--kernels", nargs="+", default=None)
+    ap.add_argument("--ptx-hash", action="store_true")
     a = ap.parse_args(argv)
-    return compile_all(a.compile, a.arch, a.max_shared, a.kernels)
+    return compile_all(a.compile, a.arch, a.max_shared, a.kernels, a.ptx_hash)
 
 
 if __name__ == "__main__" and "--compile" in sys.argv:

@@ -61,6 +61,22 @@ def test_compile_check_reports_shared_memory_and_fails_past_the_limit():
     assert all("BLOCK_P=64" in ln and "sm_90 has 9000 B" in ln for ln in failed), out
 
 
+def test_compile_check_plans_the_selective_scan_for_a_gpu():
+    """The scan's launches are recorded as a 132-SM GPU plans them (16-token chunks, the row-per-thread layout, the
+    unrolled states, bf16 checkpoints apart under bf16) and compiled for sm_90, with a PTX hash per launch."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "compile_check.py"), "--ops", "selective_scan",
+                          "--workloads", "tiles", "--kernels", "selective_scan_fwd", "--ptx-hash"],
+                         capture_output=True, text=True, env=env, timeout=900)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("selective_scan_fwd_kernel bfloat16")]
+    assert run.returncode == 0 and len(lines) == 4, run.stdout + run.stderr
+    assert sum("NS=16" in ln and "CK=1 CKPT_APART=True" in ln for ln in lines) == 1, lines  # batch 2: two rows
+    assert sum("CK=8 CKPT_APART=False" in ln for ln in lines) == 2, lines
+    hashes = [ln.rsplit("ptx ", 1)[1] for ln in lines]
+    assert len(set(hashes)) == 4 and all(len(h) == 12 for h in hashes), lines
+
+
 class _FakeKernel:
     """Stands in for a compiled-on-demand kernel: shared memory = 1000 x BLOCK; records compiles and launches."""
 
