@@ -1,9 +1,11 @@
 """Long sequences: the longest one GPU trains (ours beside mamba_ssm), or one length with context parallelism.
 
 Without ``--seq-len``: the side-by-side probe of long_context_probe.py (batch 1, doubling from ``--start`` until
-the first out-of-memory, each side's defaults, no activation checkpointing):
+the first out-of-memory; the peer as it ships, ours with its defaults or with ``--activation-checkpointing`` /
+``--recompute ITEMS``, a table of its own):
 
     mamba-parallel bench long_context [--peer | --no-peer] [--preset mamba2-1.3b] [--start 16384] [--json PATH]
+        [--activation-checkpointing] [--recompute conv,states]
 
 With ``--seq-len``: one length, ours only, fp32 params + bf16 autocast, fwd + bwd + fused AdamW, batch 1, random
 tokens, the model sharded by ``parallelize`` (cp ranks hold slices of the sequence; FSDP2 over them).
@@ -47,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=262144, help="probe: last length tried (default 262144)")
     p.add_argument("--cp", type=int, default=None, help="context parallel degree (default: the world size)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    p.add_argument("--recompute", default="", metavar="ITEMS",
+                   help="probe: what our layers rebuild in the backward (conv, dt, gate, states; comma list)")
     p.add_argument("--steps", type=int, default=3, help="timed training steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=1, help="untimed training steps first")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
@@ -209,9 +213,13 @@ def run_parity(args) -> dict:
 def run_probe(args) -> int:
     from mamba_parallel.bench import long_context_probe
 
+    from mamba_parallel.train.trainer import resolve_recompute
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    recompute = resolve_recompute(args.recompute)  # unknown items: a ConfigError naming --recompute
     peer = peer_mod.resolve_peer(args.peer, args.peer_impl)
-    result = long_context_probe.run(args.preset, peer, device, args.start, args.max_len)
+    result = long_context_probe.run(args.preset, peer, device, args.start, args.max_len,
+                                    activation_checkpointing=args.activation_checkpointing, recompute=recompute)
     publish(result, device, peer, path=args.json, git_commit=args.git_commit)
     return 0
 
@@ -222,6 +230,8 @@ def main(argv=None) -> int:
         return run_probe(args)
     if args.seq_len is None:
         raise SystemExit("bench long_context: --parity needs --seq-len")
+    if args.recompute:
+        raise SystemExit("bench long_context: --recompute is the probe's (without --seq-len)")
     record = run_parity(args) if args.parity else run_timing(args)
     if record:
         _emit(record, args.json)

@@ -1,11 +1,13 @@
 """The longest sequence one GPU trains at batch 1, ours and the peer's, by doubling until the first out-of-memory.
 
 Each side builds its own model once (fp32 params, fused AdamW, bf16 autocast; the peer: mamba_ssm's
-``MambaLMHeadModel`` + ``F.cross_entropy``; ours: defaults + its fused loss, no activation checkpointing on either),
-then trains one untimed and one timed step at ``start``, ``2 * start``, ... tokens, stopping at the first length
-that runs out of memory (or at ``max_len``). Rows: the longest length that trained, and tokens/s and peak memory at
-every length tried.
+``MambaLMHeadModel`` + ``F.cross_entropy`` as it ships; ours: defaults + its fused loss), then trains one untimed
+and one timed step at ``start``, ``2 * start``, ... tokens, stopping at the first length that runs out of memory (or
+at ``max_len``). Rows: the longest length that trained, and tokens/s and peak memory at every length tried. Our
+side can take the memory options a user of long sequences would (``activation_checkpointing``: every block
+recomputed in the backward; ``recompute``: layers/recompute.py's items); the case names them.
 """
+
 
 from __future__ import annotations
 
@@ -82,9 +84,12 @@ def probe(build, loss_of, device, lengths, vocab: int, log=say, name: str = "") 
 
 
 def run(preset: str, peer, device, start: int = 16384, max_len: int = 262144, log=say,
-        n_layer: int | None = None) -> dict:
-    """``n_layer``: the preset cut to that many layers (the compile warm-up)."""
+        n_layer: int | None = None, activation_checkpointing: bool = False, recompute: str = "") -> dict:
+    """``n_layer``: the preset cut to that many layers (the compile warm-up). ``activation_checkpointing``,
+    ``recompute``: our side's memory options (the peer's model as it ships)."""
     from mamba_parallel.config import get_preset
+    from mamba_parallel.distributed.parallelize import apply_activation_checkpointing
+    from mamba_parallel.layers.recompute import apply_recompute
     from mamba_parallel.models.lm import MambaLMHeadModel
 
     if start < 1 or max_len < start:
@@ -105,15 +110,19 @@ def run(preset: str, peer, device, start: int = 16384, max_len: int = 262144, lo
 
     def build_ours():
         torch.manual_seed(0)
-        return MambaLMHeadModel(config, device=device)
+        model = apply_recompute(MambaLMHeadModel(config, device=device), recompute or None)
+        return apply_activation_checkpointing(model) if activation_checkpointing else model
     found["ours"] = probe(build_ours, our_loss, device, lengths, config.vocab_size, log, f"{preset} ours")
     sides = ["ours"] + (["peer"] if peer is not None else [])
+    options = ", ".join((["activation checkpointing"] if activation_checkpointing else [])
+                        + ([f"recompute {recompute}"] if recompute else []))
+    case = f"{preset} b1" + (f" (ours: {options})" if options else "")
 
     def longest(side):
         ok = [n for n, r in found[side].items() if "error" not in r]
         return max(ok) if ok else None
 
-    rows = [make_row(f"{preset} b1", "longest trained sequence", "tokens", "higher",
+    rows = [make_row(case, "longest trained sequence", "tokens", "higher",
                      {s: longest(s) for s in sides}, preset=preset,
                      reached_max_len={s: longest(s) == lengths[-1] for s in sides})]
     for n in lengths:
@@ -122,10 +131,13 @@ def run(preset: str, peer, device, start: int = 16384, max_len: int = 262144, lo
         errs = {s: found[s].get(n, {}).get("error") for s in sides}
         for metric, unit, key, better in (("tokens/s", "tokens/s", "tokens_per_s", "higher"),
                                           ("peak memory", "GiB", "peak_gib", "lower")):
-            rows.append(make_row(f"{preset} b1 L{n}", metric, unit, better,
+            rows.append(make_row(f"{case} L{n}", metric, unit, better,
                                  {s: found[s].get(n, {}).get(key) for s in sides}, errs, preset=preset, seq_len=n))
-    return {"bench": "long_context", "title": "Longest trainable sequence on one GPU, batch 1",
-            "settings": {"preset": preset, "lengths": lengths, "activation_checkpointing": False,
+    # a run with our memory options is a table of its own (the report keeps the newest run of each)
+    return {"bench": "long_context_options" if options else "long_context",
+            "title": "Longest trainable sequence on one GPU, batch 1" + (f" (ours: {options})" if options else ""),
+            "settings": {"preset": preset, "lengths": lengths, "activation_checkpointing": activation_checkpointing,
+                         **({"recompute": recompute} if recompute else {}),
                          **({"n_layer": n_layer} if n_layer else {}),
                          "steps_per_length": "1 untimed + 1 timed", "sides": sides},
             "rows": rows}

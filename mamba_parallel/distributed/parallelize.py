@@ -75,6 +75,18 @@ def _check_dp_options(dp_mode: str, fsdp_blocks_per_unit) -> None:
         raise ParallelConfigError(f"--fsdp-blocks-per-unit must be an integer >= 1, got {fsdp_blocks_per_unit!r}")
 
 
+def apply_activation_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
+    """Step 3 alone: every block of ``model`` (a whole model or a pipeline stage) wrapped in torch's non-reentrant
+    ``checkpoint_wrapper``, so its backward runs the block's forward again instead of keeping its activations.
+    In place; returns the model."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = _blocks(model)
+    for i, block in enumerate(layers):
+        layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    return model
+
+
 def apply_data_parallel(model: torch.nn.Module, dims: ParallelDims, *, dp_mode: str = "fsdp",
                         activation_checkpointing: bool = False, compile: bool = False,
                         param_dtype: torch.dtype | None = None, reshard_after_forward: bool = True,
@@ -88,10 +100,7 @@ def apply_data_parallel(model: torch.nn.Module, dims: ParallelDims, *, dp_mode: 
     _check_dp_options(dp_mode, fsdp_blocks_per_unit)
     layers = _blocks(model)
     if activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        for i, block in enumerate(layers):
-            layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        apply_activation_checkpointing(model)
     if compile:
         for i, block in enumerate(layers):
             layers[i] = torch.compile(block)

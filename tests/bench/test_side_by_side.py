@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from mamba_parallel.bench import (bench_all, bench_generate, bench_selective_scan, bench_ssd, bench_train,
-                                  long_context_probe, report, train_side_by_side)
+from mamba_parallel.bench import (bench_all, bench_generate, bench_long_context, bench_selective_scan, bench_ssd,
+                                  bench_train, long_context_probe, report, train_side_by_side)
 from mamba_parallel.bench import peer as peer_mod
 from mamba_parallel.bench.results import advantage, format_table, make_row, ratio_rule
 
@@ -256,6 +256,35 @@ def test_long_context_probe_stops_at_the_first_out_of_memory():
                                      cfg.vocab_size, log=lambda _: None)
     assert list(found) == [16, 32, 64] and found[64] == {"error": "out of memory"}
     assert found[32]["tokens_per_s"] > 0
+
+
+def test_long_context_probe_with_our_memory_options(ref, tmp_path, monkeypatch):
+    """--activation-checkpointing / --recompute apply to our side only (every block wrapped, the layers' items
+    set; the peer as it ships); the result is a table of its own whose case and title name them."""
+    import importlib
+
+    from mamba_parallel.layers import recompute as recompute_mod
+
+    # the module: the package exports a function of the same name
+    par = importlib.import_module("mamba_parallel.distributed.parallelize")
+
+    wrapped, applied = [], []
+    real_ac, real_rc = par.apply_activation_checkpointing, recompute_mod.apply_recompute
+    monkeypatch.setattr(par, "apply_activation_checkpointing", lambda m: wrapped.append(m) or real_ac(m))
+    monkeypatch.setattr(recompute_mod, "apply_recompute", lambda m, items: applied.append(items) or real_rc(m, items))
+    out = tmp_path / "results"
+    assert bench_long_context.main(["--peer-impl", "reference", "--preset", "tiny-mamba2", "--device", "cpu",
+                                    "--start", "16", "--max-len", "32", "--activation-checkpointing",
+                                    "--recompute", "states,conv", "--json", str(out)]) == 0
+    (path,) = out.glob("*/long_context_options.json")
+    res = json.loads(path.read_text())
+    assert len(wrapped) == 1 and applied == ["conv,states"]
+    assert all(type(b).__name__ == "CheckpointWrapper" for b in wrapped[0].backbone.layers)
+    assert res["settings"]["activation_checkpointing"] and res["settings"]["recompute"] == "conv,states"
+    assert res["rows"][0]["case"] == "tiny-mamba2 b1 (ours: activation checkpointing, recompute conv,states)"
+    assert res["rows"][0]["ours"] == res["rows"][0]["peer"] == 32
+    with pytest.raises(SystemExit, match="--recompute is the probe's"):
+        bench_long_context.main(["--seq-len", "16", "--recompute", "conv", "--device", "cpu"])
 
 
 def test_a_given_git_commit_is_recorded(tmp_path):
