@@ -212,7 +212,6 @@ def run_parity(args) -> dict:
 
 def run_probe(args) -> int:
     from mamba_parallel.bench import long_context_probe
-
     from mamba_parallel.train.trainer import resolve_recompute
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -8,7 +8,6 @@ side can take the memory options a user of long sequences would (``activation_ch
 recomputed in the backward; ``recompute``: layers/recompute.py's items); the case names them.
 """
 
-
 from __future__ import annotations
 
 import gc
