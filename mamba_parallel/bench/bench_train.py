@@ -136,8 +136,9 @@ def _run_side_by_side(a: argparse.Namespace, peer) -> int:
                                            a.warmup_steps, a.steps, bench_train_dp.DP_MODES, a.json,
                                            git_commit=a.git_commit)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if a.cuda_graph and device.type != "cuda":
-        raise SystemExit(f"bench train: --cuda-graph needs a CUDA device, got --device {a.device}")
+    if a.cuda_graph:
+        from mamba_parallel.train.cuda_graph import check_graph_layout
+        check_graph_layout(device, dp=1, cp=1)
     result = train_side_by_side.run([a.preset], peer, device, a.seq_len, a.batch_size, a.warmup_steps, a.steps,
                                     recompute=resolve_recompute(a.recompute), cuda_graph=a.cuda_graph)
     publish(result, device, peer, path=a.json, git_commit=a.git_commit)

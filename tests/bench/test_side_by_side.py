@@ -11,6 +11,7 @@ from mamba_parallel.bench import (bench_all, bench_generate, bench_long_context,
                                   bench_train, long_context_probe, report, train_side_by_side)
 from mamba_parallel.bench import peer as peer_mod
 from mamba_parallel.bench.results import advantage, format_table, make_row, ratio_rule
+from mamba_parallel.config import ConfigError
 
 TINY_SSD = (1, 37, 2, 8, 8, 1)  # odd length, two chunks of 16 plus a partial one
 TINY_SCAN = (1, 6, 19, 4)
@@ -203,7 +204,7 @@ def test_bench_train_side_by_side_with_our_cuda_graph(ref, monkeypatch):
     assert "CUDA graph" in res["settings"]["ours"]
     check = res["checks"]["step1_loss"][0]
     assert check["agree"], check  # the first graphed step's loss is step 1's: the same weights, the same batch
-    with pytest.raises(SystemExit, match="--cuda-graph needs a CUDA device"):
+    with pytest.raises(ConfigError, match="--cuda-graph needs a CUDA device; this run is on cpu"):
         bench_train.main(["--peer", "--peer-impl", "reference", "--preset", "tiny-mamba", "--device", "cpu",
                           "--cuda-graph"])
     monkeypatch.setattr(bench_train.dist, "is_torchelastic_launched", lambda: True)
