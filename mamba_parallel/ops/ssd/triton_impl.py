@@ -22,8 +22,12 @@ from mamba_parallel.ops.ssd.triton_dt import dt_backward, dt_forward
 from mamba_parallel.ops.ssd.triton_dbc import dbc_bwd
 from mamba_parallel.ops.ssd.triton_scan_bwd import dx_bwd, gate_bwd
 from mamba_parallel.ops.ssd.triton_scan_fwd import scan_fwd
-from mamba_parallel.ops.ssd.triton_states import state_pass_bwd, state_pass_fwd, weighted_outer
+from mamba_parallel.ops.ssd.triton_states import (chunk_state_pass, state_grad_pass, state_pass_bwd, state_pass_fwd,
+                                                   weighted_outer)
 from mamba_parallel.ops.ssd.triton_varlen import make_packing
+
+
+FUSED_STATES = True  # A/B switch while the fused state kernels are measured (the loser is deleted)
 
 
 def _small(*ts):
@@ -47,6 +51,9 @@ def _chunk_states(xs, dts, Bs, A, dt_bias, dt_softplus, dt_min, dt_max, valid, s
     each chunk (b, nc, h, p, n) state_dtype, final states (nstates, h, p, n) fp32. The backward runs it again when
     the forward did not keep them (keep_states=False)."""
     dtp, acs = dt_forward(dts, A, dt_bias, dt_softplus, dt_min, dt_max, valid, chunk_size)
+    if FUSED_STATES:
+        hin, final = chunk_state_pass(xs, Bs, dtp, acs, init, seg, nstates, state_dtype, hpg)
+        return dtp, acs, hin, final
     states = weighted_outer(xs, Bs, dtp, acs, 0, hpg)
     hin, final = state_pass_fwd(states, acs, init, seg, nstates, state_dtype)
     return dtp, acs, hin, final
@@ -99,8 +106,11 @@ def _backward(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus
         nstates = cu_seqlens.numel() - 1 if cu_seqlens is not None else x.shape[0]
         dtp, acs, hin, _ = _chunk_states(xs, dts, Bs, A, dt_bias, dt_softplus, dt_min, dt_max, valid, seg, init,
                                          nstates, hpg, chunk_size, x.dtype)
-    dhy = weighted_outer(dys, Cs, dtp, acs, 1, hpg)
-    ds, dinit, dlast = state_pass_bwd(dhy, acs, hin, final, dfinal, seg, initial_states is not None)
+    if FUSED_STATES:
+        ds, dinit, dlast = state_grad_pass(dys, Cs, acs, hin, final, dfinal, seg, initial_states is not None, hpg)
+    else:
+        dhy = weighted_outer(dys, Cs, dtp, acs, 1, hpg)
+        ds, dinit, dlast = state_pass_bwd(dhy, acs, hin, final, dfinal, seg, initial_states is not None)
     direct = pk is None  # packed: the kernels work in the packed layout; the unpacking gather fills the outs
     dB, dC, dac, cb = dbc_bwd(xs, dys, Bs, Cs, hin, ds, dtp, acs, hpg, dB_out if direct else None,
                               dC_out if direct else None)
