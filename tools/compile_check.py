@@ -452,7 +452,8 @@ def compile_all(path, arch, max_shared=None, kernels=None, show_hash=False) -> i
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", nargs="+", default=["mamba3"], choices=["mamba3", "norm", "layout", "selective_scan", "ssd"],
+    ap.add_argument("--ops", nargs="+", default=["mamba3"],
+                    choices=["mamba3", "norm", "layout", "selective_scan", "ssd"],
                     help="the ops whose launches to record and compile (those with a workload here)")
     ap.add_argument("--workloads", nargs="+", default=["variants", "tiles"], choices=WORKLOADS,
                     help="which launches to record (see _workloads; default: variants and tiles)")
