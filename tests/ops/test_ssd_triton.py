@@ -111,9 +111,9 @@ def test_blocks_larger_than_chunk(monkeypatch):
     decay those must not turn into exp(+big) * 0 = NaN. Interpreter blocks are made 32 wide here to cover it."""
     from mamba_parallel.ops.ssd import triton_tuning
 
-    for name, (gpu, interp, keys) in list(triton_tuning._CONFIGS.items()):
+    for name, (gpu, interp, keys, *fp32_gpu) in list(triton_tuning._CONFIGS.items()):
         wide = triton.Config({k: 32 for k in interp.kwargs}, num_warps=4, num_stages=2)
-        monkeypatch.setitem(triton_tuning._CONFIGS, name, (gpu, wide, keys))
+        monkeypatch.setitem(triton_tuning._CONFIGS, name, (gpu, wide, keys, *fp32_gpu))
     monkeypatch.setattr(triton_tuning.tuned, "_cache", {})
     args = make_inputs(1, 29, 2, 16, 16, 1, torch.float32, A_scale=30.0)
     check_against_reference(args, dict(chunk_size=16, dt_softplus=True), torch.float32)

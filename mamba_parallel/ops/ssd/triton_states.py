@@ -217,7 +217,7 @@ def _state_grad_pass_kernel(dy_ptr, C_ptr, acs_ptr, hin_ptr, final_ptr, dfinal_p
         h_out = tl.where(is_end, h_fin, h_next)
         a_base = ((pid_b * H + pid_h) * NC + c) * CHUNK
         tl.store(dlast_part_ptr + a_base // CHUNK * NBLK + pid_pn, tl.sum(tl.sum(dh * h_out, axis=1), axis=0))
-        tl.store(ds_ptr + idx, dh, mask=mt)
+        tl.store(ds_ptr + idx, dh.to(ds_ptr.dtype.element_ty), mask=mt)
         dh = dh * tl.exp(tl.load(acs_ptr + a_base + CHUNK - 1))
         chunk_len = tl.minimum(CHUNK, L - c * CHUNK)
         y_base = dy_ptr + pid_b * sy_b + c * CHUNK * sy_l + pid_h * sy_h
@@ -254,12 +254,13 @@ def chunk_state_pass(x, B, dtp, acs, init, seg, nstates, state_dtype, hpg):
 
 def state_grad_pass(dy, C, acs, hin, final, dfinal, seg, want_dinit, hpg):
     """dy (b, L, h, p), C (b, L, g, n), acs (b, h, nc, chunk), hin (b, nc, h, p, n), final / dfinal (nstates, h, p,
-    n) fp32 or dfinal None -> (ds (b, nc, h, p, n) fp32: the gradient of the state after each chunk, dinit like
+    n) fp32 or dfinal None -> (ds (b, nc, h, p, n) in dy.dtype: the gradient of the state after each chunk, dinit like
     final or None, dlast (b, h, nc) fp32: the gradient of each chunk's last dA_cs through the states)."""
     b, L, H, P = dy.shape
     N = C.shape[-1]
     nc, chunk = acs.shape[2], acs.shape[3]
-    ds = torch.empty(b, nc, H, P, N, device=dy.device, dtype=torch.float32)
+    # ds in the dots' operand dtype: its readers (dbc_bwd, dx_bwd) round it to that dtype anyway
+    ds = torch.empty(b, nc, H, P, N, device=dy.device, dtype=dy.dtype)
     dinit = torch.zeros_like(final) if want_dinit else None
     fn = tuned(_state_grad_pass_kernel, "state_bwd", dy.dtype)
     # every candidate has the same tile; sized for the smallest (16 x 16, the interpreter's), unused slots stay 0
