@@ -1,7 +1,7 @@
 """Triton SSD chunked scan: forward and backward as two torch custom ops, so torch.compile sees one node each.
 
-Forward stages (each a kernel file): dt processing + cumulative decay (triton_dt), per-chunk states and the
-sequential state pass (triton_states), chunk outputs with C.B recomputed in registers (triton_scan_fwd).
+Forward stages (each a kernel file): dt processing + cumulative decay (triton_dt), chunk states chained
+in one sweep over the chunks (triton_states), chunk outputs with C.B recomputed in registers (triton_scan_fwd).
 Backward: gate and dx / dD (triton_scan_bwd), state gradients (triton_states), dB / dC with the dA_cs gradient
 (triton_dbc), dt / A / dt_bias (triton_dt). Launch configs: triton_tuning.
 seq_idx and cu_seqlens are turned into a chunk-aligned packed layout (triton_varlen).
@@ -22,12 +22,8 @@ from mamba_parallel.ops.ssd.triton_dt import dt_backward, dt_forward
 from mamba_parallel.ops.ssd.triton_dbc import dbc_bwd
 from mamba_parallel.ops.ssd.triton_scan_bwd import dx_bwd, gate_bwd
 from mamba_parallel.ops.ssd.triton_scan_fwd import scan_fwd
-from mamba_parallel.ops.ssd.triton_states import (chunk_state_pass, state_grad_pass, state_pass_bwd, state_pass_fwd,
-                                                   weighted_outer)
+from mamba_parallel.ops.ssd.triton_states import chunk_state_pass, state_grad_pass
 from mamba_parallel.ops.ssd.triton_varlen import make_packing
-
-
-FUSED_STATES = True  # A/B switch while the fused state kernels are measured (the loser is deleted)
 
 
 def _small(*ts):
@@ -51,11 +47,7 @@ def _chunk_states(xs, dts, Bs, A, dt_bias, dt_softplus, dt_min, dt_max, valid, s
     each chunk (b, nc, h, p, n) state_dtype, final states (nstates, h, p, n) fp32. The backward runs it again when
     the forward did not keep them (keep_states=False)."""
     dtp, acs = dt_forward(dts, A, dt_bias, dt_softplus, dt_min, dt_max, valid, chunk_size)
-    if FUSED_STATES:
-        hin, final = chunk_state_pass(xs, Bs, dtp, acs, init, seg, nstates, state_dtype, hpg)
-        return dtp, acs, hin, final
-    states = weighted_outer(xs, Bs, dtp, acs, 0, hpg)
-    hin, final = state_pass_fwd(states, acs, init, seg, nstates, state_dtype)
+    hin, final = chunk_state_pass(xs, Bs, dtp, acs, init, seg, nstates, state_dtype, hpg)
     return dtp, acs, hin, final
 
 
@@ -106,11 +98,7 @@ def _backward(dy, dfinal, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus
         nstates = cu_seqlens.numel() - 1 if cu_seqlens is not None else x.shape[0]
         dtp, acs, hin, _ = _chunk_states(xs, dts, Bs, A, dt_bias, dt_softplus, dt_min, dt_max, valid, seg, init,
                                          nstates, hpg, chunk_size, x.dtype)
-    if FUSED_STATES:
-        ds, dinit, dlast = state_grad_pass(dys, Cs, acs, hin, final, dfinal, seg, initial_states is not None, hpg)
-    else:
-        dhy = weighted_outer(dys, Cs, dtp, acs, 1, hpg)
-        ds, dinit, dlast = state_pass_bwd(dhy, acs, hin, final, dfinal, seg, initial_states is not None)
+    ds, dinit, dlast = state_grad_pass(dys, Cs, acs, hin, final, dfinal, seg, initial_states is not None, hpg)
     direct = pk is None  # packed: the kernels work in the packed layout; the unpacking gather fills the outs
     dB, dC, dac, cb = dbc_bwd(xs, dys, Bs, Cs, hin, ds, dtp, acs, hpg, dB_out if direct else None,
                               dC_out if direct else None)

@@ -10,9 +10,6 @@ from mamba_parallel.ops.tuning import config as _c
 
 # name -> (GPU candidates, interpreter config, autotune key[, GPU candidates for fp32 operands])
 _CONFIGS = {
-    "outer": ([_c(4, 3, BLOCK_P=64, BLOCK_N=64, BLOCK_K=64), _c(4, 3, BLOCK_P=64, BLOCK_N=128, BLOCK_K=32),
-               _c(8, 3, BLOCK_P=64, BLOCK_N=128, BLOCK_K=64), _c(4, 4, BLOCK_P=32, BLOCK_N=128, BLOCK_K=64)],
-              _c(BLOCK_P=16, BLOCK_N=16, BLOCK_K=16), ["P", "N", "HPG", "MODE", "CHUNK"]),
     "state_fwd": ([_c(4, 3, BLOCK_P=64, BLOCK_N=64, BLOCK_K=64), _c(4, 3, BLOCK_P=64, BLOCK_N=32, BLOCK_K=64),
                    _c(8, 3, BLOCK_P=64, BLOCK_N=128, BLOCK_K=64), _c(4, 4, BLOCK_P=64, BLOCK_N=32, BLOCK_K=32)],
                   _c(BLOCK_P=16, BLOCK_N=16, BLOCK_K=16), ["P", "N", "HPG", "CHUNK"],
