@@ -166,9 +166,9 @@ def state_grad_pass(dy, C, acs, hin, final, dfinal, seg, want_dinit, hpg):
     ds = torch.empty(b, nc, H, P, N, device=dy.device, dtype=dy.dtype)
     dinit = torch.zeros_like(final) if want_dinit else None
     fn = tuned(_state_grad_pass_kernel, "state_bwd", dy.dtype)
-    # every candidate has the same tile; sized for the smallest (16 x 16, the interpreter's), unused slots stay 0
-    nblk = triton.cdiv(P, 16) * triton.cdiv(N, 16)
-    dlast_part = torch.zeros(b, H, nc, nblk, device=dy.device, dtype=torch.float32)
+    tile = fn.configs[0].kwargs  # every candidate shares it: the partial buffer is laid out by it
+    nblk = triton.cdiv(P, tile["BLOCK_P"]) * triton.cdiv(N, tile["BLOCK_N"])
+    dlast_part = torch.empty(b, H, nc, nblk, device=dy.device, dtype=torch.float32)
     grid = lambda meta: (triton.cdiv(P, meta["BLOCK_P"]) * triton.cdiv(N, meta["BLOCK_N"]), b, H)  # noqa: E731
     fn[grid](dy, C, acs, hin, final, dfinal if dfinal is not None else final, seg if seg is not None else acs, ds,
              dinit if dinit is not None else ds, dlast_part, L, H, nc, P, N, hpg, nblk, *dy.stride(), *C.stride(),
