@@ -21,6 +21,13 @@ from mamba_parallel.ops.ssd.triton_tuning import block_pow2, dot_precision, tune
 
 
 @triton.jit
+def _batch_chunk_group_split(pid_bc, pid_gs, NC, HPG, HS):
+    """Program ids -> (batch row, chunk, group, head split): axis 2 runs over b * nc, axis 1 over g * splits."""
+    nsplit = tl.cdiv(HPG, HS)
+    return pid_bc // NC, pid_bc % NC, pid_gs // nsplit, pid_gs % nsplit
+
+
+@triton.jit
 def _intra_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, acs_ptr, m_ptr, dar_ptr, dac_ptr, cb_ptr,
                   BATCH, L, H, NC, P, N, HPG, HS,
                   sd_b, sd_l, sd_h, sd_p, sx_b, sx_l, sx_h, sx_p, sb_b, sb_l, sb_g, sb_n, sc_b, sc_l, sc_g, sc_n,
@@ -34,11 +41,7 @@ def _intra_kernel(dy_ptr, x_ptr, B_ptr, C_ptr, dtp_ptr, acs_ptr, m_ptr, dar_ptr,
     nkb = tl.cdiv(CHUNK, BLOCK_M)
     pid_m = pid_mk // nkb
     pid_k = pid_mk % nkb
-    b = pid_bc // NC
-    c = pid_bc % NC
-    nsplit = tl.cdiv(HPG, HS)
-    g = pid_gs // nsplit
-    split = pid_gs % nsplit
+    b, c, g, split = _batch_chunk_group_split(pid_bc, pid_gs, NC, HPG, HS)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_M + tl.arange(0, BLOCK_M)
     tile = ((b * NC + c) * (H // HPG) + g) * CHUNK * CHUNK + offs_m[:, None] * CHUNK + offs_k[None, :]
@@ -97,11 +100,7 @@ def _carried_kernel(u_ptr, sm_ptr, self_ptr, dtp_ptr, acs_ptr, out_ptr, da_ptr, 
     but for the state pass's last-slot term: dac_in (the C launch's) - B_t . (B part) + the intra kernel's row
     partials (blocks k <= t's, dar) - its column partials (blocks m >= t's, dacol), BLOCK_I its tile."""
     pid_m, pid_gs, pid_bc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b = pid_bc // NC
-    c = pid_bc % NC
-    nsplit = tl.cdiv(HPG, HS)
-    g = pid_gs // nsplit
-    split = pid_gs % nsplit
+    b, c, g, split = _batch_chunk_group_split(pid_bc, pid_gs, NC, HPG, HS)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_p = tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
