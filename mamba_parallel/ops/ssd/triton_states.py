@@ -31,6 +31,17 @@ def _seg_codes(seg_ptr, pid_b, c, NC, HAS_SEG: tl.constexpr):
 
 
 @triton.jit
+def _pn_tile(pid_pn, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program id -> this program's (p, n) tile of a state: row / column offsets and masks, flat offsets, mask."""
+    npn = tl.cdiv(N, BLOCK_N)
+    offs_p = (pid_pn // npn) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = (pid_pn % npn) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mp = offs_p < P
+    mn = offs_n < N
+    return offs_p, offs_n, mp, mn, offs_p[:, None] * N + offs_n[None, :], mp[:, None] & mn[None, :]
+
+
+@triton.jit
 def _chunk_state_pass_fwd_kernel(x_ptr, B_ptr, dtp_ptr, acs_ptr, init_ptr, seg_ptr, hin_ptr, final_ptr,
                                  L, H, NC, P, N, HPG,
                                  sx_b, sx_l, sx_h, sx_p, sb_b, sb_l, sb_g, sb_n,
@@ -42,14 +53,8 @@ def _chunk_state_pass_fwd_kernel(x_ptr, B_ptr, dtp_ptr, acs_ptr, init_ptr, seg_p
     accumulated into the decayed state in registers. No per-chunk state goes through memory."""
     pid_pn, pid_b, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = pid_h // HPG
-    npn = tl.cdiv(N, BLOCK_N)
-    offs_p = (pid_pn // npn) * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = (pid_pn % npn) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_p, offs_n, mp, mn, tile, mt = _pn_tile(pid_pn, P, N, BLOCK_P, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mp = offs_p < P
-    mn = offs_n < N
-    tile = offs_p[:, None] * N + offs_n[None, :]
-    mt = mp[:, None] & mn[None, :]
     zero = tile * 0  # vector-shaped scalars in masks: the interpreter mistypes vector & scalar
     PN = P * N
     h = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
@@ -93,14 +98,8 @@ def _state_grad_pass_kernel(dy_ptr, C_ptr, acs_ptr, hin_ptr, final_ptr, dfinal_p
     c> (the gradient of dA_cs[c, last]), dinit = gradient of the initial states."""
     pid_pn, pid_b, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g = pid_h // HPG
-    npn = tl.cdiv(N, BLOCK_N)
-    offs_p = (pid_pn // npn) * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = (pid_pn % npn) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_p, offs_n, mp, mn, tile, mt = _pn_tile(pid_pn, P, N, BLOCK_P, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mp = offs_p < P
-    mn = offs_n < N
-    tile = offs_p[:, None] * N + offs_n[None, :]
-    mt = mp[:, None] & mn[None, :]
     zero = tile * 0
     PN = P * N
     dh = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
