@@ -112,10 +112,25 @@ def test_blocks_larger_than_chunk(monkeypatch):
     from mamba_parallel.ops.ssd import triton_tuning
 
     for name, (gpu, interp, keys, *fp32_gpu) in list(triton_tuning._CONFIGS.items()):
-        wide = triton.Config({k: 32 for k in interp.kwargs}, num_warps=4, num_stages=2)
+        wide = triton.Config({k: 32 if k.startswith("BLOCK_") else v for k, v in interp.kwargs.items()}, num_warps=4,
+                             num_stages=2)
         monkeypatch.setitem(triton_tuning._CONFIGS, name, (gpu, wide, keys, *fp32_gpu))
     monkeypatch.setattr(triton_tuning.tuned, "_cache", {})
     args = make_inputs(1, 29, 2, 16, 16, 1, torch.float32, A_scale=30.0)
+    check_against_reference(args, dict(chunk_size=16, dt_softplus=True), torch.float32)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_chunk_output_heads_per_program(monkeypatch, heads):
+    """The chunk-output kernel runs one or two heads of a group per program (sharing C.B); with an odd number of
+    heads per group the last program's second head is past the group and must store nothing."""
+    from mamba_parallel.ops.ssd import triton_tuning
+
+    gpu, interp, keys, *rest = triton_tuning._CONFIGS["scan_fwd"]
+    one = triton.Config({**interp.kwargs, "HEADS": heads}, num_warps=4, num_stages=2)
+    monkeypatch.setitem(triton_tuning._CONFIGS, "scan_fwd", (gpu, one, keys, *rest))
+    monkeypatch.setattr(triton_tuning.tuned, "_cache", {})
+    args = make_inputs(1, 37, 6, 16, 16, 2, torch.float32, z=True)  # 3 heads per group
     check_against_reference(args, dict(chunk_size=16, dt_softplus=True), torch.float32)
 
 

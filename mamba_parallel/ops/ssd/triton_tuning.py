@@ -19,9 +19,14 @@ _CONFIGS = {
                    _c(8, 3, BLOCK_P=64, BLOCK_N=32, BLOCK_K=64)],
                   _c(BLOCK_P=16, BLOCK_N=16, BLOCK_K=16), ["P", "N", "HPG", "CHUNK"],
                   [_c(4, 2, BLOCK_P=64, BLOCK_N=32, BLOCK_K=32), _c(8, 2, BLOCK_P=64, BLOCK_N=32, BLOCK_K=32)]),
-    "scan_fwd": ([_c(4, 2, BLOCK_M=64, BLOCK_P=64, BLOCK_K=64), _c(4, 3, BLOCK_M=64, BLOCK_P=64, BLOCK_K=32),
-                  _c(8, 2, BLOCK_M=128, BLOCK_P=64, BLOCK_K=64), _c(4, 2, BLOCK_M=64, BLOCK_P=32, BLOCK_K=64)],
-                 _c(BLOCK_M=16, BLOCK_P=16, BLOCK_K=16), ["P", "N", "HPG", "CHUNK"]),
+    # scan_fwd: HEADS=2 candidates share each C.B tile between two heads of a group (two accumulators)
+    "scan_fwd": ([_c(4, 2, BLOCK_M=64, BLOCK_P=64, BLOCK_K=64, HEADS=1),
+                  _c(4, 3, BLOCK_M=64, BLOCK_P=64, BLOCK_K=32, HEADS=1),
+                  _c(8, 2, BLOCK_M=128, BLOCK_P=64, BLOCK_K=64, HEADS=1),
+                  _c(4, 2, BLOCK_M=64, BLOCK_P=32, BLOCK_K=64, HEADS=1),
+                  _c(8, 2, BLOCK_M=64, BLOCK_P=64, BLOCK_K=64, HEADS=2),
+                  _c(4, 2, BLOCK_M=64, BLOCK_P=32, BLOCK_K=64, HEADS=2)],
+                 _c(BLOCK_M=16, BLOCK_P=16, BLOCK_K=16, HEADS=2), ["P", "N", "HPG", "CHUNK"]),
     # dx: one BLOCK_M for all candidates (its dD partial buffer is laid out by row block)
     "dx": ([_c(4, 2, BLOCK_M=64, BLOCK_K=64), _c(4, 3, BLOCK_M=64, BLOCK_K=32), _c(8, 3, BLOCK_M=64, BLOCK_K=64)],
            _c(BLOCK_M=16, BLOCK_K=16), ["P", "N", "HPG", "CHUNK"]),
