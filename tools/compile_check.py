@@ -143,6 +143,14 @@ def _ssd_workloads():
                                               return_final_states=True)
                 (y.float().sum() + final.sum()).backward()
                 yield f"ssd n{n} {dtype} restarts {restarts}"
+                # the forward's states for few (row, head) pairs: computed in parallel, then chained
+                sweep, ssd.sweep_states = ssd.sweep_states, lambda pairs, device: False
+                try:
+                    with torch.no_grad():
+                        ssd.ssd_chunk_scan(**args, chunk_size=256, dt_softplus=True, seq_idx=seq_idx)
+                finally:
+                    ssd.sweep_states = sweep
+                yield f"ssd n{n} {dtype} restarts {restarts}, parallel states"
 
 
 def _layout_workloads():

@@ -14,6 +14,11 @@ _CONFIGS = {
                    _c(8, 3, BLOCK_P=64, BLOCK_N=128, BLOCK_K=64), _c(4, 4, BLOCK_P=64, BLOCK_N=32, BLOCK_K=32)],
                   _c(BLOCK_P=16, BLOCK_N=16, BLOCK_K=16), ["P", "N", "HPG", "CHUNK"],
                   [_c(4, 2, BLOCK_P=64, BLOCK_N=32, BLOCK_K=32), _c(4, 3, BLOCK_P=32, BLOCK_N=32, BLOCK_K=32)]),
+    # chunk_states: the forward's states for few (row, head) pairs (triton_states_wide)
+    "chunk_states": ([_c(4, 3, BLOCK_P=64, BLOCK_N=64, BLOCK_K=64), _c(4, 3, BLOCK_P=64, BLOCK_N=128, BLOCK_K=32),
+                      _c(8, 3, BLOCK_P=64, BLOCK_N=128, BLOCK_K=64), _c(4, 4, BLOCK_P=32, BLOCK_N=128, BLOCK_K=64)],
+                     _c(BLOCK_P=16, BLOCK_N=16, BLOCK_K=16), ["P", "N", "HPG", "CHUNK"],
+                     [_c(4, 2, BLOCK_P=64, BLOCK_N=32, BLOCK_K=32), _c(4, 3, BLOCK_P=32, BLOCK_N=32, BLOCK_K=32)]),
     # state_bwd: one (BLOCK_P, BLOCK_N) tile for all candidates (its dA_cs partial buffer is laid out by tile)
     "state_bwd": ([_c(4, 3, BLOCK_P=64, BLOCK_N=32, BLOCK_K=64), _c(4, 2, BLOCK_P=64, BLOCK_N=32, BLOCK_K=32),
                    _c(8, 3, BLOCK_P=64, BLOCK_N=32, BLOCK_K=64)],
