@@ -1,7 +1,7 @@
 """Compile every Triton kernel an op launches for sm_90 on a machine without a GPU: catches what the CPU interpreter
 lets through (globals that are not constexpr, dot shapes, type mismatches, too much shared memory) before a GPU run.
 
-    python tools/compile_check.py [--ops mamba3 norm layout selective_scan] [--workloads variants tiles tiny]
+    python tools/compile_check.py [--ops mamba3 norm layout selective_scan ssd] [--workloads variants tiles tiny]
                                   [--kernels NAME ...] [--arch 90] [--max-shared BYTES] [--ptx-hash]
 
 Step one runs each op's forward and backward (and its decode step) in the CPU interpreter and records every kernel
@@ -48,6 +48,8 @@ def _workloads(ops, which=("variants", "tiles"), rec=None):
         yield from _layout_workloads()
     if "selective_scan" in ops:
         yield from _selective_scan_workloads(rec, which)
+    if "ssd" in ops:
+        yield from _ssd_workloads()
     if "mamba3" not in ops:
         return
     from mamba3_cases import make_inputs
@@ -115,6 +117,40 @@ def _norm_workloads():
             y, res = norm.add_rms_norm(x, r, torch.ones(e, dtype=dtype, requires_grad=True), 1e-5, True)
             (y.float().sum() + res.sum()).backward()
             yield f"add_rms_norm d{e} {dtype}"
+
+
+def _ssd_workloads():
+    """The Mamba-2 SSD forward and backward at a layer's tiles (headdim 64, d_state 128 and 64, chunk 256, two
+    chunks) in bf16 and fp32, with initial states and a gate, and with restarts (seq_idx)."""
+    import torch
+
+    from mamba_parallel.ops.ssd import triton_impl as ssd
+
+    for n in (128, 64):
+        for dtype in (torch.bfloat16, torch.float32):
+            for restarts in (False, True):
+                g = torch.Generator().manual_seed(0)
+                L, h = 300, 2
+                args = dict(x=torch.randn(1, L, h, 64, generator=g).to(dtype), dt=torch.randn(1, L, h).to(dtype),
+                            A=-torch.rand(h), B=torch.randn(1, L, 1, n).to(dtype),
+                            C=torch.randn(1, L, 1, n).to(dtype), D=torch.randn(h),
+                            z=torch.randn(1, L, h, 64).to(dtype), dt_bias=torch.randn(h),
+                            initial_states=torch.randn(1, h, 64, n))
+                for t in args.values():
+                    t.requires_grad_(True)
+                seq_idx = (torch.arange(L) >= 256).to(torch.int32)[None] if restarts else None
+                y, final = ssd.ssd_chunk_scan(**args, chunk_size=256, dt_softplus=True, seq_idx=seq_idx,
+                                              return_final_states=True)
+                (y.float().sum() + final.sum()).backward()
+                yield f"ssd n{n} {dtype} restarts {restarts}"
+                # the forward's states for few (row, head) pairs: computed in parallel, then chained
+                sweep, ssd.sweep_states = ssd.sweep_states, lambda pairs, device: False
+                try:
+                    with torch.no_grad():
+                        ssd.ssd_chunk_scan(**args, chunk_size=256, dt_softplus=True, seq_idx=seq_idx)
+                finally:
+                    ssd.sweep_states = sweep
+                yield f"ssd n{n} {dtype} restarts {restarts}, parallel states"
 
 
 def _layout_workloads():
@@ -249,6 +285,9 @@ class _Tagged:
 
     def __init__(self, fn, rec, tag):
         self.fn, self.rec, self.tag = fn, rec, tag
+
+    def __getattr__(self, name):  # the autotuner's own attributes (e.g. its configs)
+        return getattr(self.fn, name)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -421,7 +460,8 @@ def compile_all(path, arch, max_shared=None, kernels=None, show_hash=False) -> i
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", nargs="+", default=["mamba3"], choices=["mamba3", "norm", "layout", "selective_scan"],
+    ap.add_argument("--ops", nargs="+", default=["mamba3"],
+                    choices=["mamba3", "norm", "layout", "selective_scan", "ssd"],
                     help="the ops whose launches to record and compile (those with a workload here)")
     ap.add_argument("--workloads", nargs="+", default=["variants", "tiles"], choices=WORKLOADS,
                     help="which launches to record (see _workloads; default: variants and tiles)")

@@ -33,8 +33,9 @@ CATEGORIES = ("matmul", "ssd", "selective_scan", "conv", "norm", "cross_entropy"
 _RULES: tuple[tuple[str, str], ...] = (
     ("nccl", r"nccl|c10d::|all_reduce|allreduce|reduce_scatter|all_gather"),
     # SSD kernel names start with "_"; the look-behind keeps norm_bwd_dx_kernel out of "_dx_kernel"
-    ("ssd", r"(?<![a-z0-9])(_dt_fwd_kernel|_dt_bwd_kernel|_weighted_outer_kernel|_state_pass_(fwd|bwd)_kernel|"
-            r"_scan_fwd_kernel|_intra_kernel|_carried_kernel|_dx_kernel|_gate_bwd_kernel)|mamba2_step_kernel|ssd"),
+    ("ssd", r"(?<![a-z0-9])(_dt_fwd_kernel|_dt_bwd_kernel|"
+            r"_chunk_state_pass_fwd_kernel|_state_grad_pass_kernel|_scan_fwd_kernel|_intra_kernel|_carried_kernel|"
+            r"_dx_kernel|_gate_bwd_kernel)|mamba2_step_kernel|ssd"),
     ("selective_scan", r"selective_scan|mamba1_step_kernel"),
     ("conv", r"conv1d|causal_conv"),
     ("norm", r"norm_(fwd|bwd)|rms_norm|layer_norm|layernorm|rmsnorm"),

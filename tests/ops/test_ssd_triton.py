@@ -90,6 +90,30 @@ def test_matches_reference(case, dtype):
     check_against_reference(args, dict(chunk_size=chunk, **kw), dtype)
 
 
+@pytest.fixture(params=["sweep", "wide"])
+def states_path(request, monkeypatch):
+    """The forward's chunk states by the one-sweep kernel or computed in parallel then chained (triton_impl picks
+    by how many (row, head) pairs there are; tests take each)."""
+    monkeypatch.setattr(triton_impl, "sweep_states", lambda pairs, device: request.param == "sweep")
+    return request.param
+
+
+@pytest.mark.parametrize("layout", ["seq_idx", "cu_seqlens"])
+def test_parallel_chunk_states(monkeypatch, layout):
+    """The forward's states computed in parallel then chained (what few (row, head) pairs get on a GPU), through the
+    packed layouts' segment codes: initial states, resets inside a row, an empty sequence."""
+    monkeypatch.setattr(triton_impl, "sweep_states", lambda pairs, device: False)
+    h, p, n, chunk = 2, 16, 16, 16
+    if layout == "seq_idx":
+        args = make_inputs(2, 40, h, p, n, 1, torch.float32, z=True)
+        kw = dict(seq_idx=torch.tensor([[0] * 5 + [1] * 20 + [2] * 15, [0] * 16 + [3] * 24], dtype=torch.int32,
+                                       device=DEV))
+    else:
+        args = make_inputs(1, 50, h, p, n, 1, torch.float32, nstates=4)
+        kw = dict(cu_seqlens=torch.tensor([0, 7, 7, 30, 50], dtype=torch.int32, device=DEV))
+    check_against_reference(args, dict(chunk_size=chunk, dt_softplus=True, **kw), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_seq_idx(dtype):
     b, L, h, p, n, chunk = 2, 40, 2, 16, 16, 16
@@ -111,11 +135,26 @@ def test_blocks_larger_than_chunk(monkeypatch):
     decay those must not turn into exp(+big) * 0 = NaN. Interpreter blocks are made 32 wide here to cover it."""
     from mamba_parallel.ops.ssd import triton_tuning
 
-    for name, (gpu, interp, keys) in list(triton_tuning._CONFIGS.items()):
-        wide = triton.Config({k: 32 for k in interp.kwargs}, num_warps=4, num_stages=2)
-        monkeypatch.setitem(triton_tuning._CONFIGS, name, (gpu, wide, keys))
+    for name, (gpu, interp, keys, *fp32_gpu) in list(triton_tuning._CONFIGS.items()):
+        wide = triton.Config({k: 32 if k.startswith("BLOCK_") else v for k, v in interp.kwargs.items()}, num_warps=4,
+                             num_stages=2)
+        monkeypatch.setitem(triton_tuning._CONFIGS, name, (gpu, wide, keys, *fp32_gpu))
     monkeypatch.setattr(triton_tuning.tuned, "_cache", {})
     args = make_inputs(1, 29, 2, 16, 16, 1, torch.float32, A_scale=30.0)
+    check_against_reference(args, dict(chunk_size=16, dt_softplus=True), torch.float32)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_chunk_output_heads_per_program(monkeypatch, heads):
+    """The chunk-output kernel runs one or two heads of a group per program (sharing C.B); with an odd number of
+    heads per group the last program's second head is past the group and must store nothing."""
+    from mamba_parallel.ops.ssd import triton_tuning
+
+    gpu, interp, keys, *rest = triton_tuning._CONFIGS["scan_fwd"]
+    one = triton.Config({**interp.kwargs, "HEADS": heads}, num_warps=4, num_stages=2)
+    monkeypatch.setitem(triton_tuning._CONFIGS, "scan_fwd", (gpu, one, keys, *rest))
+    monkeypatch.setattr(triton_tuning.tuned, "_cache", {})
+    args = make_inputs(1, 37, 6, 16, 16, 2, torch.float32, z=True)  # 3 heads per group
     check_against_reference(args, dict(chunk_size=16, dt_softplus=True), torch.float32)
 
 
@@ -217,21 +256,21 @@ GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-def test_gpu_realistic(dtype, nan_poison):
+def test_gpu_realistic(dtype, nan_poison, states_path):
     args = make_inputs(2, 1000, 8, 64, 128, 1, dtype, device="cuda")
     check_against_reference(args, dict(chunk_size=256, dt_softplus=True), dtype, factor=1.0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-def test_gpu_gate_groups_varlen(dtype, nan_poison):
+def test_gpu_gate_groups_varlen(dtype, nan_poison, states_path):
     args = make_inputs(1, 700, 8, 64, 64, 2, dtype, device="cuda", D="hp", z=True, nstates=3)
     cu = torch.tensor([0, 100, 380, 700], dtype=torch.int32, device="cuda")
     check_against_reference(args, dict(chunk_size=128, dt_softplus=True, dt_limit=(0.0, 0.8), cu_seqlens=cu), dtype)
 
 
 @pytest.mark.gpu
-def test_gpu_seq_idx_chunk64(nan_poison):
+def test_gpu_seq_idx_chunk64(nan_poison, states_path):
     args = make_inputs(2, 500, 4, 64, 128, 1, torch.bfloat16, device="cuda")
     seq_idx = torch.zeros(2, 500, dtype=torch.int32, device="cuda")
     seq_idx[0, 130:] = 1

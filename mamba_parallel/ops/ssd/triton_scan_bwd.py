@@ -130,8 +130,8 @@ def dx_bwd(x, dy, B, cb, ds, dtp, acs, D, hpg, dx=None):
         dx = torch.empty(b, L, H, P, device=x.device, dtype=x.dtype)
     ddir = torch.empty_like(acs)
     fn = tuned(_dx_kernel, "dx")
-    max_mb = triton.cdiv(chunk, 16)
-    dD_part = torch.zeros(b * nc, max_mb, H, P, device=x.device, dtype=torch.float32) if D is not None else None
+    n_mb = triton.cdiv(chunk, fn.configs[0].kwargs["BLOCK_M"])  # every candidate's row block: each slot written
+    dD_part = torch.empty(b * nc, n_mb, H, P, device=x.device, dtype=torch.float32) if D is not None else None
     grid = lambda meta: (H, triton.cdiv(chunk, meta["BLOCK_M"]), b * nc)  # noqa: E731
     fn[grid](x, dy, B, cb, ds, dtp, acs, D if D is not None else x, dx, ddir, dD_part if D is not None else ddir,
              L, H, nc, P, N, hpg, *x.stride(), *dy.stride(), *B.stride(), *dx.stride(),

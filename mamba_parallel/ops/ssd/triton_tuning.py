@@ -8,14 +8,30 @@ from __future__ import annotations
 from mamba_parallel.ops.tuning import Tuner, block_pow2, dot_precision  # noqa: F401  (the SSD kernels' imports)
 from mamba_parallel.ops.tuning import config as _c
 
-# name -> (GPU candidates, interpreter config, autotune key)
+# name -> (GPU candidates, interpreter config, autotune key[, GPU candidates for fp32 operands])
 _CONFIGS = {
-    "outer": ([_c(4, 3, BLOCK_P=64, BLOCK_N=64, BLOCK_K=64), _c(4, 3, BLOCK_P=64, BLOCK_N=128, BLOCK_K=32),
-               _c(8, 3, BLOCK_P=64, BLOCK_N=128, BLOCK_K=64), _c(4, 4, BLOCK_P=32, BLOCK_N=128, BLOCK_K=64)],
-              _c(BLOCK_P=16, BLOCK_N=16, BLOCK_K=16), ["P", "N", "HPG", "MODE", "CHUNK"]),
-    "scan_fwd": ([_c(4, 2, BLOCK_M=64, BLOCK_P=64, BLOCK_K=64), _c(4, 3, BLOCK_M=64, BLOCK_P=64, BLOCK_K=32),
-                  _c(8, 2, BLOCK_M=128, BLOCK_P=64, BLOCK_K=64), _c(4, 2, BLOCK_M=64, BLOCK_P=32, BLOCK_K=64)],
-                 _c(BLOCK_M=16, BLOCK_P=16, BLOCK_K=16), ["P", "N", "HPG", "CHUNK"]),
+    "state_fwd": ([_c(4, 3, BLOCK_P=64, BLOCK_N=64, BLOCK_K=64), _c(4, 3, BLOCK_P=64, BLOCK_N=32, BLOCK_K=64),
+                   _c(8, 3, BLOCK_P=64, BLOCK_N=128, BLOCK_K=64), _c(4, 4, BLOCK_P=64, BLOCK_N=32, BLOCK_K=32)],
+                  _c(BLOCK_P=16, BLOCK_N=16, BLOCK_K=16), ["P", "N", "HPG", "CHUNK"],
+                  [_c(4, 2, BLOCK_P=64, BLOCK_N=32, BLOCK_K=32), _c(4, 3, BLOCK_P=32, BLOCK_N=32, BLOCK_K=32)]),
+    # chunk_states: the forward's states for few (row, head) pairs (triton_states_wide)
+    "chunk_states": ([_c(4, 3, BLOCK_P=64, BLOCK_N=64, BLOCK_K=64), _c(4, 3, BLOCK_P=64, BLOCK_N=128, BLOCK_K=32),
+                      _c(8, 3, BLOCK_P=64, BLOCK_N=128, BLOCK_K=64), _c(4, 4, BLOCK_P=32, BLOCK_N=128, BLOCK_K=64)],
+                     _c(BLOCK_P=16, BLOCK_N=16, BLOCK_K=16), ["P", "N", "HPG", "CHUNK"],
+                     [_c(4, 2, BLOCK_P=64, BLOCK_N=32, BLOCK_K=32), _c(4, 3, BLOCK_P=32, BLOCK_N=32, BLOCK_K=32)]),
+    # state_bwd: one (BLOCK_P, BLOCK_N) tile for all candidates (its dA_cs partial buffer is laid out by tile)
+    "state_bwd": ([_c(4, 3, BLOCK_P=64, BLOCK_N=32, BLOCK_K=64), _c(4, 2, BLOCK_P=64, BLOCK_N=32, BLOCK_K=32),
+                   _c(8, 3, BLOCK_P=64, BLOCK_N=32, BLOCK_K=64)],
+                  _c(BLOCK_P=16, BLOCK_N=16, BLOCK_K=16), ["P", "N", "HPG", "CHUNK"],
+                  [_c(4, 2, BLOCK_P=64, BLOCK_N=32, BLOCK_K=32), _c(8, 2, BLOCK_P=64, BLOCK_N=32, BLOCK_K=32)]),
+    # scan_fwd: HEADS=2 candidates share each C.B tile between two heads of a group (two accumulators)
+    "scan_fwd": ([_c(4, 2, BLOCK_M=64, BLOCK_P=64, BLOCK_K=64, HEADS=1),
+                  _c(4, 3, BLOCK_M=64, BLOCK_P=64, BLOCK_K=32, HEADS=1),
+                  _c(8, 2, BLOCK_M=128, BLOCK_P=64, BLOCK_K=64, HEADS=1),
+                  _c(4, 2, BLOCK_M=64, BLOCK_P=32, BLOCK_K=64, HEADS=1),
+                  _c(8, 2, BLOCK_M=64, BLOCK_P=64, BLOCK_K=64, HEADS=2),
+                  _c(4, 2, BLOCK_M=64, BLOCK_P=32, BLOCK_K=64, HEADS=2)],
+                 _c(BLOCK_M=16, BLOCK_P=16, BLOCK_K=16, HEADS=2), ["P", "N", "HPG", "CHUNK"]),
     # dx: one BLOCK_M for all candidates (its dD partial buffer is laid out by row block)
     "dx": ([_c(4, 2, BLOCK_M=64, BLOCK_K=64), _c(4, 3, BLOCK_M=64, BLOCK_K=32), _c(8, 3, BLOCK_M=64, BLOCK_K=64)],
            _c(BLOCK_M=16, BLOCK_K=16), ["P", "N", "HPG", "CHUNK"]),
