@@ -1,0 +1,66 @@
+"""Triton launches of the fused Mamba-2 decode step's stages (arguments validated by ops.decode_step)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from mamba_parallel.ops.decode_step.triton_kernels import (gated_out_proj_residual_kernel, norm_in_proj_conv_kernel,
+                                                           state_update_gate_kernel)
+
+# GEMV tiles: 16 output columns per program, 512-wide K steps, 4 warps: a (16, 512) fp32 accumulator, 64
+# registers a thread (the plain Triton GEMV's tiles that matched cuBLAS at the decode shapes)
+BN, BK, WARPS = 16, 512, 4
+
+
+def _k_tile(k: int) -> int:
+    """The K step: BK, or the largest power of two dividing ``k`` below it (out_proj's tiles stay in one group)."""
+    return min(BK, k & -k)
+
+
+def norm_in_proj_conv(residual, norm_weight, eps, weight, bias, conv_weight, conv_bias, conv_state, conv_start):
+    b, K = residual.shape
+    N = weight.shape[0]
+    out = torch.empty((b, N), device=residual.device, dtype=weight.dtype)
+    dc = conv_weight.shape[1]
+    norm_in_proj_conv_kernel[(triton.cdiv(N, BN), b)](
+        residual, norm_weight, weight, bias if bias is not None else out, conv_weight,
+        conv_bias if conv_bias is not None else out, conv_state, out,
+        K, N, float(eps), conv_start, conv_state.shape[1],
+        residual.stride(0), weight.stride(0), *conv_weight.stride(), *conv_state.stride(), out.stride(0),
+        HAS_BIAS=bias is not None, HAS_CB=conv_bias is not None, DC=dc, DCP=triton.next_power_of_2(dc),
+        BN=BN, BK=min(BK, triton.next_power_of_2(K)), num_warps=WARPS)
+    return out
+
+
+def state_update_gate(state, x, dt, A, B, C, D, z, dt_bias, dt_limit, norm_weight, ngroups):
+    b, h, p = x.shape
+    n = state.shape[3]
+    ns = triton.next_power_of_2(n)
+    bp = max(1, min(triton.next_power_of_2(p), max(1, 2048 // ns)))
+    nblk = triton.cdiv(p, bp)
+    gw = torch.empty((b, h * p), device=x.device, dtype=torch.float32)
+    ss = torch.empty((b, h * nblk), device=x.device, dtype=torch.float32)
+    D2 = None if D is None else (D if D.dim() == 2 else D[:, None].expand(h, p))
+    lo, hi = dt_limit
+    clamp = lo > 0.0 or hi != float("inf")
+    state_update_gate_kernel[(nblk, h, b)](
+        state, x, dt, A, B, C, D2 if D2 is not None else gw, z, dt_bias if dt_bias is not None else gw,
+        norm_weight, gw, ss,
+        p, n, h // B.shape[1], float(lo), float(hi) if clamp else 0.0, nblk,
+        *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *z.stride(),
+        *(D2.stride() if D2 is not None else (0, 0)), gw.stride(0), ss.stride(0),
+        HAS_D=D is not None, HAS_DTB=dt_bias is not None, CLAMP=clamp, BP=bp, NS=ns)
+    return gw, ss.view(b, ngroups, -1)
+
+
+def gated_out_proj_residual(gw, sumsq, eps, weight, bias, residual):
+    b, K = gw.shape
+    N = weight.shape[0]
+    groups, slots = sumsq.shape[1], sumsq.shape[2]
+    gs = K // groups
+    gated_out_proj_residual_kernel[(triton.cdiv(N, BN), b)](
+        gw, sumsq, weight, bias if bias is not None else residual, residual,
+        K, N, float(eps), gs, slots, gw.stride(0), sumsq.stride(0), weight.stride(0), residual.stride(0),
+        HAS_BIAS=bias is not None, SP=triton.next_power_of_2(slots), BN=BN, BK=_k_tile(gs), num_warps=WARPS)
+    return residual
