@@ -8,14 +8,10 @@ import triton
 from mamba_parallel.ops.decode_step.triton_kernels import (gated_out_proj_residual_kernel, norm_in_proj_conv_kernel,
                                                            state_update_gate_kernel)
 
-# GEMV tiles: 16 output columns per program, 512-wide K steps, 4 warps: a (16, 512) fp32 accumulator, 64
-# registers a thread (the plain Triton GEMV's tiles that matched cuBLAS at the decode shapes)
-BN, BK, WARPS = 16, 512, 4
-
-
-def _k_tile(k: int) -> int:
-    """The K step: BK, or the largest power of two dividing ``k`` below it (out_proj's tiles stay in one group)."""
-    return min(BK, k & -k)
+# GEMV tiles (output columns per program, K step, warps): 16 columns, 512-wide K steps, 4 warps: a (16, 512) fp32
+# accumulator, 64 registers a thread (the plain Triton GEMV's tiles that matched cuBLAS at the decode shapes)
+IN_PROJ_TILES = (16, 512, 4)
+OUT_PROJ_TILES = (16, 512, 4)
 
 
 def norm_in_proj_conv(residual, norm_weight, eps, weight, bias, conv_weight, conv_bias, conv_state, conv_start):
@@ -23,13 +19,14 @@ def norm_in_proj_conv(residual, norm_weight, eps, weight, bias, conv_weight, con
     N = weight.shape[0]
     out = torch.empty((b, N), device=residual.device, dtype=weight.dtype)
     dc = conv_weight.shape[1]
-    norm_in_proj_conv_kernel[(triton.cdiv(N, BN), b)](
+    bn, bk, warps = IN_PROJ_TILES
+    norm_in_proj_conv_kernel[(triton.cdiv(N, bn), b)](
         residual, norm_weight, weight, bias if bias is not None else out, conv_weight,
         conv_bias if conv_bias is not None else out, conv_state, out,
         K, N, float(eps), conv_start, conv_state.shape[1],
         residual.stride(0), weight.stride(0), *conv_weight.stride(), *conv_state.stride(), out.stride(0),
         HAS_BIAS=bias is not None, HAS_CB=conv_bias is not None, DC=dc, DCP=triton.next_power_of_2(dc),
-        BN=BN, BK=min(BK, triton.next_power_of_2(K)), num_warps=WARPS)
+        BN=bn, BK=min(bk, triton.next_power_of_2(K)), num_warps=warps)
     return out
 
 
@@ -59,8 +56,11 @@ def gated_out_proj_residual(gw, sumsq, eps, weight, bias, residual):
     N = weight.shape[0]
     groups, slots = sumsq.shape[1], sumsq.shape[2]
     gs = K // groups
-    gated_out_proj_residual_kernel[(triton.cdiv(N, BN), b)](
+    bn, bk, warps = OUT_PROJ_TILES
+    gated_out_proj_residual_kernel[(triton.cdiv(N, bn), b)](
         gw, sumsq, weight, bias if bias is not None else residual, residual,
         K, N, float(eps), gs, slots, gw.stride(0), sumsq.stride(0), weight.stride(0), residual.stride(0),
-        HAS_BIAS=bias is not None, SP=triton.next_power_of_2(slots), BN=BN, BK=_k_tile(gs), num_warps=WARPS)
+        HAS_BIAS=bias is not None, SP=triton.next_power_of_2(slots), BN=bn,
+        BK=min(bk, gs & -gs),  # the K step stays inside one norm group: a power of two dividing its size
+        num_warps=warps)
     return residual
