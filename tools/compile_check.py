@@ -138,8 +138,8 @@ def _layout_workloads():
 
 
 def _decode_step_workloads():
-    """The fused Mamba-2 decode step's three stages at mamba2-2.7b's widths (d_model 2560, 80 heads of 64, one
-    group, d_state 128), batch 1, bf16 weights and conv state, fp32 SSM state and residual."""
+    """The fused decode step's stages at mamba2-2.7b's widths (d_model 2560, 80 heads of 64, one group, d_state
+    128) and Mamba-1's at mamba-2.8b's, batch 1, bf16 weights and conv state, fp32 SSM state and residual."""
     import torch
 
     from mamba_parallel.ops.decode_step import triton_impl as step
@@ -158,6 +158,14 @@ def _decode_step_workloads():
                                     torch.ones(di, dtype=bf), 1)
     step.gated_out_proj_residual(gw, ss, 1e-5, torch.randn(d_model, di, dtype=bf) * 0.02, None, res)
     yield "fused Mamba-2 decode step, mamba2-2.7b widths, bf16"
+    # Mamba-1 at mamba-2.8b's widths (d_inner 5120, d_state 16, dt_rank 160): x_proj split over K, the state stage
+    di, n, r = 5120, 16, 160
+    x, z = torch.randn(1, di, dtype=bf), torch.randn(1, di, dtype=bf)
+    y = step.mamba1_x_proj_state_update(torch.zeros(1, di, n), x, z, torch.randn(r + 2 * n, di, dtype=bf) * 0.02,
+                                        torch.randn(di, r, dtype=bf) * 0.1, torch.zeros(di, dtype=bf),
+                                        -torch.rand(di, n), torch.ones(di, dtype=bf))
+    step.gated_out_proj_residual(y, None, 0.0, torch.randn(d_model, di, dtype=bf) * 0.02, None, res)
+    yield "fused Mamba-1 decode stages, mamba-2.8b widths, bf16"
 
 
 def _selective_scan_workloads(rec, which):

@@ -68,8 +68,8 @@ class MixerModel(nn.Module):
                                       _weight=torch.empty(config.padded_vocab_size, config.d_model, **fk))
         self.layers = nn.ModuleList(create_block(config, i, **fk) for i in range(config.n_layer))
         self.norm_f = make_norm(config.d_model, config.rms_norm, config.norm_epsilon, **fk)
-        # A one-token decode step of a Mamba-2 stack at batch 1 on the kernels runs three kernels per block
-        # (``Mamba2.fused_step``) instead of the block's ops one by one; False: always the ops one by one.
+        # A one-token decode step of a Mamba / Mamba-2 stack at batch 1 on the kernels runs three or four kernels
+        # per block (the mixers' ``fused_step``) instead of the block's ops one by one; False: always the ops.
         self.fused_decode = True
 
     def forward(self, input_ids: torch.Tensor, inference_params=None, seq_idx: torch.Tensor | None = None,
@@ -106,12 +106,12 @@ class MixerModel(nn.Module):
     def _fused_decode_ok(self, batch: int) -> bool:
         """Whether a decode step of ``batch`` rows runs fused: ``fused_decode`` on, batch 1 (at larger batches the
         projections are matrix products that read each weight once for all rows: the ops one by one), the
-        kernels in use, and every block a Mamba-2 mixer behind an RMSNorm, without an MLP, that can fuse its step,
-        with an fp32 residual stream."""
+        kernels in use, and every block a Mamba / Mamba-2 mixer behind an RMSNorm, without an MLP, that can fuse
+        its step, with an fp32 residual stream."""
         if not (self.fused_decode and batch == 1 and self.residual_in_fp32 and isinstance(self.norm_f, RMSNorm)
                 and use_triton(self.embedding.weight, op="fused decode step")):
             return False
-        return all(isinstance(layer.mixer, Mamba2) and layer.mlp is None and isinstance(layer.norm, RMSNorm)
+        return all(isinstance(layer.mixer, (Mamba, Mamba2)) and layer.mlp is None and isinstance(layer.norm, RMSNorm)
                    and layer.mixer.fused_step_ok() for layer in self.layers)
 
     def _fused_decode_step(self, input_ids: torch.Tensor, inference_params) -> torch.Tensor:

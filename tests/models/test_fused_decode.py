@@ -9,6 +9,7 @@ from helpers import assert_close
 
 from mamba_parallel import ops
 from mamba_parallel.config import get_preset
+from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
 from mamba_parallel.models import MambaLMHeadModel
 
@@ -48,22 +49,24 @@ def _decode(model, prompt, steps, fused):
 
 
 def _count_steps(monkeypatch):
+    """The unfused steps run (Mamba.step and Mamba2.step calls)."""
     calls = []
-    real = Mamba2.step
-    monkeypatch.setattr(Mamba2, "step", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    for cls in (Mamba, Mamba2):
+        monkeypatch.setattr(cls, "step", lambda self, *a, _real=cls.step, **k: calls.append(1) or _real(self, *a, **k))
     return calls
 
 
-@pytest.mark.parametrize("ssm", [{}, OPTIONS], ids=["default", "options"])
-def test_fused_decode_matches_the_ops(ssm, monkeypatch):
-    model = _model(**ssm)
-    prompt = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("preset,ssm", [("tiny-mamba2", {}), ("tiny-mamba2", OPTIONS),
+                                        ("tiny-mamba", dict(bias=True))], ids=["mamba2", "mamba2-options", "mamba"])
+def test_fused_decode_matches_the_ops(preset, ssm, monkeypatch):
+    model = _model(preset, **ssm)
+    prompt = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(1))
     calls = _count_steps(monkeypatch)
     with ops.use_backend("triton"):
-        ref, ref_cache = _decode(model, prompt, 4, fused=False)
-        assert len(calls) == 4 * model.config.n_layer
-        got, cache = _decode(model, prompt, 4, fused=True)
-    assert len(calls) == 4 * model.config.n_layer  # no Mamba2.step: every block fused
+        ref, ref_cache = _decode(model, prompt, 3, fused=False)
+        assert len(calls) == 3 * model.config.n_layer
+        got, cache = _decode(model, prompt, 3, fused=True)
+    assert len(calls) == 3 * model.config.n_layer  # no unfused step: every block fused
     for i, (g, r) in enumerate(zip(got, ref)):
         assert_close(g, r, dtype=torch.float32, name=f"logits, step {i}")
     for i in range(model.config.n_layer):
@@ -87,15 +90,20 @@ def test_where_the_fused_step_does_not_apply(monkeypatch):
         _decode(hybrid, prompt[:1], 1, fused=True)
     mamba_layers = sum(isinstance(layer.mixer, Mamba2) for layer in hybrid.backbone.layers)
     assert len(calls) == 2 * model.config.n_layer + mamba_layers
+    falcon = _model("tiny-falcon-mamba")  # its dt / B / C norms: not in the fused stages
+    with ops.use_backend("triton"):
+        _decode(falcon, prompt[:1], 1, fused=True)
+    assert len(calls) == 2 * model.config.n_layer + mamba_layers + falcon.config.n_layer
     assert not copy.deepcopy(model).backbone._fused_decode_ok(2)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ssm", [{}, OPTIONS], ids=["default", "options"])
-def test_gpu_fused_decode_matches_the_ops(ssm, monkeypatch, nan_poison):
+@pytest.mark.parametrize("preset,ssm", [("mamba2-130m", {}), ("mamba2-130m", OPTIONS), ("mamba-130m", {})],
+                         ids=["mamba2", "mamba2-options", "mamba"])
+def test_gpu_fused_decode_matches_the_ops(preset, ssm, monkeypatch, nan_poison):
     """bf16 weights on a GPU, 8 steps: the fused step's logits against the ops one by one (its matmul inputs stay
     fp32 where the ops round them to bf16: bf16 tolerance), and the same greedy tokens."""
-    model = _model("mamba2-130m", dtype=torch.bfloat16, device="cuda", **ssm)
+    model = _model(preset, dtype=torch.bfloat16, device="cuda", **ssm)
     prompt = torch.randint(0, 50000, (1, 33), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     calls = _count_steps(monkeypatch)
     ref, _ = _decode(model, prompt, 8, fused=False)

@@ -90,6 +90,50 @@ def test_reference_is_the_unfused_step():
     assert_close(got["residual"], res + out, dtype=torch.float32, name="residual")
 
 
+def _mamba1_inputs(b=1, d=48, n=4, r=6, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    return dict(state=torch.randn(b, d, n, generator=gen).to(device), x=rnd(b, d), z=rnd(b, d),
+                x_proj_weight=rnd(r + 2 * n, d, scale=d ** -0.5), dt_proj_weight=rnd(d, r, scale=r ** -0.5),
+                dt_bias=rnd(d, scale=0.5) - 2, A=-torch.rand(d, n, generator=gen).to(device) - 0.2, D=rnd(d))
+
+
+@pytest.mark.parametrize("b,d", [(1, 48), (2, 1030)])
+def test_mamba1_state_stage_matches_the_reference(b, d):
+    """x_proj split over K (d = 1030: three 512-wide slices, the last partial), dt_proj, the state update and the
+    gate, kernels against naive.py; then naive.py against the unfused ops (x_proj, dt_proj,
+    selective_state_update)."""
+    kw = _mamba1_inputs(b=b, d=d)
+    st_ref, st = kw["state"].clone(), kw["state"].clone()
+    with ops.use_backend("naive"):
+        ref = decode_step.mamba1_x_proj_state_update(**{**kw, "state": st_ref})
+    with ops.use_backend("triton"):
+        got = decode_step.mamba1_x_proj_state_update(**{**kw, "state": st})
+    assert_close(got, ref, dtype=torch.float32, name="y")
+    assert_close(st, st_ref, dtype=torch.float32, name="state")
+    st_ops = kw["state"].clone()
+    with ops.use_backend("naive"):
+        dt_low, B, C = F.linear(kw["x"], kw["x_proj_weight"]).split([6, 4, 4], dim=-1)
+        y = ops.selective_state_update(st_ops, kw["x"], F.linear(dt_low, kw["dt_proj_weight"]), kw["A"], B, C,
+                                       D=kw["D"], z=kw["z"], dt_bias=kw["dt_bias"], dt_softplus=True)
+    assert_close(ref, y, dtype=torch.float32, name="y vs the ops")
+    assert_close(st_ref, st_ops, dtype=torch.float32, name="state vs the ops")
+
+
+def test_out_proj_without_norm():
+    """Mamba-1's out_proj: no norm scale, a bf16-valued input; the residual gets out_proj's rounded output."""
+    gen = torch.Generator().manual_seed(0)
+    y, w, res = torch.randn(2, 40, generator=gen), torch.randn(24, 40, generator=gen), torch.randn(2, 24, generator=gen)
+    expect = res + F.linear(y, w)
+    for backend in ("naive", "triton"):
+        with ops.use_backend(backend):
+            got = decode_step.gated_out_proj_residual(y, None, 0.0, w, None, res.clone())
+        assert_close(got, expect, dtype=torch.float32, name=backend)
+
+
 def test_inputs_are_checked():
     kw = _inputs()
     with pytest.raises(ValueError, match="residual must be fp32"):

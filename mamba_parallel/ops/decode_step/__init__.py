@@ -1,9 +1,11 @@
-"""The fused Mamba-2 decode step, three stages per block (naive.py states the math):
+"""The fused decode step, three stages per block (naive.py states the math):
 
-1. ``norm_in_proj_conv``: the block's RMSNorm, in_proj and the conv update of its xBC columns;
-2. ``state_update_gate``: the SSM state update, D and the z gate, with the output norm's weight and sums of
-   squares per norm group;
-3. ``gated_out_proj_residual``: out_proj of the normed, gated output, added into the fp32 residual in place.
+1. ``norm_in_proj_conv``: the block's RMSNorm, in_proj and the conv update of its conv columns (Mamba-2's xBC,
+   Mamba-1's x);
+2. Mamba-2: ``state_update_gate``: the SSM state update, D and the z gate, with the output norm's weight and sums
+   of squares per norm group; Mamba-1: ``mamba1_x_proj_state_update``: x_proj (split over K), dt_proj, the
+   state update, D and the z gate;
+3. ``gated_out_proj_residual``: out_proj of the (normed) gated output, added into the fp32 residual in place.
 
 No autograd (decoding only). The states and the residual are updated in place.
 """
@@ -84,24 +86,25 @@ def state_update_gate(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A:
     return naive.state_update_gate(state, x, dt, A, B, C, D, z, dt_bias, dt_limit, norm_weight, ngroups)
 
 
-def gated_out_proj_residual(gw: torch.Tensor, sumsq: torch.Tensor, eps: float, weight: torch.Tensor,
+def gated_out_proj_residual(gw: torch.Tensor, sumsq: torch.Tensor | None, eps: float, weight: torch.Tensor,
                             bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
-    """gw (b, K) fp32; sumsq (b, G, P) fp32 (partial sums of squares per norm group of K / G channels); weight
-    (N, K), bias (N,); residual (b, N) fp32, updated in place and returned: residual += out_proj(gw rstd)."""
+    """gw (b, K); sumsq (b, G, P) fp32 (partial sums of squares per norm group of K / G channels; None: no norm);
+    weight (N, K), bias (N,); residual (b, N) fp32, updated in place and returned: residual += out_proj(gw rstd)."""
     op = "gated_out_proj_residual"
     check_ndim(op, "gw", gw, (2,), "(b, K)")
     b, k = gw.shape
-    check_ndim(op, "sumsq", sumsq, (3,), "(b, G, P)")
-    check_divides(op, "norm groups G", sumsq.shape[1], "K", k)
+    if sumsq is not None:
+        check_ndim(op, "sumsq", sumsq, (3,), "(b, G, P)")
+        check_divides(op, "norm groups G", sumsq.shape[1], "K", k)
     check_ndim(op, "weight", weight, (2,), "(N, K)")
     n = weight.shape[0]
     check_shape(op, "weight", weight, ("N", n), ("K", k))
     check_shape(op, "bias", bias, ("N", n))
     check_shape(op, "residual", residual, ("b", b), ("N", n))
-    if (residual.dtype != torch.float32 or gw.dtype != torch.float32 or sumsq.dtype != torch.float32
-            or not sumsq.is_contiguous() or gw.stride(-1) != 1 or residual.stride(-1) != 1
-            or weight.stride(-1) != 1):
-        raise ValueError(f"{op}: gw, sumsq and residual must be fp32 (got {gw.dtype}, {sumsq.dtype}, "
+    if (residual.dtype != torch.float32 or (sumsq is not None and (sumsq.dtype != torch.float32
+                                                                    or not sumsq.is_contiguous()))
+            or gw.stride(-1) != 1 or residual.stride(-1) != 1 or weight.stride(-1) != 1):
+        raise ValueError(f"{op}: sumsq and residual must be fp32 (got {None if sumsq is None else sumsq.dtype}, "
                          f"{residual.dtype}), sumsq contiguous, gw / residual / weight contiguous along their last "
                          "dimension")
     if use_triton(gw, op=op, has_kernel=_kernel() is not None):
@@ -109,4 +112,31 @@ def gated_out_proj_residual(gw: torch.Tensor, sumsq: torch.Tensor, eps: float, w
     return naive.gated_out_proj_residual(gw, sumsq, eps, weight, bias, residual)
 
 
-__all__ = ["norm_in_proj_conv", "state_update_gate", "gated_out_proj_residual"]
+def mamba1_x_proj_state_update(state: torch.Tensor, x: torch.Tensor, z: torch.Tensor, x_proj_weight: torch.Tensor,
+                               dt_proj_weight: torch.Tensor, dt_bias: torch.Tensor | None, A: torch.Tensor,
+                               D: torch.Tensor | None) -> torch.Tensor:
+    """state (b, d, n) in place; x (the conv's output), z (b, d); x_proj_weight (r + 2n, d); dt_proj_weight (d, r);
+    dt_bias (d,); A (d, n); D (d,) -> y (b, d) in x.dtype: Mamba-1's x_proj, dt_proj, softplus, state update, D and
+    silu(z) gate for one token."""
+    op = "mamba1_x_proj_state_update"
+    check_ndim(op, "x", x, (2,), "(b, d)")
+    b, d = x.shape
+    check_ndim(op, "state", state, (3,), "(b, d, n)")
+    n = state.shape[2]
+    check_shape(op, "state", state, ("b", b), ("d", d), ("n", n))
+    check_shape(op, "z", z, ("b", b), ("d", d))
+    check_ndim(op, "dt_proj_weight", dt_proj_weight, (2,), "(d, r)")
+    r = dt_proj_weight.shape[1]
+    check_shape(op, "dt_proj_weight", dt_proj_weight, ("d", d), ("r", r))
+    check_shape(op, "x_proj_weight", x_proj_weight, ("r + 2n", r + 2 * n), ("d", d))
+    check_shape(op, "dt_bias", dt_bias, ("d", d))
+    check_shape(op, "A", A, ("d", d), ("n", n))
+    check_shape(op, "D", D, ("d", d))
+    if x.stride(-1) != 1 or z.stride(-1) != 1 or x_proj_weight.stride(-1) != 1 or dt_proj_weight.stride(-1) != 1:
+        raise ValueError(f"{op}: x, z and the weights must be contiguous along their last dimension")
+    if use_triton(x, op=op, has_kernel=_kernel() is not None):
+        return _kernel().mamba1_x_proj_state_update(state, x, z, x_proj_weight, dt_proj_weight, dt_bias, A, D)
+    return naive.mamba1_x_proj_state_update(state, x, z, x_proj_weight, dt_proj_weight, dt_bias, A, D)
+
+
+__all__ = ["norm_in_proj_conv", "state_update_gate", "gated_out_proj_residual", "mamba1_x_proj_state_update"]

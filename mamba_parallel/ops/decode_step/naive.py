@@ -63,14 +63,16 @@ def state_update_gate(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A:
     return g * norm_weight.float(), g.square().view(b, ngroups, -1).sum(-1, keepdim=True)
 
 
-def gated_out_proj_residual(gw: torch.Tensor, sumsq: torch.Tensor, eps: float, weight: torch.Tensor,
+def gated_out_proj_residual(gw: torch.Tensor, sumsq: torch.Tensor | None, eps: float, weight: torch.Tensor,
                             bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
-    """gw (b, K) fp32, sumsq (b, G, P) fp32 (P partial sums per norm group of K / G channels) -> residual (b, N)
-    fp32 += out_proj(gw rstd) rounded to weight.dtype, in place; returns residual."""
+    """gw (b, K), sumsq (b, G, P) fp32 (P partial sums per norm group of K / G channels; None: no norm) ->
+    residual (b, N) fp32 += out_proj(gw rstd) rounded to weight.dtype, in place; returns residual."""
     b, k = gw.shape
-    groups = sumsq.shape[1]
-    rstd = torch.rsqrt(sumsq.float().sum(-1) / (k // groups) + eps)  # (b, G)
-    a = gw.float() * rstd.repeat_interleave(k // groups, dim=1)
+    a = gw.float()
+    if sumsq is not None:
+        groups = sumsq.shape[1]
+        rstd = torch.rsqrt(sumsq.float().sum(-1) / (k // groups) + eps)  # (b, G)
+        a = a * rstd.repeat_interleave(k // groups, dim=1)
     y = a @ weight.float().t()
     if bias is not None:
         y = y + bias.float()
@@ -78,4 +80,24 @@ def gated_out_proj_residual(gw: torch.Tensor, sumsq: torch.Tensor, eps: float, w
     return residual
 
 
-__all__ = ["norm_in_proj_conv", "state_update_gate", "gated_out_proj_residual"]
+def mamba1_x_proj_state_update(state: torch.Tensor, x: torch.Tensor, z: torch.Tensor, x_proj_weight: torch.Tensor,
+                               dt_proj_weight: torch.Tensor, dt_bias: torch.Tensor | None, A: torch.Tensor,
+                               D: torch.Tensor | None) -> torch.Tensor:
+    """One Mamba-1 token after the conv: state (b, d, n) in place; x (conv'd), z (b, d) -> y (b, d) in x.dtype:
+    x_dbl = x_proj(x) = [dt_low | B | C], dt = dt_proj(dt_low) (each rounded to x.dtype), softplus(dt + dt_bias),
+    the state update, y = (state . C + D x) silu(z)."""
+    n, r = state.shape[2], dt_proj_weight.shape[1]
+    x_dbl = (x.float() @ x_proj_weight.float().t()).to(x.dtype)
+    dt_low, B, C = x_dbl.float().split([r, n, n], dim=-1)
+    dt = (dt_low @ dt_proj_weight.float().t()).to(x.dtype).float()
+    dt = F.softplus(dt + (dt_bias.float() if dt_bias is not None else 0.0))
+    xf = x.float()
+    s = torch.exp(dt[..., None] * A.float()) * state.float() + (dt * xf)[..., None] * B[:, None, :]
+    state.copy_(s.to(state.dtype))
+    y = (s * C[:, None, :]).sum(-1)
+    if D is not None:
+        y = y + D.float() * xf
+    return (y * F.silu(z.float())).to(x.dtype)
+
+
+__all__ = ["norm_in_proj_conv", "state_update_gate", "gated_out_proj_residual", "mamba1_x_proj_state_update"]

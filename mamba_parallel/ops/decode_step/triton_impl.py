@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 import triton
 
-from mamba_parallel.ops.decode_step.triton_kernels import (gated_out_proj_residual_kernel, norm_in_proj_conv_kernel,
-                                                           state_update_gate_kernel)
+from mamba_parallel.ops.decode_step.triton_kernels import (gated_out_proj_residual_kernel,
+                                                           mamba1_state_update_gate_kernel,
+                                                           norm_in_proj_conv_kernel, state_update_gate_kernel,
+                                                           x_proj_partials_kernel)
 
 # GEMV tiles (output columns per program, K step, warps): 16 columns, 512-wide K steps, 4 warps: a (16, 512) fp32
 # accumulator, 64 registers a thread (the plain Triton GEMV's tiles that matched cuBLAS at the decode shapes)
@@ -54,13 +56,38 @@ def state_update_gate(state, x, dt, A, B, C, D, z, dt_bias, dt_limit, norm_weigh
 def gated_out_proj_residual(gw, sumsq, eps, weight, bias, residual):
     b, K = gw.shape
     N = weight.shape[0]
-    groups, slots = sumsq.shape[1], sumsq.shape[2]
+    groups, slots = (sumsq.shape[1], sumsq.shape[2]) if sumsq is not None else (1, 1)
     gs = K // groups
     bn, bk, warps = OUT_PROJ_TILES
     gated_out_proj_residual_kernel[(triton.cdiv(N, bn), b)](
-        gw, sumsq, weight, bias if bias is not None else residual, residual,
-        K, N, float(eps), gs, slots, gw.stride(0), sumsq.stride(0), weight.stride(0), residual.stride(0),
-        HAS_BIAS=bias is not None, SP=triton.next_power_of_2(slots), BN=bn,
-        BK=min(bk, gs & -gs),  # the K step stays inside one norm group: a power of two dividing its size
+        gw, sumsq if sumsq is not None else residual, weight, bias if bias is not None else residual, residual,
+        K, N, float(eps), gs, slots, gw.stride(0), sumsq.stride(0) if sumsq is not None else 0, weight.stride(0),
+        residual.stride(0), HAS_BIAS=bias is not None, NORM=sumsq is not None, SP=triton.next_power_of_2(slots),
+        BN=bn, BK=min(bk, gs & -gs) if sumsq is not None else bk,  # a normed K step stays in one norm group
         num_warps=warps)
     return residual
+
+
+# Mamba-1's x_proj: 16 output columns per program, K in slices of 512 (mamba-2.8b: 12 x 10 programs)
+X_PROJ_TILES = (16, 512, 4)
+
+
+def mamba1_x_proj_state_update(state, x, z, x_proj_weight, dt_proj_weight, dt_bias, A, D):
+    b, d = x.shape
+    n = state.shape[2]
+    N, r = x_proj_weight.shape[0], dt_proj_weight.shape[1]
+    bn, ks, warps = X_PROJ_TILES
+    slices = triton.cdiv(d, ks)
+    part = torch.empty((b, slices, N), device=x.device, dtype=torch.float32)
+    x_proj_partials_kernel[(triton.cdiv(N, bn), slices, b)](
+        x, x_proj_weight, part, d, N, ks, x.stride(0), x_proj_weight.stride(0), part.stride(0), part.stride(1),
+        BN=bn, BK=ks, num_warps=warps)
+    y = torch.empty((b, d), device=x.device, dtype=x.dtype)
+    bd = 32
+    mamba1_state_update_gate_kernel[(triton.cdiv(d, bd), b)](
+        state, x, z, part, dt_proj_weight, dt_bias if dt_bias is not None else y, A, D if D is not None else y, y,
+        d, n, r, slices, *state.stride(), x.stride(0), z.stride(0), part.stride(0), part.stride(1),
+        dt_proj_weight.stride(0), *A.stride(), y.stride(0),
+        HAS_D=D is not None, HAS_DTB=dt_bias is not None, SP=triton.next_power_of_2(slices),
+        RP=triton.next_power_of_2(r), NS=triton.next_power_of_2(n), BD=bd, num_warps=4)
+    return y

@@ -115,10 +115,11 @@ def state_update_gate_kernel(
 def gated_out_proj_residual_kernel(
     gw_ptr, ss_ptr, w_ptr, bias_ptr, res_ptr,
     K, N, eps, group_size, slots, s_gw_b, s_ss_b, s_w_n, s_res_b,
-    HAS_BIAS: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Program (column block, row): res[row, n] += round(W[n] . (gw rstd) (+ bias)) with rstd per norm group of
-    ``group_size`` channels from its ``slots`` partial sums of squares (BK divides group_size: one group per tile)."""
+    ``group_size`` channels from its ``slots`` partial sums of squares (BK divides group_size: one group per tile);
+    without NORM, rstd = 1 (Mamba-1's out_proj)."""
     pid_n = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -129,10 +130,11 @@ def gated_out_proj_residual_kernel(
     for k0 in range(0, K, BK):
         kk = k0 + offs_k
         mk = kk < K
-        grp = k0 // group_size
-        part = tl.load(ss_ptr + row * s_ss_b + grp * slots + offs_s, mask=offs_s < slots, other=0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(part, axis=0) / group_size + eps)
-        a = tl.load(gw_ptr + row * s_gw_b + kk, mask=mk, other=0.0) * rstd
+        a = tl.load(gw_ptr + row * s_gw_b + kk, mask=mk, other=0.0).to(tl.float32)
+        if NORM:
+            grp = k0 // group_size
+            part = tl.load(ss_ptr + row * s_ss_b + grp * slots + offs_s, mask=offs_s < slots, other=0.0)
+            a *= 1.0 / tl.sqrt(tl.sum(part, axis=0) / group_size + eps)
         w = tl.load(w_ptr + offs_n[:, None] * s_w_n + kk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
         acc += w.to(tl.float32) * a[None, :]
     y = tl.sum(acc, axis=1)
@@ -141,3 +143,74 @@ def gated_out_proj_residual_kernel(
     y = y.to(w_ptr.dtype.element_ty).to(tl.float32)  # out_proj's output as the unfused step holds it
     r_ptrs = res_ptr + row * s_res_b + offs_n
     tl.store(r_ptrs, tl.load(r_ptrs, mask=mn, other=0.0) + y, mask=mn)
+
+
+@triton.jit
+def x_proj_partials_kernel(
+    x_ptr, w_ptr, part_ptr, K, N, k_slice, s_x_b, s_w_n, s_p_b, s_p_s,
+    BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Program (column block, K slice, row): part[row, slice, n] = W[n, slice] . x[row, slice] (fp32). Mamba-1's
+    x_proj has few outputs (dt_rank + 2 d_state) and a long K (d_inner): split over K, it fills the GPU."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mn = offs_n < N
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    k_end = tl.minimum(K, (pid_s + 1) * k_slice)
+    for k0 in range(pid_s * k_slice, k_end, BK):
+        kk = k0 + offs_k
+        mk = kk < k_end
+        a = tl.load(x_ptr + row * s_x_b + kk, mask=mk, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_n[:, None] * s_w_n + kk[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    tl.store(part_ptr + row * s_p_b + pid_s * s_p_s + offs_n, tl.sum(acc, axis=1), mask=mn)
+
+
+@triton.jit
+def mamba1_state_update_gate_kernel(
+    state_ptr, x_ptr, z_ptr, part_ptr, wdt_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr,
+    dim, dstate, rank, slices,
+    ss_b, ss_d, ss_n, s_x_b, s_z_b, s_p_b, s_p_s, s_wdt_d, s_A_d, s_A_n, s_y_b,
+    HAS_D: tl.constexpr, HAS_DTB: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, NS: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """Program (channel block, row): x_dbl = the sum of x_proj's partials, rounded to x's dtype; dt = dt_proj(dt_low)
+    rounded likewise, + bias, softplus; the state update of ``selective_state_update``; y = (state . C + D x)
+    silu(z), stored in y's dtype."""
+    pid_d = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    md = offs_d < dim
+    offs_s = tl.arange(0, SP)[:, None]
+    ms = offs_s < slices
+    base = part_ptr + row * s_p_b + offs_s * s_p_s
+    rr = tl.arange(0, RP)
+    low = tl.sum(tl.load(base + rr[None, :], mask=ms & (rr < rank)[None, :], other=0.0), axis=0)
+    low = low.to(x_ptr.dtype.element_ty).to(tl.float32)  # x_proj's output as the unfused step holds it
+    nn_ = tl.arange(0, NS)
+    mn = nn_ < dstate
+    Bv = tl.sum(tl.load(base + rank + nn_[None, :], mask=ms & mn[None, :], other=0.0), axis=0)
+    Cv = tl.sum(tl.load(base + rank + dstate + nn_[None, :], mask=ms & mn[None, :], other=0.0), axis=0)
+    Bv = Bv.to(x_ptr.dtype.element_ty).to(tl.float32)
+    Cv = Cv.to(x_ptr.dtype.element_ty).to(tl.float32)
+    wdt = tl.load(wdt_ptr + offs_d[:, None] * s_wdt_d + rr[None, :], mask=md[:, None] & (rr < rank)[None, :],
+                  other=0.0).to(tl.float32)
+    dt = tl.sum(wdt * low[None, :], axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)  # dt_proj's output
+    if HAS_DTB:
+        dt += tl.load(dtb_ptr + offs_d, mask=md, other=0.0).to(tl.float32)
+    dt = softplus(dt)
+    m2 = md[:, None] & mn[None, :]
+    s_ptrs = state_ptr + row * ss_b + offs_d[:, None] * ss_d + nn_[None, :] * ss_n
+    s = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
+    A = tl.load(A_ptr + offs_d[:, None] * s_A_d + nn_[None, :] * s_A_n, mask=m2, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * s_x_b + offs_d, mask=md, other=0.0).to(tl.float32)
+    s = tl.exp(dt[:, None] * A) * s + (dt * x)[:, None] * Bv[None, :]
+    tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m2)
+    y = tl.sum(s * Cv[None, :], axis=1)
+    if HAS_D:
+        y += tl.load(D_ptr + offs_d, mask=md, other=0.0).to(tl.float32) * x
+    zv = tl.load(z_ptr + row * s_z_b + offs_d, mask=md, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * s_y_b + offs_d, (y * zv * tl.sigmoid(zv)).to(y_ptr.dtype.element_ty), mask=md)
