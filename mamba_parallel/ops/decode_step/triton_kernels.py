@@ -6,6 +6,10 @@ cuBLAS's GEMV at the decode shapes (docs/kernels/decode.md). What each folds in 
 in_proj's input norm is a scale per row (its sum of squares accumulates in the same K loop, the scale applies to
 the result), its conv update is per output column (each column's program owns its conv state: no race);
 out_proj's norm scale is one per norm group, from partial sums the state update leaves.
+
+Where a kernel reads and then overwrites the same memory (the conv state, the SSM state, the residual), a
+barrier separates the reads from the writes: a small tile's elements are held by several threads of the program,
+and without it one thread could store before another has loaded.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def norm_in_proj_conv_kernel(
         # the state shifts by one token: slot j takes slot j + 1, the last slot the new value
         nxt = tl.load(st_ptrs + s_cs_j, mask=conv[:, None] & (j < DC - 2)[None, :], other=0.0)
         nxt = tl.where((j == DC - 2)[None, :], y[:, None], nxt.to(tl.float32))
+        tl.debug_barrier()  # every old slot read before any is overwritten
         tl.store(st_ptrs, nxt.to(cs_ptr.dtype.element_ty), mask=held)
         y = tl.where(conv, x * tl.sigmoid(x), y)
     tl.store(out_ptr + row * s_out_b + offs_n, y.to(out_ptr.dtype.element_ty), mask=mn)
@@ -99,6 +104,7 @@ def state_update_gate_kernel(
     Bv = tl.load(B_ptr + row * sB_b + grp * sB_g + offs_n * sB_n, mask=mn, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + row * sC_b + grp * sC_g + offs_n * sC_n, mask=mn, other=0.0).to(tl.float32)
     s = decay * s + (dt * x)[:, None] * Bv[None, :]
+    tl.debug_barrier()  # the old state read before it is overwritten
     tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m2)
     y = tl.sum(s * Cv[None, :], axis=1)
     if HAS_D:
@@ -142,7 +148,9 @@ def gated_out_proj_residual_kernel(
         y += tl.load(bias_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
     y = y.to(w_ptr.dtype.element_ty).to(tl.float32)  # out_proj's output as the unfused step holds it
     r_ptrs = res_ptr + row * s_res_b + offs_n
-    tl.store(r_ptrs, tl.load(r_ptrs, mask=mn, other=0.0) + y, mask=mn)
+    r = tl.load(r_ptrs, mask=mn, other=0.0)
+    tl.debug_barrier()  # the old residual read before it is overwritten
+    tl.store(r_ptrs, r + y, mask=mn)
 
 
 @triton.jit
@@ -208,6 +216,7 @@ def mamba1_state_update_gate_kernel(
     A = tl.load(A_ptr + offs_d[:, None] * s_A_d + nn_[None, :] * s_A_n, mask=m2, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * s_x_b + offs_d, mask=md, other=0.0).to(tl.float32)
     s = tl.exp(dt[:, None] * A) * s + (dt * x)[:, None] * Bv[None, :]
+    tl.debug_barrier()  # the old state read before it is overwritten
     tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=m2)
     y = tl.sum(s * Cv[None, :], axis=1)
     if HAS_D:
