@@ -74,6 +74,20 @@ def test_fused_decode_matches_the_ops(preset, ssm, monkeypatch):
             assert_close(s_got, s_ref, dtype=torch.float32, name=f"layer {i} {name} state")
 
 
+def test_generate_gives_the_same_tokens(monkeypatch):
+    """The public ``generate`` (greedy) with the fused step gives the tokens the ops one by one give."""
+    model = _model()
+    prompt = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    calls = _count_steps(monkeypatch)
+    out = {}
+    with ops.use_backend("triton"):
+        for fused in (False, True):
+            model.backbone.fused_decode = fused
+            out[fused] = model.generate(prompt, max_new_tokens=5, top_k=1)
+    assert len(calls) == 4 * model.config.n_layer  # only the unfused run's four one-token steps
+    assert torch.equal(out[True], out[False])
+
+
 def test_where_the_fused_step_does_not_apply(monkeypatch):
     """Batch 2, the reference ops, a hybrid stack, ``fused_decode = False``: the blocks' ops one by one."""
     calls = _count_steps(monkeypatch)
