@@ -70,6 +70,7 @@ class MixerModel(nn.Module):
         self.norm_f = make_norm(config.d_model, config.rms_norm, config.norm_epsilon, **fk)
         # A one-token decode step of a Mamba / Mamba-2 stack at batch 1 on the kernels runs three or four kernels
         # per block (the mixers' ``fused_step``) instead of the block's ops one by one; False: always the ops.
+        # Read at each step; a CUDA-graph decoder (inference/cuda_graph.py) keeps what it captured.
         self.fused_decode = True
 
     def forward(self, input_ids: torch.Tensor, inference_params=None, seq_idx: torch.Tensor | None = None,
