@@ -310,9 +310,9 @@ class Mamba(nn.Module):
         return self.out_proj(y)[:, None]
 
     def fused_step_ok(self) -> bool:
-        """Whether ``fused_step`` computes what ``step`` does for this layer: no Falcon-Mamba norms, plain
-        single-device projections and conv (not sharded by tensor parallelism, no hooks)."""
-        return (self.bcdt_rms_eps is None and self.seq_ops.local
+        """Whether ``fused_step`` computes what ``step`` does for this layer: plain single-device projections and
+        conv (not sharded by tensor parallelism, no hooks)."""
+        return (self.seq_ops.local
                 and all(fusable_linear(m) for m in (self.in_proj, self.x_proj, self.dt_proj, self.out_proj))
                 and self.x_proj.bias is None and type(self.conv1d) is nn.Conv1d and no_hooks(self.conv1d))
 
@@ -328,7 +328,7 @@ class Mamba(nn.Module):
         x, z = xz.split([self.d_inner, self.d_inner], dim=-1)
         y = ops.decode_step.mamba1_x_proj_state_update(ssm_state[:b], x, z, self.x_proj.weight, self.dt_proj.weight,
                                                        self.dt_proj.bias, derived(self, "A_log", neg_exp_fp32),
-                                                       self.D)
+                                                       self.D, self.bcdt_rms_eps)
         ops.decode_step.gated_out_proj_residual(y, None, 0.0, self.out_proj.weight, self.out_proj.bias, residual)
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None,

@@ -1,6 +1,6 @@
-"""The fused Mamba-2 decode step's stages: kernels (interpreter on CPU) against naive.py, and naive.py against the
-unfused ops it replaces (rms_norm + in_proj + causal_conv1d_update, ssd_state_update + gated_rms_norm, out_proj +
-the residual add), in fp32 where both should agree to summation order."""
+"""The fused decode step's stages (Mamba-2's, and Mamba-1's below): kernels (interpreter on CPU) against naive.py,
+and naive.py against the unfused ops it replaces (rms_norm + in_proj + causal_conv1d_update, ssd_state_update +
+gated_rms_norm, out_proj + the residual add), in fp32 where both should agree to summation order."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from helpers import assert_close
 
 from mamba_parallel import ops
 from mamba_parallel.ops import decode_step
-from mamba_parallel.ops.decode_step import naive
+from mamba_parallel.layers.mamba1 import bcdt_rms_norm
 
 pytest.importorskip("triton")
 
@@ -101,22 +101,25 @@ def _mamba1_inputs(b=1, d=48, n=4, r=6, dtype=torch.float32, device="cpu", seed=
                 dt_bias=rnd(d, scale=0.5) - 2, A=-torch.rand(d, n, generator=gen).to(device) - 0.2, D=rnd(d))
 
 
-@pytest.mark.parametrize("b,d", [(1, 48), (2, 1030)])
-def test_mamba1_state_stage_matches_the_reference(b, d):
+@pytest.mark.parametrize("b,d,bcdt_eps", [(1, 48, None), (2, 1030, None), (1, 48, 1e-6)])
+def test_mamba1_state_stage_matches_the_reference(b, d, bcdt_eps):
     """x_proj split over K (d = 1030: three 512-wide slices, the last partial), dt_proj, the state update and the
     gate, kernels against naive.py; then naive.py against the unfused ops (x_proj, dt_proj,
     selective_state_update)."""
     kw = _mamba1_inputs(b=b, d=d)
     st_ref, st = kw["state"].clone(), kw["state"].clone()
     with ops.use_backend("naive"):
-        ref = decode_step.mamba1_x_proj_state_update(**{**kw, "state": st_ref})
+        ref = decode_step.mamba1_x_proj_state_update(**{**kw, "state": st_ref}, bcdt_eps=bcdt_eps)
     with ops.use_backend("triton"):
-        got = decode_step.mamba1_x_proj_state_update(**{**kw, "state": st})
+        got = decode_step.mamba1_x_proj_state_update(**{**kw, "state": st}, bcdt_eps=bcdt_eps)
     assert_close(got, ref, dtype=torch.float32, name="y")
     assert_close(st, st_ref, dtype=torch.float32, name="state")
     st_ops = kw["state"].clone()
     with ops.use_backend("naive"):
-        dt_low, B, C = F.linear(kw["x"], kw["x_proj_weight"]).split([6, 4, 4], dim=-1)
+        x_dbl = F.linear(kw["x"], kw["x_proj_weight"])
+        if bcdt_eps is not None:
+            x_dbl = bcdt_rms_norm(x_dbl, 6, 4, bcdt_eps, dim=-1)
+        dt_low, B, C = x_dbl.split([6, 4, 4], dim=-1)
         y = ops.selective_state_update(st_ops, kw["x"], F.linear(dt_low, kw["dt_proj_weight"]), kw["A"], B, C,
                                        D=kw["D"], z=kw["z"], dt_bias=kw["dt_bias"], dt_softplus=True)
     assert_close(ref, y, dtype=torch.float32, name="y vs the ops")

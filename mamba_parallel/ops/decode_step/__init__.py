@@ -114,10 +114,10 @@ def gated_out_proj_residual(gw: torch.Tensor, sumsq: torch.Tensor | None, eps: f
 
 def mamba1_x_proj_state_update(state: torch.Tensor, x: torch.Tensor, z: torch.Tensor, x_proj_weight: torch.Tensor,
                                dt_proj_weight: torch.Tensor, dt_bias: torch.Tensor | None, A: torch.Tensor,
-                               D: torch.Tensor | None) -> torch.Tensor:
+                               D: torch.Tensor | None, bcdt_eps: float | None = None) -> torch.Tensor:
     """state (b, d, n) in place; x (the conv's output), z (b, d); x_proj_weight (r + 2n, d); dt_proj_weight (d, r);
     dt_bias (d,); A (d, n); D (d,) -> y (b, d) in x.dtype: Mamba-1's x_proj, dt_proj, softplus, state update, D and
-    silu(z) gate for one token."""
+    silu(z) gate for one token; ``bcdt_eps``: Falcon-Mamba's RMS norms of dt_low, B and C (None: none)."""
     op = "mamba1_x_proj_state_update"
     check_ndim(op, "x", x, (2,), "(b, d)")
     b, d = x.shape
@@ -135,8 +135,9 @@ def mamba1_x_proj_state_update(state: torch.Tensor, x: torch.Tensor, z: torch.Te
     if x.stride(-1) != 1 or z.stride(-1) != 1 or x_proj_weight.stride(-1) != 1 or dt_proj_weight.stride(-1) != 1:
         raise ValueError(f"{op}: x, z and the weights must be contiguous along their last dimension")
     if use_triton(x, op=op, has_kernel=_kernel() is not None):
-        return _kernel().mamba1_x_proj_state_update(state, x, z, x_proj_weight, dt_proj_weight, dt_bias, A, D)
-    return naive.mamba1_x_proj_state_update(state, x, z, x_proj_weight, dt_proj_weight, dt_bias, A, D)
+        return _kernel().mamba1_x_proj_state_update(state, x, z, x_proj_weight, dt_proj_weight, dt_bias, A, D,
+                                                    bcdt_eps)
+    return naive.mamba1_x_proj_state_update(state, x, z, x_proj_weight, dt_proj_weight, dt_bias, A, D, bcdt_eps)
 
 
 __all__ = ["norm_in_proj_conv", "state_update_gate", "gated_out_proj_residual", "mamba1_x_proj_state_update"]

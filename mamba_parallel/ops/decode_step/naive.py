@@ -82,13 +82,17 @@ def gated_out_proj_residual(gw: torch.Tensor, sumsq: torch.Tensor | None, eps: f
 
 def mamba1_x_proj_state_update(state: torch.Tensor, x: torch.Tensor, z: torch.Tensor, x_proj_weight: torch.Tensor,
                                dt_proj_weight: torch.Tensor, dt_bias: torch.Tensor | None, A: torch.Tensor,
-                               D: torch.Tensor | None) -> torch.Tensor:
+                               D: torch.Tensor | None, bcdt_eps: float | None = None) -> torch.Tensor:
     """One Mamba-1 token after the conv: state (b, d, n) in place; x (conv'd), z (b, d) -> y (b, d) in x.dtype:
-    x_dbl = x_proj(x) = [dt_low | B | C], dt = dt_proj(dt_low) (each rounded to x.dtype), softplus(dt + dt_bias),
-    the state update, y = (state . C + D x) silu(z)."""
+    x_dbl = x_proj(x) = [dt_low | B | C] (with ``bcdt_eps``: each piece divided by its root mean square, Falcon-
+    Mamba's norms), dt = dt_proj(dt_low) (each rounded to x.dtype), softplus(dt + dt_bias), the state update,
+    y = (state . C + D x) silu(z)."""
     n, r = state.shape[2], dt_proj_weight.shape[1]
     x_dbl = (x.float() @ x_proj_weight.float().t()).to(x.dtype)
-    dt_low, B, C = x_dbl.float().split([r, n, n], dim=-1)
+    pieces = x_dbl.float().split([r, n, n], dim=-1)
+    if bcdt_eps is not None:
+        pieces = [(p * torch.rsqrt(p.square().mean(-1, keepdim=True) + bcdt_eps)).to(x.dtype).float() for p in pieces]
+    dt_low, B, C = pieces
     dt = (dt_low @ dt_proj_weight.float().t()).to(x.dtype).float()
     dt = F.softplus(dt + (dt_bias.float() if dt_bias is not None else 0.0))
     xf = x.float()

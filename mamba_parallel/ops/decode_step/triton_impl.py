@@ -72,7 +72,7 @@ def gated_out_proj_residual(gw, sumsq, eps, weight, bias, residual):
 X_PROJ_TILES = (16, 512, 4)
 
 
-def mamba1_x_proj_state_update(state, x, z, x_proj_weight, dt_proj_weight, dt_bias, A, D):
+def mamba1_x_proj_state_update(state, x, z, x_proj_weight, dt_proj_weight, dt_bias, A, D, bcdt_eps=None):
     b, d = x.shape
     n = state.shape[2]
     N, r = x_proj_weight.shape[0], dt_proj_weight.shape[1]
@@ -86,8 +86,9 @@ def mamba1_x_proj_state_update(state, x, z, x_proj_weight, dt_proj_weight, dt_bi
     bd = 32
     mamba1_state_update_gate_kernel[(triton.cdiv(d, bd), b)](
         state, x, z, part, dt_proj_weight, dt_bias if dt_bias is not None else y, A, D if D is not None else y, y,
-        d, n, r, slices, *state.stride(), x.stride(0), z.stride(0), part.stride(0), part.stride(1),
-        dt_proj_weight.stride(0), *A.stride(), y.stride(0),
-        HAS_D=D is not None, HAS_DTB=dt_bias is not None, SP=triton.next_power_of_2(slices),
+        d, n, r, slices, float(bcdt_eps or 0.0), *state.stride(), x.stride(0), z.stride(0), part.stride(0),
+        part.stride(1), dt_proj_weight.stride(0), *A.stride(), y.stride(0),
+        HAS_D=D is not None, HAS_DTB=dt_bias is not None, BCDT=bcdt_eps is not None,
+        SP=triton.next_power_of_2(slices),
         RP=triton.next_power_of_2(r), NS=triton.next_power_of_2(n), BD=bd, num_warps=4)
     return y

@@ -180,14 +180,15 @@ def x_proj_partials_kernel(
 @triton.jit
 def mamba1_state_update_gate_kernel(
     state_ptr, x_ptr, z_ptr, part_ptr, wdt_ptr, dtb_ptr, A_ptr, D_ptr, y_ptr,
-    dim, dstate, rank, slices,
+    dim, dstate, rank, slices, bcdt_eps,
     ss_b, ss_d, ss_n, s_x_b, s_z_b, s_p_b, s_p_s, s_wdt_d, s_A_d, s_A_n, s_y_b,
-    HAS_D: tl.constexpr, HAS_DTB: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr, NS: tl.constexpr,
-    BD: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_DTB: tl.constexpr, BCDT: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr,
+    NS: tl.constexpr, BD: tl.constexpr,
 ):
-    """Program (channel block, row): x_dbl = the sum of x_proj's partials, rounded to x's dtype; dt = dt_proj(dt_low)
-    rounded likewise, + bias, softplus; the state update of ``selective_state_update``; y = (state . C + D x)
-    silu(z), stored in y's dtype."""
+    """Program (channel block, row): x_dbl = the sum of x_proj's partials, rounded to x's dtype (BCDT: dt_low, B
+    and C each divided by their root mean square, rounded again: Falcon-Mamba); dt = dt_proj(dt_low) rounded
+    likewise, + bias, softplus; the state update of ``selective_state_update``; y = (state . C + D x) silu(z),
+    stored in y's dtype."""
     pid_d = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     offs_d = pid_d * BD + tl.arange(0, BD)
@@ -204,6 +205,10 @@ def mamba1_state_update_gate_kernel(
     Cv = tl.sum(tl.load(base + rank + dstate + nn_[None, :], mask=ms & mn[None, :], other=0.0), axis=0)
     Bv = Bv.to(x_ptr.dtype.element_ty).to(tl.float32)
     Cv = Cv.to(x_ptr.dtype.element_ty).to(tl.float32)
+    if BCDT:  # the masked lanes are zeros: the sums of squares cover the pieces' own entries
+        low = (low / tl.sqrt(tl.sum(low * low, axis=0) / rank + bcdt_eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        Bv = (Bv / tl.sqrt(tl.sum(Bv * Bv, axis=0) / dstate + bcdt_eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        Cv = (Cv / tl.sqrt(tl.sum(Cv * Cv, axis=0) / dstate + bcdt_eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
     wdt = tl.load(wdt_ptr + offs_d[:, None] * s_wdt_d + rr[None, :], mask=md[:, None] & (rr < rank)[None, :],
                   other=0.0).to(tl.float32)
     dt = tl.sum(wdt * low[None, :], axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)  # dt_proj's output
