@@ -1,7 +1,8 @@
 """Compile every Triton kernel an op launches for sm_90 on a machine without a GPU: catches what the CPU interpreter
 lets through (globals that are not constexpr, dot shapes, type mismatches, too much shared memory) before a GPU run.
 
-    python tools/compile_check.py [--ops mamba3 norm layout selective_scan ssd] [--workloads variants tiles tiny]
+    python tools/compile_check.py [--ops mamba3 norm layout selective_scan ssd decode_step]
+                                  [--workloads variants tiles tiny]
                                   [--kernels NAME ...] [--arch 90] [--max-shared BYTES] [--ptx-hash]
 
 Step one runs each op's forward and backward (and its decode step) in the CPU interpreter and records every kernel
@@ -50,6 +51,8 @@ def _workloads(ops, which=("variants", "tiles"), rec=None):
         yield from _selective_scan_workloads(rec, which)
     if "ssd" in ops:
         yield from _ssd_workloads()
+    if "decode_step" in ops:
+        yield from _decode_step_workloads()
     if "mamba3" not in ops:
         return
     from mamba3_cases import make_inputs
@@ -168,6 +171,37 @@ def _layout_workloads():
         layout._gate_bwd(torch.randn_like(out), y, z, torch.empty_like(z), torch.empty_like(out))
         layout.token_major(z)
         yield f"silu gate, token-major copy {dtype}"
+
+
+def _decode_step_workloads():
+    """The fused decode step's stages at mamba2-2.7b's widths (d_model 2560, 80 heads of 64, one group, d_state
+    128) and Mamba-1's at mamba-2.8b's, batch 1, bf16 weights and conv state, fp32 SSM state and residual."""
+    import torch
+
+    from mamba_parallel.ops.decode_step import triton_impl as step
+
+    d_model, h, p, g, n, dc = 2560, 80, 64, 1, 128, 4
+    di, bf = h * p, torch.bfloat16
+    conv_dim, N = di + 2 * g * n, 2 * di + 2 * g * n + h
+    res = torch.randn(1, d_model)
+    out = step.norm_in_proj_conv(res, torch.ones(d_model, dtype=bf), 1e-5, torch.randn(N, d_model, dtype=bf) * 0.02,
+                                 None, torch.randn(conv_dim, dc, dtype=bf), torch.randn(conv_dim, dtype=bf),
+                                 torch.zeros(1, conv_dim, dc - 1, dtype=bf), di)
+    z, xBC, dt = out.split([di, conv_dim, h], dim=-1)
+    x, B, C = xBC.split([di, g * n, g * n], dim=-1)
+    gw, ss = step.state_update_gate(torch.zeros(1, h, p, n), x.view(1, h, p), dt, -torch.rand(h), B.view(1, g, n),
+                                    C.view(1, g, n), torch.ones(h), z.view(1, h, p), torch.zeros(h), (0.0, 1e9),
+                                    torch.ones(di, dtype=bf), 1)
+    step.gated_out_proj_residual(gw, ss, 1e-5, torch.randn(d_model, di, dtype=bf) * 0.02, None, res)
+    yield "fused Mamba-2 decode step, mamba2-2.7b widths, bf16"
+    # Mamba-1 at mamba-2.8b's widths (d_inner 5120, d_state 16, dt_rank 160): x_proj split over K, the state stage
+    di, n, r = 5120, 16, 160
+    x, z = torch.randn(1, di, dtype=bf), torch.randn(1, di, dtype=bf)
+    y = step.mamba1_x_proj_state_update(torch.zeros(1, di, n), x, z, torch.randn(r + 2 * n, di, dtype=bf) * 0.02,
+                                        torch.randn(di, r, dtype=bf) * 0.1, torch.zeros(di, dtype=bf),
+                                        -torch.rand(di, n), torch.ones(di, dtype=bf))
+    step.gated_out_proj_residual(y, None, 0.0, torch.randn(d_model, di, dtype=bf) * 0.02, None, res)
+    yield "fused Mamba-1 decode stages, mamba-2.8b widths, bf16"
 
 
 def _selective_scan_workloads(rec, which):
@@ -461,7 +495,7 @@ def compile_all(path, arch, max_shared=None, kernels=None, show_hash=False) -> i
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", nargs="+", default=["mamba3"],
-                    choices=["mamba3", "norm", "layout", "selective_scan", "ssd"],
+                    choices=["mamba3", "norm", "layout", "selective_scan", "ssd", "decode_step"],
                     help="the ops whose launches to record and compile (those with a workload here)")
     ap.add_argument("--workloads", nargs="+", default=["variants", "tiles"], choices=WORKLOADS,
                     help="which launches to record (see _workloads; default: variants and tiles)")

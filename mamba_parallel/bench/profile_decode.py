@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="conv-state dtype (default: the model's)")
     p.add_argument("--state-dtype", choices=sorted(DTYPES), default="fp32", help="recurrent SSM states (default: fp32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--unfused", action="store_true",
+                   help="run a Mamba-2 stack's step op by op even where the fused step applies (to compare)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=30, help="kernels listed in the table (default: 30)")
     p.add_argument("--out", required=True, help="folder for profile.json / profile.md (/ trace.json)")
@@ -127,7 +129,9 @@ def _model(a: argparse.Namespace, device: torch.device):
     if a.n_layer is not None:
         config = config.with_layers(a.n_layer)
     torch.manual_seed(a.seed)
-    return MambaLMHeadModel(config, device=device, dtype=DTYPES[a.dtype]).eval(), config
+    model = MambaLMHeadModel(config, device=device, dtype=DTYPES[a.dtype]).eval()
+    model.backbone.fused_decode = not a.unfused
+    return model, config
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -185,6 +189,7 @@ def run(a: argparse.Namespace) -> dict:
         "bench": "profile_decode", "preset": a.preset, "n_layer": config.n_layer, "mixers": kinds,
         "device": torch.cuda.get_device_name(device) if on_cuda else "cpu", "dtype": a.dtype,
         "cache_dtype": a.cache_dtype or a.dtype, "state_dtype": a.state_dtype, "batch": a.batch, "prompt_len": a.prompt_len,
+        "fused_step": model.backbone._fused_decode_ok(a.batch),
         "steps": a.steps, "timings": timings, "step": main, "ms_per_step": timings[main]["ms_per_step"],
         **moved, "copy_bandwidth_gbs": round(bandwidth, 1), "bound_ms": round(bound_ms, 4),
         "bound_fraction": round(bound_ms / timings[main]["ms_per_step"], 4),
@@ -197,6 +202,7 @@ def markdown(r: dict, top: int = 30) -> str:
     t = r["timings"]
     lines = [f"# Decode-step profile: {r['preset']} ({', '.join(r['mixers'])}, {r['n_layer']} layers) on "
              f"{r['device']}", "",
+             f"{'the fused step (three kernels per block), ' if r.get('fused_step') else ''}"
              f"batch {r['batch']}, {r['dtype']} weights, {r.get('state_dtype', 'fp32')} states, after a "
              f"{r['prompt_len']}-token "
              f"prompt; {r['steps']} steps per figure.", "",

@@ -48,7 +48,7 @@ from torch.autograd.function import once_differentiable
 from mamba_parallel import ops
 from mamba_parallel.layers import init
 from mamba_parallel.layers.decode_constants import derived, fp32, neg_exp_fp32
-from mamba_parallel.layers.out_proj import fusable_linear
+from mamba_parallel.layers.out_proj import fusable_linear, no_hooks
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.recompute import (NOTHING, SCAN_CHECKPOINT_EVERY, RecomputeInBackward, recompute_plan,
                                              recompute_set, run_saving)
@@ -308,6 +308,28 @@ class Mamba(nn.Module):
         y = ops.selective_state_update(ssm_state[:b], x, dt, A, B, C, D=self.D, z=z, dt_bias=self.dt_proj.bias,
                                        dt_softplus=True)
         return self.out_proj(y)[:, None]
+
+    def fused_step_ok(self) -> bool:
+        """Whether ``fused_step`` computes what ``step`` does for this layer: plain single-device projections and
+        conv (not sharded by tensor parallelism, no hooks)."""
+        return (self.seq_ops.local
+                and all(fusable_linear(m) for m in (self.in_proj, self.x_proj, self.dt_proj, self.out_proj))
+                and self.x_proj.bias is None and type(self.conv1d) is nn.Conv1d and no_hooks(self.conv1d))
+
+    def fused_step(self, residual: torch.Tensor, pre_norm: nn.Module, conv_state: torch.Tensor,
+                   ssm_state: torch.Tensor) -> None:
+        """One decode token of this block in four kernels (ops.decode_step): residual (b, d_model) fp32, the
+        block's input, gets the block's output added in place; ``pre_norm`` is the block's RMSNorm. The same step
+        as ``step`` behind the block's add + norm (where ``fused_step_ok``)."""
+        b = residual.shape[0]
+        xz = ops.decode_step.norm_in_proj_conv(residual, pre_norm.weight, pre_norm.eps, self.in_proj.weight,
+                                               self.in_proj.bias, self.conv1d.weight[:, 0, :], self.conv1d.bias,
+                                               conv_state[:b], 0)
+        x, z = xz.split([self.d_inner, self.d_inner], dim=-1)
+        y = ops.decode_step.mamba1_x_proj_state_update(ssm_state[:b], x, z, self.x_proj.weight, self.dt_proj.weight,
+                                                       self.dt_proj.bias, derived(self, "A_log", neg_exp_fp32),
+                                                       self.D, self.bcdt_rms_eps)
+        ops.decode_step.gated_out_proj_residual(y, None, 0.0, self.out_proj.weight, self.out_proj.bias, residual)
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None,
                                  state_dtype=None):

@@ -227,6 +227,32 @@ class Mamba2(nn.Module):
             y = self.norm(y, z)
         return self.out_proj(y)[:, None]
 
+    def fused_step_ok(self) -> bool:
+        """Whether ``fused_step`` computes what ``step`` does for this layer: the gated norm after the gate, plain
+        single-device projections and conv (not sharded by tensor parallelism, no hooks)."""
+        return (self.rmsnorm and not self.norm.norm_before_gate and self.seq_ops.local
+                and fusable_linear(self.in_proj) and fusable_linear(self.out_proj)
+                and type(self.conv1d) is nn.Conv1d and no_hooks(self.conv1d))
+
+    def fused_step(self, residual: torch.Tensor, pre_norm: nn.Module, conv_state: torch.Tensor,
+                   ssm_state: torch.Tensor) -> None:
+        """One decode token of this block in three kernels (ops.decode_step): residual (b, d_model) fp32, the
+        block's input, gets the block's output added in place; ``pre_norm`` is the block's RMSNorm. The same
+        step as ``step`` behind the block's add + norm (the two norms folded into the projections next to
+        them; where ``fused_step_ok``)."""
+        b = residual.shape[0]
+        h, p, g, n = self.nheads, self.headdim, self.ngroups, self.d_state
+        zxbcdt = ops.decode_step.norm_in_proj_conv(residual, pre_norm.weight, pre_norm.eps, self.in_proj.weight,
+                                                   self.in_proj.bias, self.conv1d.weight[:, 0, :], self.conv1d.bias,
+                                                   conv_state[:b], self.d_inner)
+        z, x, B, C, dt = zxbcdt.split([self.d_inner, self.d_inner, g * n, g * n, h], dim=-1)
+        A = derived(self, "A_log", neg_exp_fp32)
+        gw, sumsq = ops.decode_step.state_update_gate(
+            ssm_state[:b], x.view(b, h, p), dt, A, B.view(b, g, n), C.view(b, g, n), self._D(), z.view(b, h, p),
+            self.dt_bias, self.dt_limit, self.norm.weight, self.d_inner // self.norm.group_size)
+        ops.decode_step.gated_out_proj_residual(gw, sumsq, self.norm.eps, self.out_proj.weight, self.out_proj.bias,
+                                                residual)
+
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, device=None,
                                  state_dtype=None):
         """-> (conv_state (batch, conv_dim, d_conv - 1) in ``dtype``, ssm_state (batch, h, p, n) in ``state_dtype``,

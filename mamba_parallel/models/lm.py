@@ -26,6 +26,7 @@ from mamba_parallel.layers.mlp import MLP, GatedMLP
 from mamba_parallel.layers.norm import RMSNorm, add_norm, make_norm
 from mamba_parallel.layers.packing import seq_idx_from_cu_seqlens
 from mamba_parallel.models.outputs import CausalLMOutput
+from mamba_parallel.ops.backend import use_triton
 
 
 def shift_labels(labels: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -67,6 +68,10 @@ class MixerModel(nn.Module):
                                       _weight=torch.empty(config.padded_vocab_size, config.d_model, **fk))
         self.layers = nn.ModuleList(create_block(config, i, **fk) for i in range(config.n_layer))
         self.norm_f = make_norm(config.d_model, config.rms_norm, config.norm_epsilon, **fk)
+        # A one-token decode step of a Mamba / Mamba-2 stack at batch 1 on the kernels runs three or four kernels
+        # per block (the mixers' ``fused_step``) instead of the block's ops one by one; False: always the ops.
+        # Read at each step; a CUDA-graph decoder (inference/cuda_graph.py) keeps what it captured.
+        self.fused_decode = True
 
     def forward(self, input_ids: torch.Tensor, inference_params=None, seq_idx: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,12 +93,37 @@ class MixerModel(nn.Module):
             if tuple(seq_idx.shape) != (b, L):
                 raise ValueError(f"seq_idx must have the shape of input_ids {(b, L)}, got {tuple(seq_idx.shape)}")
             seq_idx = seq_idx.to(torch.int32)
+        if inference_params is not None and L == 1 and inference_params.seqlen_offset > 0 \
+                and self._fused_decode_ok(b):
+            return self._fused_decode_step(input_ids, inference_params)
         hidden_states, residual = self.embedding(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(hidden_states, residual, inference_params=inference_params,
                                             seq_idx=seq_idx, cu_seqlens=cu_seqlens, position_ids=position_ids)
         hidden_states, _ = add_norm(hidden_states, residual, self.norm_f, self.residual_in_fp32)
         return hidden_states
+
+
+    def _fused_decode_ok(self, batch: int) -> bool:
+        """Whether a decode step of ``batch`` rows runs fused: ``fused_decode`` on, batch 1 (at larger batches the
+        projections are matrix products that read each weight once for all rows: the ops one by one), the
+        kernels in use, and every block a Mamba / Mamba-2 mixer behind an RMSNorm, without an MLP, that can fuse
+        its step, with an fp32 residual stream."""
+        if not (self.fused_decode and batch == 1 and self.residual_in_fp32 and isinstance(self.norm_f, RMSNorm)
+                and use_triton(self.embedding.weight, op="fused decode step")):
+            return False
+        return all(isinstance(layer.mixer, (Mamba, Mamba2)) and layer.mlp is None and isinstance(layer.norm, RMSNorm)
+                   and layer.mixer.fused_step_ok() for layer in self.layers)
+
+    def _fused_decode_step(self, input_ids: torch.Tensor, inference_params) -> torch.Tensor:
+        """input_ids (b, 1) -> hidden states (b, 1, d_model): the fp32 residual stream through every block's
+        ``fused_step``, then the final norm (what the blocks' add + norm and the mixers' ``step`` compute)."""
+        residual = self.embedding(input_ids[:, 0]).float()
+        for layer in self.layers:
+            conv_state, ssm_state = inference_params.states(layer.mixer.layer_idx)
+            layer.mixer.fused_step(residual, layer.norm, conv_state, ssm_state)
+        hidden = ops.rms_norm(residual, self.norm_f.weight, self.norm_f.eps)
+        return hidden.to(self.embedding.weight.dtype)[:, None]
 
 
 class MambaLMHeadModel(nn.Module):

@@ -8,6 +8,7 @@ first launch candidate, no tuning).
 """
 
 from mamba_parallel.ops.backend import use_autotune, use_backend
+from mamba_parallel.ops import decode_step
 from mamba_parallel.ops.conv1d import causal_conv1d, causal_conv1d_update
 from mamba_parallel.ops.cross_entropy import linear_cross_entropy
 from mamba_parallel.ops.eager_fastpath import use_eager_fastpath
@@ -23,7 +24,7 @@ __all__ = [
     "selective_scan", "ssd_chunk_scan", "causal_conv1d", "causal_conv1d_update", "rms_norm", "add_rms_norm",
     "gated_rms_norm", "gated_rms_norm_linear", "selective_state_update", "ssd_state_update", "linear_cross_entropy",
     "ssd_sequential", "selective_scan_sequential", "token_major", "silu_gate", "use_backend", "use_eager_fastpath",
-    "use_autotune",
+    "use_autotune", "decode_step",
 ]
 
 # Resolve the kernel modules now, while not compiling: the lookup (importlib) is not traceable by torch.compile,
@@ -32,5 +33,6 @@ from mamba_parallel.ops._common import kernel_module as _kernel_module  # noqa: 
 from mamba_parallel.ops.backend import triton_available as _triton_available  # noqa: E402
 
 if _triton_available():
-    for _pkg in ("conv1d", "cross_entropy", "layout", "norm", "selective_scan", "ssd", "state_update"):
+    for _pkg in ("conv1d", "cross_entropy", "decode_step", "layout", "norm", "selective_scan", "ssd",
+                 "state_update"):
         _kernel_module(f"{__name__}.{_pkg}")
