@@ -31,6 +31,18 @@ def _seg_codes(seg_ptr, pid_b, c, NC, HAS_SEG: tl.constexpr):
 
 
 @triton.jit
+def _enter_chunk(h, icode, init_ptr, pid_h, H, PN, offs, mask, HAS_INIT: tl.constexpr):
+    """The running state h (offs: its flat offsets in a state, mask: which exist) as it enters a chunk: kept
+    within a segment, initial state ``icode`` (or zeros, icode -1 or no initial states) where one starts."""
+    if HAS_INIT:
+        start_val = tl.load(init_ptr + (tl.maximum(icode, 0) * H + pid_h) * PN + offs,
+                            mask=mask & (offs * 0 + icode >= 0), other=0.0).to(tl.float32)
+    else:
+        start_val = tl.zeros_like(h)
+    return tl.where(icode > -2, start_val, h)
+
+
+@triton.jit
 def _pn_tile(pid_pn, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program id -> this program's (p, n) tile of a state: row / column offsets and masks, flat offsets, mask."""
     npn = tl.cdiv(N, BLOCK_N)
@@ -60,12 +72,7 @@ def _chunk_state_pass_fwd_kernel(x_ptr, B_ptr, dtp_ptr, acs_ptr, init_ptr, seg_p
     h = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for c in range(NC):
         icode, fcode = _seg_codes(seg_ptr, pid_b, c, NC, HAS_SEG)
-        if HAS_INIT:
-            start_val = tl.load(init_ptr + (tl.maximum(icode, 0) * H + pid_h) * PN + tile,
-                                mask=mt & (zero + icode >= 0), other=0.0).to(tl.float32)
-        else:
-            start_val = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-        h = tl.where(icode > -2, start_val, h)
+        h = _enter_chunk(h, icode, init_ptr, pid_h, H, PN, tile, mt, HAS_INIT)
         tl.store(hin_ptr + ((pid_b * NC + c) * H + pid_h) * PN + tile, h.to(hin_ptr.dtype.element_ty), mask=mt)
         chunk_len = tl.minimum(CHUNK, L - c * CHUNK)
         a_base = ((pid_b * H + pid_h) * NC + c) * CHUNK

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.ssd.triton_states import _pn_tile, _seg_codes
+from mamba_parallel.ops.ssd.triton_states import _enter_chunk, _pn_tile, _seg_codes
 from mamba_parallel.ops.ssd.triton_tuning import dot_precision, tuned
 
 
@@ -57,12 +57,7 @@ def _chain_kernel(s_ptr, acs_ptr, init_ptr, seg_ptr, hin_ptr, final_ptr, H, NC, 
     h = tl.zeros((BLOCK,), dtype=tl.float32)
     for c in range(NC):
         icode, fcode = _seg_codes(seg_ptr, pid_b, c, NC, HAS_SEG)
-        if HAS_INIT:
-            start_val = tl.load(init_ptr + (tl.maximum(icode, 0) * H + pid_h) * PN + offs,
-                                mask=m & (zero + icode >= 0), other=0.0).to(tl.float32)
-        else:
-            start_val = tl.zeros((BLOCK,), dtype=tl.float32)
-        h = tl.where(icode > -2, start_val, h)
+        h = _enter_chunk(h, icode, init_ptr, pid_h, H, PN, offs, m, HAS_INIT)
         idx = ((pid_b * NC + c) * H + pid_h) * PN + offs
         tl.store(hin_ptr + idx, h.to(hin_ptr.dtype.element_ty), mask=m)
         a_last = tl.load(acs_ptr + ((pid_b * H + pid_h) * NC + c) * CHUNK + CHUNK - 1)
