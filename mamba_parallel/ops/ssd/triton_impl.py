@@ -1,7 +1,8 @@
 """Triton SSD chunked scan: forward and backward as two torch custom ops, so torch.compile sees one node each.
 
 Forward stages (each a kernel file): dt processing + cumulative decay (triton_dt), chunk states chained
-in one sweep over the chunks (triton_states), chunk outputs with C.B recomputed in registers (triton_scan_fwd).
+in one sweep over the chunks (triton_states; with fewer (row, head) pairs than SMs, computed per chunk in parallel
+and chained after: triton_states_wide), chunk outputs with C.B recomputed in registers (triton_scan_fwd).
 Backward: gate and dx / dD (triton_scan_bwd), state gradients (triton_states), dB / dC with the dA_cs gradient
 (triton_dbc), dt / A / dt_bias (triton_dt). Launch configs: triton_tuning.
 seq_idx and cu_seqlens are turned into a chunk-aligned packed layout (triton_varlen).
