@@ -33,13 +33,16 @@ def _model(preset="tiny-mamba2", dtype=torch.float32, device="cpu", **ssm):
 
 
 def _decode(model, prompt, steps, fused, tokens=None):
-    """Prefill (the ops one by one), then ``steps`` one-token steps -> (logits per step, the cache, the tokens fed).
+    """Prefill (the reference ops), then ``steps`` one-token steps -> (logits per step, the cache, the tokens fed).
     Greedy, or fed ``tokens`` (b, steps) when given: comparing two runs on the same tokens keeps one near-tie
     argmax (random weights have many) from sending them down different sequences."""
     model.backbone.fused_decode = fused
     cache = model.allocate_inference_cache(prompt.shape[0], prompt.shape[1] + steps)
     with torch.no_grad():
-        logits = model(prompt, inference_params=cache, num_last_tokens=1).logits
+        # the prefill on the reference ops: the same states for every run (the one-token steps are under test), and
+        # a Mamba-1 prefill through the CPU interpreter takes tens of seconds
+        with ops.use_backend("naive"):
+            logits = model(prompt, inference_params=cache, num_last_tokens=1).logits
         cache.seqlen_offset = prompt.shape[1]
         out, fed = [], []
         for i in range(steps):
