@@ -89,10 +89,11 @@ def _mamba1_fused_expected(m, b, L, recompute: str):
                   + di * n)               # A = -exp(A_log), state-major
 
 
-@pytest.mark.parametrize("recompute,L", [("", 20), ("conv,dt,gate", 20), ("states", 20), ("", 72), ("states", 72),
+@pytest.mark.parametrize("recompute,L", [("", 20), ("conv,dt,gate", 20), ("states", 20), ("states", 72),
                                          ("conv,states", 72)])
 def test_mamba1_fused_saved_bytes_match_the_table(triton_backend, recompute, L):
-    """L = 72: 9 chunks of 8 tokens, 9 checkpoints, 2 with "states" (L = 20: 3 and 1)."""
+    """L = 20: 3 chunks of 8 tokens, 3 checkpoints, 1 with "states"; L = 72: 9 chunks, 2 checkpoints with
+    "states" (one per chunk without it is the L = 20 case's count)."""
     m = _mamba1(fused=True)
     apply_recompute(m, recompute)
     b = 2
@@ -104,8 +105,8 @@ def test_mamba1_fused_saved_bytes_match_the_table(triton_backend, recompute, L):
 @pytest.mark.parametrize("fused", [True, False])
 def test_mamba1_bf16_checkpoints_keep_half(triton_backend, fused):
     """``scan_checkpoint_dtype=torch.bfloat16`` (the default under bf16 inputs): the scan's per-chunk states take
-    2 bytes instead of 4, in the fused node and op by op; nothing else changes."""
-    b, L = 2, 72
+    2 bytes instead of 4, in the fused node and op by op; nothing else changes. L = 20: 3 chunks, 3 checkpoints."""
+    b, L = 2, 20
     h = torch.randn(b, L, 16, requires_grad=True)
     kept = {}
     for dtype in (torch.float32, torch.bfloat16):
