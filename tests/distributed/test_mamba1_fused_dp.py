@@ -22,7 +22,7 @@ def _model():
     from mamba_parallel.config import get_preset
     from mamba_parallel.train.trainer import init_model
 
-    return init_model(get_preset("tiny-mamba", n_layer=1, d_model=32), torch.device("cpu"), 0)  # the interpreter is slow
+    return init_model(get_preset("tiny-mamba", n_layer=1, d_model=16), torch.device("cpu"), 0)  # the interpreter is slow
 
 
 def _tokens(rank: int) -> torch.Tensor:
