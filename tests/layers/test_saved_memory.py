@@ -26,10 +26,13 @@ def _mamba2(recompute=""):
     return Mamba2(32, d_state=16, headdim=16, ngroups=1, chunk_size=16, recompute=recompute)
 
 
+MAMBA1_WIDTH = 8  # d_inner 16: the interpreted kernels still run several blocks of 4 channels, half as many as 16 wide
+
+
 def _mamba1(fused=False):
     torch.manual_seed(0)
     # fused=False: the reference forward, op by op (where every recompute item applies)
-    return Mamba(16, d_state=4, use_fused_path=fused)
+    return Mamba(MAMBA1_WIDTH, d_state=4, use_fused_path=fused)
 
 
 def _mamba2_expected(m, b, L, recompute: str):
@@ -107,7 +110,7 @@ def test_mamba1_bf16_checkpoints_keep_half(triton_backend, fused):
     """``scan_checkpoint_dtype=torch.bfloat16`` (the default under bf16 inputs): the scan's per-chunk states take
     2 bytes instead of 4, in the fused node and op by op; nothing else changes. L = 20: 3 chunks, 3 checkpoints."""
     b, L = 2, 20
-    h = torch.randn(b, L, 16, requires_grad=True)
+    h = torch.randn(b, L, MAMBA1_WIDTH, requires_grad=True)
     kept = {}
     for dtype in (torch.float32, torch.bfloat16):
         m = _mamba1(fused=fused)
