@@ -59,7 +59,7 @@ def _final_state_mask(seq_idx: torch.Tensor, L: int, w: int) -> torch.Tensor:
     return seq_idx[:, pos] == seq_idx[:, -1:]
 
 
-def _final_state(x, initial_state, seq_idx, w: int) -> torch.Tensor:
+def final_state(x, initial_state, seq_idx, w: int) -> torch.Tensor:
     """The last w-1 inputs of [initial_state, x] (b, d, w-1) in x.dtype, zeroed outside the last sequence."""
     b, d, L = x.shape
     if L >= w - 1:
@@ -83,7 +83,7 @@ def _conv_fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     b, d, L = x.shape
     w = weight.shape[1]
     y = _empty_like_layout(x, x.dtype)
-    final = (_final_state(x, initial_state, seq_idx, w) if return_final_state
+    final = (final_state(x, initial_state, seq_idx, w) if return_final_state
              else x.new_empty((b, d, 0)))
     if b * d * L == 0:
         return y, final
