@@ -32,6 +32,11 @@ class _OpLog(TorchDispatchMode):
         return out
 
 
+# Tests of what the layer keeps, which node runs and bit-equality between two of its paths take a layer half as wide
+# (d_inner 16: the interpreted kernels still run several blocks of channels); the value checks keep 16.
+NARROW = 8
+
+
 def _layer(dtype, device="cpu", d_model=16, d_state=4):
     torch.manual_seed(0)
     m = Mamba(d_model, d_state=d_state, d_conv=4, expand=2).to(device=device, dtype=dtype)
@@ -94,8 +99,8 @@ def test_activation_checkpointing_keeps_gradients(fused, monkeypatch):
     backward nodes must still meet in one in_proj gradient."""
     from torch.utils.checkpoint import checkpoint
 
-    m = _layer(torch.float32)
-    h = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(5))
+    m = _layer(torch.float32, d_model=NARROW)
+    h = torch.randn(2, 7, NARROW, generator=torch.Generator().manual_seed(5))
     ref, _ = _run(m, h, monkeypatch, fused)
     got, _ = _run(m, h, monkeypatch, fused, fn=lambda x: checkpoint(m, x, use_reentrant=False))
     for g, r in zip(got, ref):
@@ -177,10 +182,10 @@ def test_fused_matches_the_reference_ops(monkeypatch):
 
 def test_frozen_parameters_get_no_gradient(monkeypatch):
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
-    m = _layer(torch.float32)
+    m = _layer(torch.float32, d_model=NARROW)
     m.A_log.requires_grad_(False)
     m.conv1d.requires_grad_(False)
-    got, nodes = _run(m, torch.randn(2, 9, 16), monkeypatch, fused=True)
+    got, nodes = _run(m, torch.randn(2, 9, NARROW), monkeypatch, fused=True)
     assert "_Mamba1InnerBackward" in nodes
     assert m.A_log.grad is None and m.conv1d.weight.grad is None and m.x_proj.weight.grad is not None
 
@@ -189,7 +194,7 @@ def test_where_the_fused_path_does_not_apply(monkeypatch):
     """Off: naive backend, no autograd, use_fused_path=False, a gate recompute, sequence ops that communicate
     (context / tensor parallelism install such strategies: layers/seq_ops.py)."""
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
-    m = _layer(torch.float32)
+    m = _layer(torch.float32, d_model=NARROW)
     xz = torch.randn(1, 5, 2 * m.d_inner, requires_grad=True)
     assert fused_ok(xz)
     with torch.no_grad():
@@ -198,7 +203,7 @@ def test_where_the_fused_path_does_not_apply(monkeypatch):
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
     assert not fused_ok(xz)
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
-    h = torch.randn(1, 5, 16)
+    h = torch.randn(1, 5, NARROW)
     assert "_Mamba1InnerBackward" in _run(m, h, monkeypatch, fused=True)[1]
     assert "_Mamba1InnerBackward" not in _run(m, h, monkeypatch, fused=False)[1]
 
@@ -221,9 +226,9 @@ def test_fused_keeps_no_delta_and_rebuilds_the_conv_on_request(monkeypatch):
     """delta is never kept (rebuilt by its matmul); recompute=conv (or conv,dt) drops the conv output too;
     gradients bit-identical either way."""
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
-    m = _layer(torch.float32)
+    m = _layer(torch.float32, d_model=NARROW)
     b, L = 2, 12
-    h = torch.randn(b, L, 16, generator=torch.Generator().manual_seed(6))
+    h = torch.randn(b, L, NARROW, generator=torch.Generator().manual_seed(6))
     saved, grads = {}, {}
     for items in ("", "conv,dt"):
         apply_recompute(m, items)
@@ -248,9 +253,9 @@ def test_out_proj_in_the_node_is_exact(bias, monkeypatch):
     values less; a frozen out_proj gets no gradient."""
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
     torch.manual_seed(0)
-    m = Mamba(16, d_state=4, bias=bias)
+    m = Mamba(NARROW, d_state=4, bias=bias)
     b, L = 2, 7
-    h = torch.randn(b, L, 16, generator=torch.Generator().manual_seed(3))
+    h = torch.randn(b, L, NARROW, generator=torch.Generator().manual_seed(3))
     saved = []
     counted = lambda x: saved.append(saved_bytes(m, lambda: m(x))) or saved[-1][0]  # noqa: E731
     inside, nodes = _run(m, h, monkeypatch, fused=True, fn=counted)
