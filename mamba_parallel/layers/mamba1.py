@@ -426,12 +426,6 @@ def _project(xc: torch.Tensor, wx: torch.Tensor, wdt: torch.Tensor, r: int, n: i
     return x_dbl, rstd, dt, bc[:, :n].unsqueeze(1), bc[:, n:].unsqueeze(1)
 
 
-def _state_major_A(A_log: torch.Tensor) -> torch.Tensor:
-    """-exp(A_log) (d, n) fp32 as a view of a state-major (n, d) tensor: the kernels' layout, so the scan makes no
-    transposed copy."""
-    return torch.exp(A_log.t(), out=A_log.new_empty(A_log.shape[::-1], dtype=torch.float32)).neg_().t()
-
-
 class _Mamba1Inner(torch.autograd.Function):
     @staticmethod
     def forward(ctx, xz, conv_w, conv_b, xproj_w, dt_w, dt_b, A_log, D, out_w, out_b, seq_idx, d_inner: int, r: int,
@@ -445,7 +439,8 @@ class _Mamba1Inner(torch.autograd.Function):
         wx, wdt = xproj_w.to(cdt), dt_w.to(cdt)  # what autocast would cast (no-op without it)
         # with Falcon-Mamba's norms the node keeps the normed x_dbl and their rstd
         x_dbl, rstd, dt, B4, C4 = _project(xc, wx, wdt, r, n, bcdt_eps)
-        A = _state_major_A(A_log)
+        # (d, n) view of a state-major (n, d) tensor: the kernels' layout, so the scan makes no transposed copy
+        A = torch.exp(A_log.t(), out=A_log.new_empty(A_log.shape[::-1], dtype=torch.float32)).neg_().t()
         D32, dtb32 = D.float(), dt_b.float()
         sid = seq_idx.to(torch.int32) if seq_idx is not None else None
         path = scan.scan_path(xc, dt, None, A, B4)
@@ -547,11 +542,11 @@ def _prefill(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None, conv_
     conv_state.copy_(final_conv)  # after the conv has read the state it continues from
     _, _, dt, B4, C4 = _project(xc, layer.x_proj.weight.to(cdt), layer.dt_proj.weight.to(cdt), r, n,
                                 layer.bcdt_rms_eps)
-    A = _state_major_A(layer.A_log)
+    # the constants the decode steps that follow use too, cached per parameter version
+    A = derived(layer, "A_log", neg_exp_fp32)
+    D, dtb = derived(layer, "D", fp32), derived(layer.dt_proj, "bias", fp32)
     sid = seq_idx.to(torch.int32) if seq_idx is not None else None
-    dtb = layer.dt_proj.bias
-    y, last, _, _ = scan.scan_forward(xc, dt, A, B4, C4, layer.D.float(), None,
-                                      dtb.float() if dtb is not None else None, ssm_state if resume else None,
-                                      sid, True, False, xz.shape[0], False, scan.scan_path(xc, dt, None, A, B4))
+    y, last, _, _ = scan.scan_forward(xc, dt, A, B4, C4, D, None, dtb, ssm_state if resume else None, sid, True,
+                                      False, xz.shape[0], False, scan.scan_path(xc, dt, None, A, B4))
     ssm_state.copy_(last)
     return layer.out_proj(layout._gate_fwd(y, z))
