@@ -21,7 +21,7 @@ def derived(module: nn.Module, name: str, fn: Callable[[torch.Tensor], torch.Ten
     if ((torch.is_grad_enabled() and p.requires_grad) or type(p) not in (torch.Tensor, nn.Parameter)
             or torch.compiler.is_compiling()):
         return fn(p)  # gradients must flow / a tensor subclass's version need not track the data it shows
-    key = (p.data_ptr(), p._version, p.dtype, p.device)
+    key = (p.data_ptr(), p._version, p.dtype, p.device, fn)  # fn too: another function of it is another value
     slot = "_decode_" + name
     hit = module.__dict__.get(slot)
     if hit is None or hit[0] != key:
