@@ -160,3 +160,13 @@ def test_state_dtype(name):
         model.generate(ids[:, :4], max_new_tokens=3, state_dtype="int8")
     with pytest.raises(ValueError, match="state_dtype"):
         model.allocate_inference_cache(1, 4, state_dtype=torch.int32)
+
+
+def test_decode_constants_are_per_function():
+    """Two functions of one parameter give their own values, not whichever was cached first."""
+    from mamba_parallel.layers.decode_constants import derived, fp32, neg_exp_fp32
+
+    mixer = _model("tiny-mamba2").backbone.layers[0].mixer
+    with torch.no_grad():
+        a, raw = derived(mixer, "A_log", neg_exp_fp32), derived(mixer, "A_log", fp32)
+    assert torch.equal(a, -torch.exp(mixer.A_log.float())) and torch.equal(raw, mixer.A_log.float())
