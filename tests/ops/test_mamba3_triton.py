@@ -358,7 +358,7 @@ def test_gpu_every_candidate_alone(name, dtype, index, monkeypatch, nan_poison):
     entry[slot] = [entry[slot][index]]
     monkeypatch.setattr(tuned, "table", {**tuned.table, name: tuple(entry)})
     monkeypatch.setattr(tuned, "_cache", {})
-    mimo = name.endswith("_mimo")  # MIMO's own launch table: rank 4, 64-row tiles
+    mimo = "_mimo" in name  # MIMO's own launch tables (chunk_bwd_mimo_dx, ...): rank 4, 64-row tiles
     args = make_inputs(1, 300, 2, 64, 128, R=4 if mimo else None, dtype=dtype, device="cuda", expand_angles=True)
     with use_autotune(False):
         check_against_reference(args, dict(chunk_size=16, rope="halved") if mimo else dict(chunk_size=64), dtype)
