@@ -314,6 +314,27 @@ def test_checkpoint_every_keeps_every_kth_state(path):
         assert torch.equal(ck, ck1[:, ::K]) and torch.equal(y, y1) and torch.equal(last, last1)
 
 
+@pytest.mark.parametrize("with_init", [False, True])
+@pytest.mark.parametrize("mode", [None, "seq_idx"])
+def test_scan_into_is_scan_forward(with_init, mode):
+    """The inference forward planned once (``forward_launch`` + ``scan_into``) gives scan_forward's y and last state
+    bit for bit, with the last state written into the buffer that also holds the initial state (the cache)."""
+    kw = make_inputs(L=19, with_init=with_init, mode=mode, seed=3)
+    u, delta, A, D, dtb = kw["u"], kw["delta"], kw["A"], kw["D"], kw["delta_bias"]
+    B4, C4 = kw["B"].unsqueeze(1), kw["C"].unsqueeze(1)
+    h0 = kw.get("initial_state")
+    sid = kw.get("seq_idx")
+    y, last, ck, ypre = triton_impl.scan_forward(u, delta, A, B4, C4, D, None, dtb, h0, sid, True, False, 2, False,
+                                                 triton_impl.scan_path(u, delta, None, A, B4))
+    assert ck.numel() == 0 and ypre.numel() == 0
+    run = triton_impl.forward_launch(u, delta, A, B4)
+    y2, fresh = triton_impl.scan_into(run, u, delta, A, B4, C4, D, dtb, h0, sid, None)
+    assert torch.equal(y2, y) and torch.equal(fresh, last)
+    cache = h0.clone() if with_init else torch.full_like(last, float("nan"))
+    y3, into = triton_impl.scan_into(run, u, delta, A, B4, C4, D, dtb, cache if with_init else None, sid, cache)
+    assert into is cache and torch.equal(y3, y) and torch.equal(cache, last)
+
+
 def test_checkpoint_every_is_checked():
     kw = make_inputs(L=9)
     for bad in (0, 3, -2, True, 2.0, "4"):

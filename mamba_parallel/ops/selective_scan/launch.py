@@ -204,3 +204,10 @@ def plan(s: ScanShape, sm_count: int | None, path: str | None = None) -> ScanPla
     # the interpreter emulates the backward's lane sums only behind a forward that was asked to emulate its own
     bwd = _backward(s, interp, row_layout=not interp or fwd.path in ROW_LAYOUT_PATHS)
     return ScanPlan(fwd, bwd)
+
+
+@functools.lru_cache(maxsize=4096)
+def default_forward(s: ScanShape, sm_count: int | None) -> Launch:
+    """The forward launch of a caller that takes the default path and passes it back by name (``scan_path``, then
+    ``scan_forward``): ``plan(s, sm, plan(s, sm).fwd.path).fwd``, in one cached lookup."""
+    return plan(s, sm_count, plan(s, sm_count).fwd.path).fwd

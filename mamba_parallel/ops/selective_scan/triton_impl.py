@@ -48,6 +48,10 @@ def _bc32(t: torch.Tensor) -> torch.Tensor:
     return _as4d(t).float()
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a constexpr function: ~1-2 us per host call, several per scan
+
+
 def _on_gpu(u: torch.Tensor) -> bool:
     return u.is_cuda and not interpret_mode()
 
@@ -124,10 +128,39 @@ def scan_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch
     unless save_ckpt and z is given). path: launch.FORWARD_PATHS; checkpoint_every K: a power of two (pass the
     same to ``scan_backward``). checkpoint_dtype: fp32, or bf16 where K is 1 (the forward itself still carries
     its state in fp32; only the backward restarts each chunk from the rounded state)."""
+    run = _plan(u, delta, z, A, B, varlen, path).fwd
+    y, hlast, ckpt, ypre = _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus,
+                                    varlen, nstates, save_ckpt, checkpoint_every, checkpoint_dtype, None)
+    return (y, hlast, ckpt if ckpt is not None else u.new_empty((0,), dtype=torch.float32),
+            ypre if ypre is not None else u.new_empty((0,)))
+
+
+def forward_launch(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> launch.Launch:
+    """The forward launch ``scan_forward(..., path=scan_path(u, delta, None, A, B))`` runs for these tensors (no z,
+    no cu_seqlens), planned once: for ``scan_into``."""
+    return launch.default_forward(_scan_shape(u, delta, None, A, B, False), _sms(u))
+
+
+def scan_into(run: launch.Launch, u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+              C: torch.Tensor, D: torch.Tensor | None, delta_bias: torch.Tensor | None,
+              initial_state: torch.Tensor | None, sid: torch.Tensor | None, last: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inference forward (no z, no cu_seqlens, no checkpoints, softplus on delta) with the launch ``run`` from
+    ``forward_launch`` of the same tensors -> y (b, d, L), last_state (b, d, n) fp32. ``last`` (b, d, n) fp32
+    contiguous, or None (a new tensor): where the last state is written, e.g. the inference cache's state, which
+    may also be ``initial_state`` (the kernel reads the initial state from its own copy, made before it runs)."""
+    y, hlast, _, _ = _forward(run, u, delta, A, B, C, D, None, delta_bias, initial_state, sid, True, False,
+                              u.shape[0], False, 1, torch.float32, last)
+    return y, hlast
+
+
+def _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates,
+             save_ckpt, checkpoint_every, checkpoint_dtype, last):
+    """``scan_forward``'s body for the launch ``run``; ``last``: the last state's buffer or None. Checkpoints and
+    ypre come back as None where not made."""
     b, d, L = u.shape
     n = A.shape[1]
-    run = _plan(u, delta, z, A, B, varlen, path).fwd
-    nchunks = triton.cdiv(L, run.chunk)
+    nchunks = _cdiv(L, run.chunk)
     ck = launch.checkpoint_group(checkpoint_every, nchunks) if save_ckpt else 1
     if save_ckpt and ck > 1 and checkpoint_dtype != torch.float32:
         raise ValueError(f"selective_scan: {checkpoint_dtype} checkpoints need one per chunk (checkpoint_every 1), "
@@ -139,22 +172,29 @@ def scan_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch
     if varlen:  # a sequence with no tokens keeps its initial state
         hlast = (initial_state.float().clone() if initial_state is not None
                  else torch.zeros((nstates, d, n), device=dev, dtype=f32))
+    elif last is not None:
+        hlast = last
     else:
         hlast = torch.empty((nstates, d, n), device=dev, dtype=f32)
-    # the fp32 checkpoints, or a ping-pong carry (no checkpoints, or checkpoints apart)
-    nslots = triton.cdiv(nchunks, ck) if save_ckpt and not apart else min(nchunks, 2)
-    states = torch.empty((b, nslots, n, d), device=dev, dtype=f32)
+    # the fp32 checkpoints, or a ping-pong carry (no checkpoints, or checkpoints apart); slot 0 is the state the
+    # kernel starts from
+    nslots = _cdiv(nchunks, ck) if save_ckpt and not apart else min(nchunks, 2)
+    h0_fill = initial_state is not None and not varlen
+    if save_ckpt or h0_fill:
+        states = torch.empty((b, nslots, n, d), device=dev, dtype=f32)
+        if h0_fill:
+            states[:, 0] = initial_state.transpose(1, 2)
+        else:
+            states[:, 0] = 0.0
+    else:  # at most two slots: zeroing both costs one call, not two
+        states = torch.zeros((b, nslots, n, d), device=dev, dtype=f32)
     if apart:  # the kernels' carry_ptr: the checkpoints in their own dtype
         carry = torch.empty((b, nchunks, n, d), device=dev, dtype=checkpoint_dtype)
+        carry[:, 0] = states[:, 0]
     else:
         carry = torch.empty((b, 2, n, d), device=dev, dtype=f32) if ck > 1 else states  # between the checkpoints
-    if initial_state is not None and not varlen:
-        states[:, 0] = initial_state.transpose(1, 2)
-    else:
-        states[:, 0] = 0.0
-    if apart:
-        carry[:, 0] = states[:, 0]
-    ypre = torch.empty((b, d, L) if save_ckpt and z is not None else (0,), device=dev, dtype=u.dtype)
+    save_ypre = save_ckpt and z is not None
+    ypre = torch.empty((b, d, L), device=dev, dtype=u.dtype) if save_ypre else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     zz = z if z is not None else u
     opt = lambda t: t if t is not None else y  # noqa: E731  (pointer placeholder for an absent tensor)
@@ -162,13 +202,13 @@ def scan_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch
     if run.unrolled_states:
         meta.update(NS=run.unrolled_states, PREFETCH=run.prefetch)
     selective_scan_fwd_kernel[(d // run.block_d, b)](
-        u, delta, zz, B4, C4, A.t().contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), y, ypre, hlast,
+        u, delta, zz, B4, C4, A.t().contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), y, opt(ypre), hlast,
         states, carry, L, d, n, d // B4.shape[1], nchunks, nslots, nchunks, *_strides(u, delta, zz, B4, C4, sid),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
-        HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, SAVE_YPRE=save_ckpt and z is not None,
+        HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, SAVE_YPRE=save_ypre,
         FAST_EXP=_on_gpu(u), R=run.rows, LANES=run.row_layout, CKPT=save_ckpt, CK=ck, CKPT_APART=apart, **meta,
     )
-    ckpt = carry if apart else states if save_ckpt else states.new_empty((0,))
+    ckpt = (carry if apart else states) if save_ckpt else None
     return y, hlast, ckpt, ypre
 
 
@@ -206,9 +246,9 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     b, d, L = u.shape
     n = A.shape[1]
     run = _plan(u, delta, z, A, B, varlen, path).bwd
-    nchunks = triton.cdiv(L, run.chunk)
+    nchunks = _cdiv(L, run.chunk)
     ck = launch.checkpoint_group(checkpoint_every, nchunks)
-    ngroups = triton.cdiv(nchunks, ck)
+    ngroups = _cdiv(nchunks, ck)
     if ckpt.shape != (b, ngroups, n, d) or (ck > 1 and ckpt.dtype != torch.float32):
         raise RuntimeError(f"selective_scan_bwd: checkpoints {tuple(ckpt.shape)} {ckpt.dtype} do not match chunks "
                            f"of {run.chunk} tokens, one kept per {checkpoint_every} (path {path!r}; fp32 unless one "
