@@ -49,7 +49,7 @@ from torch.autograd.function import once_differentiable
 
 from mamba_parallel import ops
 from mamba_parallel.layers import init
-from mamba_parallel.layers.decode_constants import derived, fp32, neg_exp_fp32
+from mamba_parallel.layers.decode_constants import derived, fp32, neg_exp_fp32, neg_exp_fp32_state_major
 from mamba_parallel.layers.out_proj import fusable_linear, no_hooks
 from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.recompute import (NOTHING, SCAN_CHECKPOINT_EVERY, RecomputeInBackward, recompute_plan,
@@ -538,11 +538,11 @@ def _prefill(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None, conv_
     conv1d = layer.conv1d
     conv_init = conv_state if resume else None
     xc = _conv_token_major(conv, x, conv1d.weight[:, 0, :], conv1d.bias, seq_idx, conv_init)
-    _save_conv_state(conv, conv_state, x, conv_init, seq_idx)  # after the conv has read the state it continues from
+    conv.final_state(x, conv_init, seq_idx, conv1d.weight.shape[-1], out=conv_state)  # after the conv read it
     _, _, dt, B4, C4 = _project(xc, layer.x_proj.weight.to(cdt), layer.dt_proj.weight.to(cdt), r, n,
                                 layer.bcdt_rms_eps)
     # the constants the decode steps that follow use too, cached per parameter version
-    A = _state_major_A(layer)
+    A = derived(layer, "A_log", neg_exp_fp32_state_major)
     D, dtb = derived(layer, "D", fp32), derived(layer.dt_proj, "bias", fp32)
     sid = seq_idx.to(torch.int32) if seq_idx is not None else None
     # an fp32 cache takes the last state straight from the kernel; a narrower one gets it rounded by one copy
@@ -553,25 +553,3 @@ def _prefill(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None, conv_
         ssm_state.copy_(hlast)
     return layer.out_proj(layout._gate_fwd(y, z))
 
-
-def _save_conv_state(conv, conv_state: torch.Tensor, x: torch.Tensor, initial_state: torch.Tensor | None,
-                     seq_idx: torch.Tensor | None) -> None:
-    """conv_state (b, d, w - 1) <- the conv's final state after x (b, d, L) (``conv.final_state``): the last
-    w - 1 inputs of [initial_state, x], zeroed outside the last sequence of ``seq_idx``. Without seq_idx and with
-    at least w - 1 tokens that is x's tail alone: one copy instead of a gathered tensor and a copy."""
-    k, L = conv_state.shape[2], x.shape[2]
-    if seq_idx is None and L >= k:
-        conv_state.copy_(x[:, :, L - k:])
-    else:
-        conv_state.copy_(conv.final_state(x, initial_state, seq_idx, k + 1))
-
-
-def _state_major_A(layer: Mamba) -> torch.Tensor:
-    """The decode steps' cached A = -exp(A_log) (d, n) as a view of a state-major (n, d) copy, the scan kernels'
-    layout (the scan would otherwise transpose a copy at every prompt); made again when that cache is."""
-    A = derived(layer, "A_log", neg_exp_fp32)
-    hit = layer.__dict__.get("_prefill_A")
-    if hit is None or hit[0] is not A:
-        hit = (A, A.t().contiguous().t())
-        layer.__dict__["_prefill_A"] = hit  # a plain attribute: not a buffer, not in the state dict
-    return hit[1]

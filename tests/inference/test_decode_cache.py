@@ -97,6 +97,7 @@ def test_decode_constants_follow_in_place_updates(name):
     b, L = 2, 9
     ids = torch.randint(0, model.config.vocab_size, (b, L), generator=torch.Generator().manual_seed(2))
     mixers = [layer.mixer for layer in model.backbone.layers]
+    SLOT = "_decode_A_log_neg_exp_fp32"  # the decode step's A (derived keeps one slot per function)
 
     def decode_last():
         cache = model.allocate_inference_cache(b, L)
@@ -106,19 +107,19 @@ def test_decode_constants_follow_in_place_updates(name):
 
     with torch.no_grad():
         decode_last()
-        cached = [m.__dict__["_decode_A_log"][1] for m in mixers]
+        cached = [m.__dict__[SLOT][1] for m in mixers]
         decode_last()
-        assert all(m.__dict__["_decode_A_log"][1] is c for m, c in zip(mixers, cached))  # reused, not recomputed
+        assert all(m.__dict__[SLOT][1] is c for m, c in zip(mixers, cached))  # reused, not recomputed
         for m in mixers:
             m.A_log.add_(0.25)
         stepped = decode_last()
         assert_close(stepped, model(ids).logits[:, -1:], name=f"{name} step after an in-place update")
-    assert all(m.__dict__["_decode_A_log"][1] is not c for m, c in zip(mixers, cached))
+    assert all(m.__dict__[SLOT][1] is not c for m, c in zip(mixers, cached))
 
     from mamba_parallel.layers.decode_constants import derived, neg_exp_fp32
 
     A = derived(mixers[0], "A_log", neg_exp_fp32)  # grad enabled: a fresh, differentiable value, not the cache
-    assert A.requires_grad and A is not mixers[0].__dict__["_decode_A_log"][1]
+    assert A.requires_grad and A is not mixers[0].__dict__[SLOT][1]
     A.sum().backward()
     assert_close(mixers[0].A_log.grad, -torch.exp(mixers[0].A_log.detach()), name="d sum(-exp(A_log))")
 

@@ -76,9 +76,9 @@ def test_prefill_with_grad_takes_the_ops(monkeypatch):
 @pytest.mark.parametrize("resume", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 def test_saved_conv_state_is_the_final_state(L, resume, packed):
-    """The prefill's conv-state write (x's tail alone where that is all of it) is the conv's ``final_state``, bit
-    for bit: prompts shorter and longer than d_conv - 1 = 3, first or resumed (the cache holds the state the prompt
-    continues from and receives the new one), with and without seq_idx."""
+    """The prefill's conv-state write (``final_state`` into the cache: x's tail alone where that is all of it) is
+    the conv's ``final_state``, bit for bit: prompts shorter and longer than d_conv - 1 = 3, first or resumed (the
+    cache holds the state the prompt continues from and receives the new one), with and without seq_idx."""
     from mamba_parallel.ops.conv1d import triton_impl as conv
 
     g = torch.Generator().manual_seed(L)
@@ -88,7 +88,7 @@ def test_saved_conv_state_is_the_final_state(L, resume, packed):
     sid = torch.tensor([[0] * (L // 2) + [1] * (L - L // 2)] * b, dtype=torch.int32) if packed else None
     expected = conv.final_state(x, init, sid, w)
     cache = init.clone() if resume else torch.full((b, d, w - 1), float("nan"))
-    mamba1._save_conv_state(conv, cache, x, cache if resume else None, sid)
+    conv.final_state(x, cache if resume else None, sid, w, out=cache)
     assert torch.equal(cache, expected)
 
 

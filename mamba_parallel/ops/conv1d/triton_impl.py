@@ -59,8 +59,10 @@ def _final_state_mask(seq_idx: torch.Tensor, L: int, w: int) -> torch.Tensor:
     return seq_idx[:, pos] == seq_idx[:, -1:]
 
 
-def final_state(x, initial_state, seq_idx, w: int) -> torch.Tensor:
-    """The last w-1 inputs of [initial_state, x] (b, d, w-1) in x.dtype, zeroed outside the last sequence."""
+def final_state(x, initial_state, seq_idx, w: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The last w-1 inputs of [initial_state, x] (b, d, w-1) in x.dtype, zeroed outside the last sequence. ``out``
+    (b, d, w-1), e.g. an inference cache, which may also be ``initial_state``: written in place (cast to its dtype)
+    and returned; without seq_idx and with at least w-1 inputs that is one copy of x's tail."""
     b, d, L = x.shape
     if L >= w - 1:
         tail = x[:, :, L - (w - 1):]
@@ -69,6 +71,8 @@ def final_state(x, initial_state, seq_idx, w: int) -> torch.Tensor:
         tail = torch.cat([pre[:, :, L:].to(x.dtype), x], dim=-1)
     if seq_idx is not None:
         tail = tail * _final_state_mask(seq_idx, L, w)[:, None, :].to(x.dtype)
+    if out is not None:  # tail is x's view or a new tensor, never out itself: one copy
+        return out.copy_(tail.to(x.dtype))
     # a fresh tensor: a custom op's output may not alias its input
     return tail.to(x.dtype).clone(memory_format=torch.contiguous_format)
 

@@ -205,9 +205,3 @@ def plan(s: ScanShape, sm_count: int | None, path: str | None = None) -> ScanPla
     bwd = _backward(s, interp, row_layout=not interp or fwd.path in ROW_LAYOUT_PATHS)
     return ScanPlan(fwd, bwd)
 
-
-@functools.lru_cache(maxsize=4096)
-def default_forward(s: ScanShape, sm_count: int | None) -> Launch:
-    """The forward launch of a caller that takes the default path and passes it back by name (``scan_path``, then
-    ``scan_forward``): ``plan(s, sm, plan(s, sm).fwd.path).fwd``, in one cached lookup."""
-    return plan(s, sm_count, plan(s, sm_count).fwd.path).fwd
