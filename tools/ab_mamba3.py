@@ -1,0 +1,144 @@
+"""Another revision's Mamba-3 scan beside this checkout's, in one process: the same inputs, each side's fwd+bwd
+timed in alternation, how far apart their outputs and gradients are, and (--profile) each side's kernels.
+
+    python tools/ab_mamba3.py prepare REV [--dest build/ab_base]     where git is: REV's package, renamed
+    python tools/ab_mamba3.py time [--base build/ab_base] [--shape B L H P N R ...] [--dtype bf16] [--reps 20]
+                                   [--profile]                          on a GPU
+
+``prepare`` writes git REV's mamba_parallel/ under --dest as the package ``mamba_parallel_base`` (its imports
+renamed), so both import side by side; ``time`` runs the benchmark's scan inputs (bench_mamba3.scan_inputs, one
+B / C group, n / 4 rotated pairs, D, biases and the gate) through each. build/ is git-ignored: a run on another
+machine must carry the folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = "mamba_parallel_base"
+
+
+def prepare(rev: str, dest: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        tar = os.path.join(tmp, "pkg.tar")
+        subprocess.run(["git", "-C", ROOT, "archive", "-o", tar, rev, "mamba_parallel"], check=True)
+        with tarfile.open(tar) as t:
+            t.extractall(tmp)
+        src = os.path.join(tmp, "mamba_parallel")
+        out = os.path.join(dest, BASE)
+        subprocess.run(["rm", "-rf", out], check=True)
+        os.makedirs(dest, exist_ok=True)
+        os.rename(src, out)
+    word = re.compile(r"\bmamba_parallel\b")
+    for folder, _, files in os.walk(out):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                text = open(path).read()
+                open(path, "w").write(word.sub(BASE, text))
+    sha = subprocess.run(["git", "-C", ROOT, "rev-parse", rev], capture_output=True, text=True).stdout.strip()
+    open(os.path.join(dest, "REV"), "w").write(sha + "\n")
+    print(f"ab_mamba3: {rev} ({sha[:12]}) as {BASE} in {dest}")
+
+
+def _run(op, inputs, dy):
+    """One fwd+bwd -> (y, {name: grad})."""
+    import torch
+
+    from mamba_parallel.bench.bench_mamba3 import grad_names
+    from mamba_parallel.bench.peer_mamba3 import ours_scan
+
+    leaves = {k: (v.detach().requires_grad_(True) if k in grad_names(inputs) else v) for k, v in inputs.items()}
+    y = ours_scan(**leaves, op=op)
+    y.backward(dy)
+    return y.detach(), {k: leaves[k].grad for k in grad_names(inputs) if leaves[k].grad is not None}
+
+
+def time_both(base: str, shapes, dtype_name: str, reps: int, warmup: int, profile: bool) -> None:
+    import torch
+
+    sys.path.insert(0, os.path.abspath(base))
+    sys.path.insert(0, ROOT)
+    import importlib
+
+    from mamba_parallel.bench.bench_mamba3 import case_name, scan_inputs
+    from mamba_parallel.ops.mamba3 import triton_impl as new_impl
+
+    old_impl = importlib.import_module(f"{BASE}.ops.mamba3.triton_impl")
+    rev_file = os.path.join(base, "REV")
+    rev = open(rev_file).read().strip()[:12] if os.path.exists(rev_file) else "?"
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    sides = {f"base {rev}": old_impl.mamba3_chunk_scan, "this checkout": new_impl.mamba3_chunk_scan}
+    print(f"ab_mamba3: {torch.cuda.get_device_name()}, {dtype_name}, median of {reps} alternating fwd+bwd")
+    for shape in shapes:
+        inputs = scan_inputs(*shape, dtype, "cuda")
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        b, L, h, p = shape[:4]
+        dy = torch.randn(b, L, h, p, device="cuda", dtype=dtype, generator=gen)
+        results = {name: _run(op, inputs, dy) for name, op in sides.items()}
+        for _ in range(warmup):
+            for op in sides.values():
+                _run(op, inputs, dy)
+        times = {name: [] for name in sides}
+        for _ in range(reps):
+            for name, op in sides.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                _run(op, inputs, dy)
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end))
+        print(f"\n{case_name(shape)}")
+        for name, ts in times.items():
+            print(f"  {name}: fwd+bwd {sorted(ts)[len(ts) // 2]:.3f} ms")
+        (y0, g0), (y1, g1) = results.values()
+        rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()  # noqa: E731
+        diffs = [f"y {rel(y1, y0):.1e}"] + [f"d{k} {rel(g1[k], g0[k]):.1e}" for k in g0 if k in g1]
+        print("  relative difference (this checkout against base): " + ", ".join(diffs))
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as prof
+
+            for name, op in sides.items():
+                with prof(activities=[ProfilerActivity.CUDA]) as pr:
+                    for _ in range(5):
+                        _run(op, inputs, dy)
+                    torch.cuda.synchronize()
+                print(f"  {name}, CUDA time per fwd+bwd by kernel (ms):")
+                rows = sorted(pr.key_averages(), key=lambda e: -e.device_time_total)
+                for e in rows[:14]:
+                    print(f"    {e.device_time_total / 5e3:8.3f}  {e.key[:100]}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="write REV's package as mamba_parallel_base under --dest (needs git)")
+    p.add_argument("rev")
+    p.add_argument("--dest", default=os.path.join(ROOT, "build", "ab_base"))
+    t = sub.add_parser("time", help="time both sides on a GPU")
+    t.add_argument("--base", default=os.path.join(ROOT, "build", "ab_base"))
+    t.add_argument("--shape", nargs=6, type=int, action="append", metavar=("B", "L", "H", "P", "N", "R"),
+                   help="repeatable; R = 1: SISO (default: 8 4096 32 64 128 1 and its MIMO rank 4)")
+    t.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    t.add_argument("--reps", type=int, default=20)
+    t.add_argument("--warmup", type=int, default=3)
+    t.add_argument("--profile", action="store_true", help="also each side's CUDA time by kernel")
+    a = ap.parse_args(argv)
+    if a.cmd == "prepare":
+        prepare(a.rev, a.dest)
+    else:
+        time_both(a.base, a.shape or [[8, 4096, 32, 64, 128, 1], [8, 4096, 32, 64, 128, 4]], a.dtype, a.reps,
+                  a.warmup, a.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
