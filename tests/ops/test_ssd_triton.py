@@ -327,6 +327,24 @@ def test_final_states_out_with_autograd_is_a_copy():
     assert torch.equal(y0, y1) and torch.equal(f0, f1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
 
 
+def test_compile_writes_the_cache():
+    """torch.compile traces the inference op that writes the cache (also its initial states) in one graph, and the
+    compiled call leaves the same cache (aot_eager: traced with the fake kernel, run for real)."""
+    args, kw, cache = _into_case("plain", True, torch.float32)
+    args.pop("initial_states")
+    y_ref, final_ref = triton_impl.ssd_chunk_scan(**args, **kw, initial_states=cache.clone(), return_final_states=True)
+
+    def f(x, dt, A, B, C, D, z, dt_bias, cache):
+        return 2 * triton_impl.ssd_chunk_scan(x, dt, A, B, C, 16, D, z, dt_bias, True, (0.0, math.inf), cache,
+                                              None, None, False, False, cache)
+
+    with torch.no_grad():
+        explain = torch._dynamo.explain(f)(**args, cache=cache.clone())
+        assert explain.graph_break_count == 0 and explain.graph_count == 1
+        y = torch.compile(f, backend="aot_eager", fullgraph=True)(**args, cache=cache)
+    assert torch.equal(y, 2 * y_ref) and torch.equal(cache, final_ref)
+
+
 @pytest.mark.parametrize("backend", ["naive", "triton"])
 def test_public_function_writes_final_states_out(backend, ops_backend):
     """ops.ssd_chunk_scan with final_states_out on either backend: the cache (also the initial states) holds what
