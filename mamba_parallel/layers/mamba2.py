@@ -32,6 +32,7 @@ from mamba_parallel.layers.out_proj import fusable_linear, no_hooks
 from mamba_parallel.layers.recompute import NOTHING, RecomputeInBackward, recompute_plan, recompute_set, run_saving
 from mamba_parallel.layers.seq_ops import SequenceOps
 from mamba_parallel.ops.backend import triton_available, use_triton
+from mamba_parallel.ops.conv1d.naive import final_state as conv_final_state
 from mamba_parallel.ops.grad_arena import split_with_grad_arena, tag_view
 
 
@@ -45,13 +46,14 @@ class Mamba2Ops(SequenceOps):
 
     def scan(self, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
              dt_limit=(0.0, float("inf")), initial_states=None, seq_idx=None, cu_seqlens=None,
-             return_final_states=False, recompute_states=False):
+             return_final_states=False, recompute_states=False, final_states_out=None):
         """``ops.ssd_chunk_scan``: x (b, L, h, p), dt (b, L, h), A (h,), B / C (b, L, g, n) -> y (b, L, h, p)
-        [, final_states (b, h, p, n) fp32]."""
+        [, final_states (b, h, p, n) fp32]; ``final_states_out``: where the final states are written (the
+        single-device scan's own argument: the layer passes it only where ``local``)."""
         return ops.ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                   dt_limit=dt_limit, initial_states=initial_states, seq_idx=seq_idx,
                                   cu_seqlens=cu_seqlens, return_final_states=return_final_states,
-                                  recompute_states=recompute_states)
+                                  recompute_states=recompute_states, final_states_out=final_states_out)
 
 
 class Mamba2(nn.Module):
@@ -150,13 +152,23 @@ class Mamba2(nn.Module):
         z, xBC, dt = self._split_in_proj(self.in_proj(hidden_states))
 
         conv_kwargs, scan_kwargs = {}, {}
+        into = False  # whether the conv's and the scan's final states go straight into the cache
         if conv_state is not None:
             resume = inference_params.seqlen_offset > 0  # chunked prefill continues from the cached states
-            conv_kwargs = dict(initial_state=conv_state[:b] if resume else None, return_final_state=True)
-            scan_kwargs = dict(initial_states=ssm_state[:b] if resume else None, return_final_states=True)
+            conv_init, ssm_init = (conv_state[:b], ssm_state[:b]) if resume else (None, None)
+            # a prompt without autograd on the single-device ops: the scan writes its final states into the
+            # cache (no fp32 buffer, no copy), the conv's is one copy of its input's tail (no buffer, no second
+            # copy); other strategies (context parallel: the whole sequence's states) return them for a copy
+            into = self.seq_ops.local and not (torch.is_grad_enabled() and xBC.requires_grad)
+            conv_kwargs = dict(initial_state=conv_init, return_final_state=not into)
+            scan_kwargs = dict(initial_states=ssm_init, return_final_states=not into)
+            if into:
+                scan_kwargs["final_states_out"] = ssm_state[:b]
         conv_in = _tagged(xBC, lambda t: t.transpose(1, 2))
         xBC = self._conv(conv_in, seq_idx, **conv_kwargs)
-        if conv_state is not None:
+        if into:  # after the conv has read the state it continues from
+            conv_final_state(conv_in, conv_init, seq_idx, self.d_conv, out=conv_state[:b])
+        elif conv_state is not None:
             xBC, final_conv = xBC
             conv_state[:b].copy_(final_conv)
         # what the backward rebuilds instead of keeping (empty: no context at all)
@@ -178,7 +190,7 @@ class Mamba2(nn.Module):
                        dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
                        seq_idx=None if cu_seqlens is not None else seq_idx, cu_seqlens=cu_seqlens,
                        recompute_states="states" in self.recompute, **scan_kwargs)
-        if ssm_state is not None:
+        if ssm_state is not None and not into:
             y, final_ssm = y
             ssm_state[:b].copy_(final_ssm)
         y = y.flatten(-2)

@@ -115,10 +115,13 @@ class Tuner:
     """``tuner(kernel, name, dtype)``: the kernel wrapped in its autotuner, from ``table[name]`` = (GPU candidates,
     interpreter config, autotune key[, GPU candidates for 4-byte operands]); ``dtype``: the kernel's operand
     dtype, which picks the fp32 candidates when a table gives them (fp32 tiles are twice the bytes of bf16's).
-    One wrapper per (kernel, name, candidates, interpreter, autotune) kept."""
+    ``restore[name]``: arguments a launch of that kernel may read after writing (e.g. a buffer that is both its
+    input and its output), put back after each of the tuner's trial runs. One wrapper per (kernel, name,
+    candidates, interpreter, autotune) kept."""
 
-    def __init__(self, table: dict):
+    def __init__(self, table: dict, restore: dict | None = None):
         self.table = table
+        self.restore = restore or {}
         self._cache: dict = {}
 
     def candidates(self, name: str, dtype: torch.dtype | None = None) -> list:
@@ -136,7 +139,7 @@ class Tuner:
             if interpret_mode():
                 fn = triton.autotune(configs=[interp], key=keys)(kernel)
             elif autotune:
-                fn = triton.autotune(configs=gpu, key=keys,
+                fn = triton.autotune(configs=gpu, key=keys, restore_value=self.restore.get(name),
                                      prune_configs_by={"early_config_prune": _fit_pruner(kernel)})(kernel)
             else:
                 fn = _FirstFit(kernel, gpu, keys)

@@ -133,3 +133,27 @@ def test_conv_bad_inputs_name_the_argument():
         causal_conv1d(x, torch.randn(3, 4), seq_idx=torch.zeros(2, 5))
     with pytest.raises(ValueError, match="conv_state"):
         causal_conv1d_update(x[:, :, 0], torch.randn(2, 3, 2), torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 7])
+@pytest.mark.parametrize("resume", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("x_dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32)])
+def test_final_state_into_a_cache_is_the_returned_one(L, resume, packed, x_dtype, cache_dtype):
+    """``naive.final_state(..., out=cache)`` (what a Mamba-2 prefill writes into its cache, on either backend)
+    leaves in the cache what this op's returned final state copied into it left, bit for bit: prompts shorter and
+    longer than w - 1 = 3, first or resumed (the cache is also the initial state), with and without seq_idx."""
+    from mamba_parallel.ops.conv1d.naive import final_state
+
+    g = torch.Generator().manual_seed(L)
+    b, d, w = 2, 8, 4
+    x = torch.randn(b, L, d, generator=g).to(x_dtype).transpose(1, 2)  # channels-last, as in_proj's output
+    weight = torch.randn(d, w, generator=g)
+    init = torch.randn(b, d, w - 1, generator=g).to(cache_dtype) if resume else None
+    sid = torch.tensor([[0] * (L // 2) + [1] * (L - L // 2)] * b, dtype=torch.int32) if packed else None
+    _, returned = causal_conv1d(x, weight, None, "silu", init, sid, return_final_state=True)
+    expected = (init.clone() if resume else torch.zeros(b, d, w - 1, dtype=cache_dtype)).copy_(returned)
+    cache = init.clone() if resume else torch.full((b, d, w - 1), float("nan"), dtype=cache_dtype)
+    assert final_state(x, cache if resume else None, sid, w, out=cache) is cache
+    assert torch.equal(cache, expected)

@@ -154,3 +154,47 @@ def test_fp32_math_inside_autocast():
     assert y.dtype == torch.float32
     y_ref = ssd_sequential(**{k: v.double() for k, v in a.items()}, dt_softplus=True)
     assert_close(y, y_ref, torch.float32, name="y under autocast")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32-cache", "bf16-cache"])
+@pytest.mark.parametrize("resume", [False, True], ids=["first", "resumed"])
+@pytest.mark.parametrize("layout", ["plain", "seq_idx", "cu_seqlens"])
+def test_final_states_out_written_in_place(layout, resume, out_dtype):
+    """final_states_out holds what the returned final states copied into it held (fp32, or rounded to a bf16
+    cache), y is unchanged, and it is the final_states returned; resumed, it is also the initial states the scan
+    starts from (a cache read and written in place). The sequential form takes the argument too."""
+    a = {k: v.float() for k, v in _inputs(L=11, seed=21).items()}
+    kw = dict(chunk_size=4, dt_softplus=True)
+    if layout == "seq_idx":
+        kw["seq_idx"] = SEQ
+    elif layout == "cu_seqlens":
+        a = {k: v[:1] if k not in ("A", "D", "dt_bias", "initial_states") else v for k, v in a.items()}
+        a["initial_states"] = torch.randn(3, 4, 3, 3)
+        kw["cu_seqlens"] = torch.tensor([0, 4, 4, 11], dtype=torch.int32)  # an empty sequence
+    init = a.pop("initial_states").to(out_dtype)
+    for fn, fkw in ((ssd_chunk_scan, kw), (ssd_sequential, {k: v for k, v in kw.items() if k != "chunk_size"})):
+        y_ref, final_ref = fn(**a, **fkw, initial_states=init.clone() if resume else None, return_final_states=True)
+        out = init.clone() if resume else torch.full_like(init, float("nan"))
+        y, returned = fn(**a, **fkw, initial_states=out if resume else None, return_final_states=True,
+                         final_states_out=out)
+        assert returned is out and torch.equal(y, y_ref), fn.__name__
+        assert torch.equal(out, final_ref.to(out_dtype)), fn.__name__
+
+
+def test_bad_final_states_out_names_the_argument():
+    a = _inputs()
+    base = {k: a[k] for k in ("x", "dt", "A", "B", "C")}
+    cache = torch.zeros(3, 4, 3, 3, dtype=F64)
+    bad = {
+        "shape": torch.zeros(2, 4, 3, 4, dtype=F64),
+        "must be floating point": torch.zeros(2, 4, 3, 3, dtype=torch.int32),
+        "contiguous": torch.zeros(2, 4, 3, 3, dtype=F64).transpose(2, 3),
+        "device": torch.zeros(2, 4, 3, 3, dtype=F64, device="meta"),
+    }
+    for what, out in bad.items():
+        with pytest.raises(ValueError, match=f"final_states_out.*{what}"):
+            ssd_chunk_scan(**base, chunk_size=4, final_states_out=out)
+    with pytest.raises(ValueError, match="final_states_out overlaps initial_states"):  # a shifted view of one cache
+        ssd_chunk_scan(**base, chunk_size=4, initial_states=cache[:2], final_states_out=cache[1:])
+    ssd_chunk_scan(**base, chunk_size=4, initial_states=cache[:2], final_states_out=cache[:2])  # the same view
+    ssd_chunk_scan(**base, chunk_size=4, initial_states=cache[:2].clone(), final_states_out=cache[1:])  # apart

@@ -249,6 +249,115 @@ def test_public_function_dispatches_here(monkeypatch, ops_backend):
     assert calls and y.shape == args["x"].shape
 
 
+# ---------------------------------------------------------------- final states into a given tensor (a cache)
+
+OUT_LAYOUTS = {
+    # name: (b, L, nstates, scan options): odd lengths, not multiples of the chunk (16)
+    "plain": (2, 45, 2, dict()),
+    "seq_idx": (2, 40, 2, dict(seq_idx=torch.tensor([[0] * 5 + [1] * 20 + [2] * 15, [0] * 16 + [3] * 24],
+                                                    dtype=torch.int32))),
+    "cu_seqlens": (1, 50, 4, dict(cu_seqlens=torch.tensor([0, 7, 7, 30, 50], dtype=torch.int32))),  # one empty
+}
+
+
+def _into_case(layout, resume, out_dtype, device=DEV, h=2, p=16, n=16, dtype=torch.float32, seed=0):
+    """-> (inputs, scan options, the buffer the final states go into: the initial states when resumed (a cache
+    read and written in place), else a NaN-filled one (every element must be written))."""
+    b, L, nst, opts = OUT_LAYOUTS[layout]
+    args = make_inputs(b, L, h, p, n, 1, dtype, device=device, z=True, nstates=nst, seed=seed)
+    if resume:
+        args["initial_states"] = args["initial_states"].to(out_dtype)
+        out = args["initial_states"]
+    else:
+        args["initial_states"] = None
+        out = torch.full((nst, h, p, n), float("nan"), device=device, dtype=out_dtype)
+    kw = {k: v.to(device) for k, v in opts.items()}
+    return args, dict(chunk_size=16, dt_softplus=True, **kw), out
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32-cache", "bf16-cache"])
+@pytest.mark.parametrize("resume", [False, True], ids=["first", "resumed"])
+@pytest.mark.parametrize("layout", list(OUT_LAYOUTS))
+def test_final_states_written_into_the_cache(layout, resume, out_dtype, states_path, monkeypatch):
+    """final_states_out (no autograd) holds exactly what the returned final states copied into it held, fp32 or
+    rounded to a bf16 cache, and y is unchanged; resumed, the buffer is also the initial states the scan starts
+    from. The inference op writes it (in the interpreter an fp32 one directly, a bf16 one by one copy)."""
+    args, kw, out = _into_case(layout, resume, out_dtype)
+    y_ref, final_ref = triton_impl.ssd_chunk_scan(**dict(args, initial_states=(
+        args["initial_states"].clone() if resume else None)), **kw, return_final_states=True)
+    calls = []
+    real = triton_impl.ssd_fwd_into_op
+    monkeypatch.setattr(triton_impl, "ssd_fwd_into_op", lambda *a: calls.append(a[-1] is out) or real(*a))
+    y, returned = triton_impl.ssd_chunk_scan(**args, **kw, return_final_states=True, final_states_out=out)
+    assert calls == [out_dtype == torch.float32]  # the kernels wrote the cache itself where they could
+    assert returned is out and out.dtype == out_dtype
+    assert torch.equal(y, y_ref)
+    assert torch.equal(out, final_ref.to(out_dtype))
+    y2 = triton_impl.ssd_chunk_scan(**dict(args, initial_states=None), **kw, final_states_out=out)  # no return
+    assert torch.equal(y2, triton_impl.ssd_chunk_scan(**dict(args, initial_states=None), **kw))
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["first", "resumed"])
+@pytest.mark.parametrize("layout", list(OUT_LAYOUTS))
+def test_kernels_round_into_a_narrower_cache(layout, resume, states_path, monkeypatch):
+    """The kernels' own rounding store into a narrower cache (what a GPU does for a bf16 one), on an fp16 cache,
+    which the interpreter rounds exactly: the returned fp32 final states copied into it, bit for bit."""
+    monkeypatch.setattr(triton_impl, "_stores_directly", lambda out, x: True)
+    args, kw, out = _into_case(layout, resume, torch.float16)
+    y_ref, final_ref = triton_impl.ssd_chunk_scan(**dict(args, initial_states=(
+        args["initial_states"].clone() if resume else None)), **kw, return_final_states=True)
+    y = triton_impl.ssd_chunk_scan(**args, **kw, final_states_out=out)
+    assert torch.equal(y, y_ref) and torch.equal(out, final_ref.to(torch.float16))
+
+
+def test_final_states_out_with_autograd_is_a_copy():
+    """With autograd recording, final_states_out takes a copy of the differentiable final states and is returned
+    as them: the same values and the same gradients as the returned final states."""
+    args, kw, _ = _into_case("plain", True, torch.float32)
+    gf = torch.randn(args["initial_states"].shape, generator=torch.Generator().manual_seed(5)).to(DEV)
+    results = []
+    for into in (False, True):
+        leaves = {k: v.detach().requires_grad_(True) if v is not None else None for k, v in args.items()}
+        out = torch.full(args["initial_states"].shape, float("nan"), device=DEV) if into else None
+        y, final = triton_impl.ssd_chunk_scan(**leaves, **kw, return_final_states=True, final_states_out=out)
+        assert final is out or not into
+        ((y.float() ** 2).sum() + (final * gf).sum()).backward()
+        results.append((y.detach(), final.detach(), [leaves[k].grad for k in GRAD_NAMES if leaves[k] is not None]))
+    (y0, f0, g0), (y1, f1, g1) = results
+    assert torch.equal(y0, y1) and torch.equal(f0, f1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def test_compile_writes_the_cache():
+    """torch.compile traces the inference op that writes the cache (also its initial states) in one graph, and the
+    compiled call leaves the same cache (aot_eager: traced with the fake kernel, run for real)."""
+    args, kw, cache = _into_case("plain", True, torch.float32)
+    args.pop("initial_states")
+    y_ref, final_ref = triton_impl.ssd_chunk_scan(**args, **kw, initial_states=cache.clone(), return_final_states=True)
+
+    def f(x, dt, A, B, C, D, z, dt_bias, cache):
+        return 2 * triton_impl.ssd_chunk_scan(x, dt, A, B, C, 16, D, z, dt_bias, True, (0.0, math.inf), cache,
+                                              None, None, False, False, cache)
+
+    with torch.no_grad():
+        explain = torch._dynamo.explain(f)(**args, cache=cache.clone())
+        assert explain.graph_break_count == 0 and explain.graph_count == 1
+        y = torch.compile(f, backend="aot_eager", fullgraph=True)(**args, cache=cache)
+    assert torch.equal(y, 2 * y_ref) and torch.equal(cache, final_ref)
+
+
+@pytest.mark.parametrize("backend", ["naive", "triton"])
+def test_public_function_writes_final_states_out(backend, ops_backend):
+    """ops.ssd_chunk_scan with final_states_out on either backend: the cache (also the initial states) holds what
+    the returned final states held; the Triton path's op-level check above covers the rest."""
+    from mamba_parallel.ops import ssd_chunk_scan
+
+    ops_backend(backend)
+    args, kw, cache = _into_case("seq_idx", True, torch.float32)
+    y_ref, final_ref = ssd_chunk_scan(**dict(args, initial_states=cache.clone()), **kw, return_final_states=True)
+    y = ssd_chunk_scan(**args, **kw, final_states_out=cache)
+    assert torch.equal(y, y_ref) and torch.equal(cache, final_ref)
+
+
 # ---------------------------------------------------------------- GPU
 
 GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -277,3 +386,39 @@ def test_gpu_seq_idx_chunk64(nan_poison, states_path):
     seq_idx[0, 333:] = 2
     seq_idx[1, 64:] = 5
     check_against_reference(args, dict(chunk_size=64, dt_softplus=True, seq_idx=seq_idx), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32-cache", "bf16-cache"])
+@pytest.mark.parametrize("resume", [False, True], ids=["first", "resumed"])
+@pytest.mark.parametrize("layout", list(OUT_LAYOUTS))
+def test_gpu_final_states_written_into_the_cache(layout, resume, out_dtype, nan_poison, states_path):
+    """On a GPU the kernels write the final states into the cache themselves, a bf16 one too (their store
+    rounds to nearest even): bit for bit the returned fp32 final states copied into it."""
+    args, kw, out = _into_case(layout, resume, out_dtype, device="cuda", h=8, p=64, n=128, dtype=torch.bfloat16)
+    y_ref, final_ref = triton_impl.ssd_chunk_scan(**dict(args, initial_states=(
+        args["initial_states"].clone() if resume else None)), **kw, return_final_states=True)
+    y, returned = triton_impl.ssd_chunk_scan(**args, **kw, return_final_states=True, final_states_out=out)
+    assert returned is out
+    assert torch.equal(y, y_ref)
+    assert torch.equal(out, final_ref.to(out_dtype))
+
+
+@pytest.mark.gpu
+def test_gpu_resumed_cache_survives_autotuning(nan_poison, monkeypatch):
+    """With autotuning on, the state pass that tunes is the one writing the cache it continues from: its trial runs
+    must put the cache back before the real launch reads it (the reference runs after, on the tuned launch)."""
+    from mamba_parallel.ops import use_autotune
+    from mamba_parallel.ops.ssd import triton_tuning
+
+    monkeypatch.setattr(triton_tuning.tuned, "_cache", {})  # new autotuners: the first call below tunes
+    monkeypatch.setattr(triton_impl, "sweep_states", lambda pairs, device: True)
+    args, kw, cache = _into_case("plain", True, torch.float32, device="cuda", h=8, p=64, n=128,
+                                 dtype=torch.bfloat16)
+    init = cache.clone()
+    with use_autotune(True):
+        y = triton_impl.ssd_chunk_scan(**args, **kw, final_states_out=cache)
+        y_ref, final_ref = triton_impl.ssd_chunk_scan(**dict(args, initial_states=init), **kw,
+                                                      return_final_states=True)
+    assert torch.equal(y, y_ref)
+    assert torch.equal(cache, final_ref)

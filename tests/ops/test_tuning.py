@@ -111,3 +111,18 @@ def test_untuned_and_tuned_launches_skip_what_the_device_cannot_hold(monkeypatch
     fake = _FakeKernel()
     kept = tuning._fit_pruner(fake)(cands, {"X": x, "n": 5}, grid=(1,), warmup=False, T=2)
     assert kept == cands[1:] and len(fake.compiled) == 3
+
+
+def test_the_ssd_state_pass_tuner_puts_its_final_states_back(monkeypatch):
+    """The SSD forward state pass may write the final states over the initial states it reads (a cache continued
+    in place), so its GPU autotuner restores that buffer after each trial run; the other kernels restore nothing."""
+    from mamba_parallel.ops import tuning
+    from mamba_parallel.ops.ssd import triton_states
+    from mamba_parallel.ops.ssd.triton_tuning import tuned as ssd_tuned
+
+    monkeypatch.setattr(tuning, "interpret_mode", lambda: False)
+    monkeypatch.setattr(tuning, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(ssd_tuned, "_cache", {})
+    state_fwd = ssd_tuned(triton_states._chunk_state_pass_fwd_kernel, "state_fwd", torch.bfloat16)
+    state_bwd = ssd_tuned(triton_states._state_grad_pass_kernel, "state_bwd", torch.bfloat16)
+    assert state_fwd.restore_value == ["final_ptr"] and state_bwd.restore_value == []

@@ -2,6 +2,8 @@
 
 Tap k of the width-w filter multiplies the input k - (w - 1) steps away, so weight[:, -1] sees the current token
 (the layout of ``nn.Conv1d(groups=d, padding=w - 1)`` truncated to the first L outputs, as mamba_ssm uses it).
+``final_state`` (the state a prompt leaves, optionally written into an inference cache) is shared with the Triton
+path: a gather, no arithmetic.
 """
 
 from __future__ import annotations
@@ -49,6 +51,30 @@ def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, seq
     if seq_pad is not None:
         final = final * (seq_pad[:, L:] == seq_idx[:, -1:]).unsqueeze(1).to(ct)
     return y, final.to(x.dtype)
+
+
+def final_state_mask(seq_idx: torch.Tensor, L: int, w: int) -> torch.Tensor:
+    """(b, w-1) bool: final-state slot j (input L-(w-1)+j) belongs to the last token's sequence."""
+    pos = torch.arange(L - (w - 1), L, device=seq_idx.device).clamp_min(0)
+    return seq_idx[:, pos] == seq_idx[:, -1:]
+
+
+def final_state(x, initial_state, seq_idx, w: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The last w-1 inputs of [initial_state, x] (b, d, w-1) in x.dtype, zeroed outside the last sequence. ``out``
+    (b, d, w-1), e.g. an inference cache, which may also be ``initial_state``: written in place (cast to its dtype)
+    and returned; without seq_idx and with at least w-1 inputs that is one copy of x's tail."""
+    b, d, L = x.shape
+    if L >= w - 1:
+        tail = x[:, :, L - (w - 1):]
+    else:
+        pre = initial_state if initial_state is not None else x.new_zeros((b, d, w - 1))
+        tail = torch.cat([pre[:, :, L:].to(x.dtype), x], dim=-1)
+    if seq_idx is not None:
+        tail = tail * final_state_mask(seq_idx, L, w)[:, None, :].to(x.dtype)
+    if out is not None:  # tail is x's view or a new tensor, never out itself: one copy
+        return out.copy_(tail.to(x.dtype))
+    # a fresh tensor: a custom op's output may not alias its input
+    return tail.to(x.dtype).clone(memory_format=torch.contiguous_format)
 
 
 @fp32_math

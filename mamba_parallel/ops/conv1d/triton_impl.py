@@ -20,6 +20,7 @@ import triton
 
 from mamba_parallel.ops.backend import interpret_mode
 from mamba_parallel.ops.conv1d import launch, naive
+from mamba_parallel.ops.conv1d.naive import final_state, final_state_mask as _final_state_mask
 from mamba_parallel.ops.conv1d.triton_conv1d_bwd import conv1d_bwd_kernel
 from mamba_parallel.ops.conv1d.triton_conv1d_bwd_scan import conv1d_bwd_scan_kernel
 from mamba_parallel.ops.conv1d.triton_conv1d_fwd import conv1d_fwd_kernel
@@ -51,30 +52,6 @@ def backward_path(x: torch.Tensor, w: int, path: str | None = None) -> str:
 
 def _strides(t: Optional[torch.Tensor], n: int) -> tuple[int, ...]:
     return tuple(t.stride()) if t is not None else (0,) * n
-
-
-def _final_state_mask(seq_idx: torch.Tensor, L: int, w: int) -> torch.Tensor:
-    """(b, w-1) bool: final-state slot j (input L-(w-1)+j) belongs to the last token's sequence."""
-    pos = torch.arange(L - (w - 1), L, device=seq_idx.device).clamp_min(0)
-    return seq_idx[:, pos] == seq_idx[:, -1:]
-
-
-def final_state(x, initial_state, seq_idx, w: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The last w-1 inputs of [initial_state, x] (b, d, w-1) in x.dtype, zeroed outside the last sequence. ``out``
-    (b, d, w-1), e.g. an inference cache, which may also be ``initial_state``: written in place (cast to its dtype)
-    and returned; without seq_idx and with at least w-1 inputs that is one copy of x's tail."""
-    b, d, L = x.shape
-    if L >= w - 1:
-        tail = x[:, :, L - (w - 1):]
-    else:
-        pre = initial_state if initial_state is not None else x.new_zeros((b, d, w - 1))
-        tail = torch.cat([pre[:, :, L:].to(x.dtype), x], dim=-1)
-    if seq_idx is not None:
-        tail = tail * _final_state_mask(seq_idx, L, w)[:, None, :].to(x.dtype)
-    if out is not None:  # tail is x's view or a new tensor, never out itself: one copy
-        return out.copy_(tail.to(x.dtype))
-    # a fresh tensor: a custom op's output may not alias its input
-    return tail.to(x.dtype).clone(memory_format=torch.contiguous_format)
 
 
 # ---------------------------------------------------------------------------------------------------- forward op

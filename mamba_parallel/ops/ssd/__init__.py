@@ -47,12 +47,49 @@ def check_ssd_args(op, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_limit, init
                 ("n", n))
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The first and last byte addresses of t's elements (t not empty)."""
+    lo = hi = t.data_ptr()
+    for size, stride in zip(t.shape, t.stride()):
+        reach = (size - 1) * stride * t.element_size()
+        lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+    return lo, hi + t.element_size() - 1
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride())
+
+
+def check_final_states_out(op, out, x, B, initial_states, cu_seqlens):
+    """``final_states_out``: a contiguous floating-point (b or nseq, h, p, n) tensor on x's device that is
+    ``initial_states`` itself (e.g. the inference cache a prompt continues from) or does not overlap it."""
+    name = "final_states_out"
+    check_ndim(op, name, out, (4,), "(b | nseq, h, p, n)")
+    rows = ("nseq", cu_seqlens.numel() - 1) if cu_seqlens is not None else ("b", x.shape[0])
+    check_shape(op, name, out, rows, ("h", x.shape[2]), ("p", x.shape[3]), ("n", B.shape[3]))
+    if not out.is_floating_point():
+        raise ValueError(f"{op}: {name} must be floating point (fp32, or e.g. a bf16 state cache), got {out.dtype}")
+    if out.device != x.device:
+        raise ValueError(f"{op}: {name} must be on x's device ({x.device}), got {out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous (e.g. cache[:b] of a contiguous cache), got strides "
+                         f"{tuple(out.stride())} for shape {tuple(out.shape)}")
+    if (initial_states is not None and out.numel() and initial_states.numel() and not _same_view(out, initial_states)
+            and initial_states.device == out.device):
+        (lo, hi), (ilo, ihi) = _byte_span(out), _byte_span(initial_states)
+        if lo <= ihi and ilo <= hi:
+            raise ValueError(f"{op}: {name} overlaps initial_states without being the same tensor: pass the same "
+                             f"view for both (a cache read and written in place) or separate tensors")
+
+
 def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                    chunk_size: int, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
                    dt_bias: torch.Tensor | None = None, dt_softplus: bool = False,
                    dt_limit: tuple[float, float] = (0.0, math.inf), initial_states: torch.Tensor | None = None,
                    seq_idx: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                   return_final_states: bool = False, recompute_states: bool = False):
+                   return_final_states: bool = False, recompute_states: bool = False,
+                   final_states_out: torch.Tensor | None = None):
     """The Mamba-2 state space model over a whole sequence.
 
     x (b, L, h, p); dt (b, L, h); A (h,) (negative); B, C (b, L, g, n), g dividing h (head block i of h/g heads
@@ -64,16 +101,23 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     Returns y (b, L, h, p) in x.dtype [, final_states (b, h, p, n) or (nseq, h, p, n), fp32].
     L need not be a multiple of chunk_size. ``recompute_states`` (Triton path): the backward recomputes the
     per-chunk dt / decay and chunk states instead of keeping them (less memory, one more state pass).
+    ``final_states_out`` (b or nseq, h, p, n), contiguous, fp32 or narrower (e.g. a bf16 state cache): the final
+    states are written into it in place (rounded to its dtype, as by ``copy_``) and, with return_final_states, it
+    is the final_states returned. It may be ``initial_states`` itself (a cache read and written in place), but
+    must not otherwise overlap it. Without autograd the Triton path's kernels write it directly: no fp32 buffer
+    and no copy.
     """
-    check_ssd_args("ssd_chunk_scan", x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_limit, initial_states, seq_idx,
-                   cu_seqlens)
-    if use_triton(x, op="ssd_chunk_scan", has_kernel=_kernel() is not None):
-        check_int32_span("ssd_chunk_scan", x=x, dt=dt, B=B, C=C, z=z)
+    op = "ssd_chunk_scan"
+    check_ssd_args(op, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_limit, initial_states, seq_idx, cu_seqlens)
+    if final_states_out is not None:
+        check_final_states_out(op, final_states_out, x, B, initial_states, cu_seqlens)
+    if use_triton(x, op=op, has_kernel=_kernel() is not None):
+        check_int32_span(op, x=x, dt=dt, B=B, C=C, z=z)
         return _kernel().ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit,
                                         initial_states, seq_idx, cu_seqlens, return_final_states,
-                                        recompute_states)
+                                        recompute_states, final_states_out)
     return naive.ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
-                                seq_idx, cu_seqlens, return_final_states)
+                                seq_idx, cu_seqlens, return_final_states, final_states_out)
 
 
 __all__ = ["ssd_chunk_scan"]

@@ -98,12 +98,21 @@ def _finish(y, x, D, z, ct):
     return y
 
 
+def _deliver(y, final, return_final_states, final_states_out):
+    """The op's result; ``final_states_out`` (when given) receives the final states (rounded to its dtype) and is
+    returned as them. Written after the whole scan: it may be the initial states the scan read."""
+    if final_states_out is not None:
+        final = final_states_out.copy_(final)
+    return (y, final) if return_final_states else y
+
+
 @fp32_math
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, cu_seqlens=None,
-                   return_final_states=False):
+                   return_final_states=False, final_states_out=None):
     """x (b, L, h, p); dt (b, L, h); A (h,); B/C (b, L, g, n); D (h,)/(h, p); z like x; dt_bias (h,);
-    initial_states (b | nseq, h, p, n) -> y (b, L, h, p) in x.dtype [, final_states fp32 (b | nseq, h, p, n)]."""
+    initial_states (b | nseq, h, p, n) -> y (b, L, h, p) in x.dtype [, final_states fp32 (b | nseq, h, p, n)].
+    final_states_out (b | nseq, h, p, n): where the final states are written (then returned as them)."""
     ct = compute_dtype(x, dt, A, B, C, D, z, initial_states)
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit, dtype=ct)
     if cu_seqlens is None:
@@ -115,13 +124,13 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
                                None, ct)
         y = scatter_seq(y, valid, 1)
     y = _finish(y, x, D, z, ct).to(x.dtype)
-    return (y, final) if return_final_states else y
+    return _deliver(y, final, return_final_states, final_states_out)
 
 
 @fp32_math
 def ssd_sequential(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, cu_seqlens=None,
-                   return_final_states=False):
+                   return_final_states=False, final_states_out=None):
     """Same contract as ``ssd_chunk_scan`` (chunk_size ignored); token by token. For tests only."""
     ct = compute_dtype(x, dt, A, B, C, D, z, initial_states)
     b, L, h, p = x.shape
@@ -149,4 +158,4 @@ def ssd_sequential(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None
             finals.append(s)
     y = torch.stack([torch.stack(row, 0) if L else x.new_zeros(0, h, p, dtype=ct) for row in outs])
     y = _finish(y, x, D, z, ct).to(x.dtype)
-    return (y, torch.stack(finals)) if return_final_states else y
+    return _deliver(y, torch.stack(finals), return_final_states, final_states_out)

@@ -16,7 +16,9 @@ from typing import Optional
 import torch
 import triton
 from torch import Tensor
+from torch._C import _any_requires_grad
 
+from mamba_parallel.ops.backend import interpret_mode
 from mamba_parallel.ops.eager_fastpath import eager, fastpath
 from mamba_parallel.ops.grad_arena import grad_slot
 from mamba_parallel.ops.ssd.triton_dt import dt_backward, dt_forward
@@ -54,18 +56,22 @@ def sweep_states(pairs: int, device: torch.device) -> bool:
 
 
 def _chunk_states(xs, dts, Bs, A, dt_bias, dt_softplus, dt_min, dt_max, valid, seg, init, nstates, hpg,
-                  chunk_size, state_dtype):
+                  chunk_size, state_dtype, final_out=None):
     """The forward's state pass on the (packed) layout -> dt_proc, dA_cs (b, h, nc, chunk) fp32, states entering
-    each chunk (b, nc, h, p, n) state_dtype, final states (nstates, h, p, n) fp32. The backward runs it again when
-    the forward did not keep them (keep_states=False)."""
+    each chunk (b, nc, h, p, n) state_dtype, final states (nstates, h, p, n) fp32 (or ``final_out``, written in
+    place: triton_states.final_states_buffer). The backward runs it again when the forward did not keep them
+    (keep_states=False)."""
     dtp, acs = dt_forward(dts, A, dt_bias, dt_softplus, dt_min, dt_max, valid, chunk_size)
     states = chunk_state_pass if sweep_states(xs.shape[0] * xs.shape[2], xs.device) else chunk_states_then_chain
-    hin, final = states(xs, Bs, dtp, acs, init, seg, nstates, state_dtype, hpg)
+    hin, final = states(xs, Bs, dtp, acs, init, seg, nstates, state_dtype, hpg, final_out)
     return dtp, acs, hin, final
 
 
 def _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states, seq_idx,
-             cu_seqlens):
+             cu_seqlens, final_out=None):
+    """The forward's kernels -> y, final states (fp32, or ``final_out`` (nstates, h, p, n) contiguous written in
+    place, which may be ``initial_states`` itself), y before the gate (empty without z), dt_proc, dA_cs, the
+    states entering each chunk."""
     b, L, H, P = x.shape
     hpg = H // B.shape[2]
     A, D, dt_bias = _small(A, D, dt_bias)
@@ -78,12 +84,15 @@ def _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_
         valid, seg = pk.valid, pk.seg
     init = initial_states.contiguous() if initial_states is not None else None
     dtp, acs, hin, final = _chunk_states(xs, dts, Bs, A, dt_bias, dt_softplus, dt_min, dt_max, valid, seg, init,
-                                         nstates, hpg, chunk_size, x.dtype)
+                                         nstates, hpg, chunk_size, x.dtype, final_out)
     y, ypre = scan_fwd(xs, zs, Bs, Cs, hin, dtp, acs, D, hpg)
     if pk is not None:
         y, ypre = pk.unpack(y, x), pk.unpack(ypre, x)
-        if init is not None and pk.empty is not None and pk.empty.numel():
-            final[pk.empty] = init[pk.empty].float()  # an empty sequence hands its initial state through
+        if pk.empty is not None and pk.empty.numel():  # an empty sequence hands its initial state through
+            if init is not None:
+                final[pk.empty] = init[pk.empty].to(final.dtype)  # (not yet overwritten where final is init)
+            elif final_out is not None:
+                final[pk.empty] = 0.0  # what a new final buffer holds there
     return y, final, (ypre if ypre is not None else x.new_empty(0)), dtp, acs, hin
 
 
@@ -236,16 +245,58 @@ ssd_fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 fastpath(ssd_fwd_op, _ssd_fwd_impl, setup_context=_setup_context, backward=_autograd_backward)
 
 
+def _ssd_fwd_into_impl(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Optional[Tensor],
+                       z: Optional[Tensor], dt_bias: Optional[Tensor], dt_softplus: bool, dt_min: float,
+                       dt_max: float, initial_states: Optional[Tensor], seq_idx: Optional[Tensor],
+                       cu_seqlens: Optional[Tensor], final_out: Tensor) -> Tensor:
+    """The forward without autograd or anything kept -> y; the final states are written into ``final_out``
+    (nstates, h, p, n) contiguous, any float dtype (the kernels round them on store), which may be
+    ``initial_states`` itself (an inference cache the prompt continues from)."""
+    return _forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states,
+                    seq_idx, cu_seqlens, final_out)[0]
+
+
+ssd_fwd_into_op = torch.library.custom_op("mamba_parallel::ssd_chunk_scan_fwd_into",
+                                          mutates_args=("final_out",))(_ssd_fwd_into_impl)
+fastpath(ssd_fwd_into_op, _ssd_fwd_into_impl)
+
+
+@ssd_fwd_into_op.register_fake
+def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_min, dt_max, initial_states, seq_idx, cu_seqlens,
+      final_out):
+    return x.new_empty(x.shape)
+
+
+def _stores_directly(final_out: Tensor, x: Tensor) -> bool:
+    """Whether the kernels write the final states into ``final_out`` themselves: fp32, or any dtype on a GPU (their
+    store rounds to nearest even, as a copy does; the CPU interpreter's bf16 rounding is not exact, so there a
+    narrower buffer gets the fp32 states by one copy)."""
+    return final_out.dtype == torch.float32 or (x.is_cuda and not interpret_mode())
+
+
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), initial_states=None, seq_idx=None, cu_seqlens=None,
-                   return_final_states=False, recompute_states=False):
+                   return_final_states=False, recompute_states=False, final_states_out=None):
     """Triton path of ``mamba_parallel.ops.ssd_chunk_scan`` (arguments already checked there).
 
     x (b, L, h, p); dt (b, L, h); A (h,); B/C (b, L, g, n); D (h,) or (h, p); z (b, L, h, p); dt_bias (h,);
     initial_states (b, h, p, n) or (nseq, h, p, n) with cu_seqlens -> y (b, L, h, p) [, final (.., h, p, n) fp32].
-    chunk_size must be a power of two >= 16.
+    chunk_size must be a power of two >= 16. ``final_states_out`` (.., h, p, n) contiguous: the final states are
+    written there (rounded to its dtype) and it is what comes back as the final states; without autograd the
+    kernels write it themselves (no fp32 buffer, no copy), else it takes a copy of the differentiable ones.
     """
-    y, final, *_ = eager(ssd_fwd_op)(x, dt, A, B, C, int(chunk_size), D, z, dt_bias, bool(dt_softplus),
-                                     float(dt_limit[0]), float(dt_limit[1]), initial_states, seq_idx, cu_seqlens,
-                                     bool(return_final_states), not recompute_states)
+    args = (x, dt, A, B, C, int(chunk_size), D, z, dt_bias, bool(dt_softplus), float(dt_limit[0]),
+            float(dt_limit[1]), initial_states, seq_idx, cu_seqlens)
+    into = final_states_out is not None
+    if into and not (torch.is_grad_enabled() and _any_requires_grad(x, dt, A, B, C, D, z, dt_bias, initial_states)):
+        direct = _stores_directly(final_states_out, x)
+        out = final_states_out if direct else torch.empty(final_states_out.shape, device=x.device,
+                                                          dtype=torch.float32)
+        y = eager(ssd_fwd_into_op)(*args, out)
+        if not direct:
+            final_states_out.copy_(out)
+        return (y, final_states_out) if return_final_states else y
+    y, final, *_ = eager(ssd_fwd_op)(*args, bool(return_final_states or into), not recompute_states)
+    if into:
+        final = final_states_out.copy_(final)
     return (y, final) if return_final_states else y

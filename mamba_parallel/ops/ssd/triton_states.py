@@ -90,7 +90,8 @@ def _chunk_state_pass_fwd_kernel(x_ptr, B_ptr, dtp_ptr, acs_ptr, init_ptr, seg_p
             w = tl.exp(a_last - tl.load(acs_ptr + a_base + kk, mask=mk, other=0.0)) * \
                 tl.load(dtp_ptr + a_base + kk, mask=mk, other=0.0)
             h = tl.dot(u, (v.to(tl.float32) * w[:, None]).to(u.dtype), acc=h, input_precision=PREC)
-        tl.store(final_ptr + (tl.maximum(fcode, 0) * H + pid_h) * PN + tile, h, mask=mt & (zero + fcode >= 0))
+        tl.store(final_ptr + (tl.maximum(fcode, 0) * H + pid_h) * PN + tile, h.to(final_ptr.dtype.element_ty),
+                 mask=mt & (zero + fcode >= 0))
 
 
 @triton.jit
@@ -145,14 +146,26 @@ def _state_grad_pass_kernel(dy_ptr, C_ptr, acs_ptr, hin_ptr, final_ptr, dfinal_p
                      mask=mt & (zero + icode >= 0))
 
 
-def chunk_state_pass(x, B, dtp, acs, init, seg, nstates, state_dtype, hpg):
+def final_states_buffer(final_out, nstates, H, P, N, nc, device):
+    """Where a forward state pass writes the final states: ``final_out`` (nstates, h, p, n) contiguous, any float
+    dtype (rounded on store), e.g. an inference cache, which may also hold the initial states (each program reads
+    its tile of an initial state before it writes that tile of the final one); else new fp32 zeros. Every final
+    state is written by the pass, except with no chunk at all (zeros, as the new buffer holds) and the empty
+    cu_seqlens sequences the caller fills."""
+    if final_out is None:
+        return torch.zeros(nstates, H, P, N, device=device, dtype=torch.float32)
+    return final_out.zero_() if nc == 0 else final_out
+
+
+def chunk_state_pass(x, B, dtp, acs, init, seg, nstates, state_dtype, hpg, final_out=None):
     """x (b, L, h, p), B (b, L, g, n), dtp / acs (b, h, nc, chunk) fp32 -> (hin (b, nc, h, p, n) state_dtype: the
-    state entering each chunk, final (nstates, h, p, n) fp32)."""
+    state entering each chunk, final (nstates, h, p, n) fp32, or ``final_out`` written in place
+    (``final_states_buffer``))."""
     b, L, H, P = x.shape
     N = B.shape[-1]
     nc, chunk = acs.shape[2], acs.shape[3]
     hin = torch.empty(b, nc, H, P, N, device=x.device, dtype=state_dtype)
-    final = torch.zeros(nstates, H, P, N, device=x.device, dtype=torch.float32)
+    final = final_states_buffer(final_out, nstates, H, P, N, nc, x.device)
     fn = tuned(_chunk_state_pass_fwd_kernel, "state_fwd", x.dtype)
     grid = lambda meta: (triton.cdiv(P, meta["BLOCK_P"]) * triton.cdiv(N, meta["BLOCK_N"]), b, H)  # noqa: E731
     fn[grid](x, B, dtp, acs, init if init is not None else hin, seg if seg is not None else acs, hin, final,

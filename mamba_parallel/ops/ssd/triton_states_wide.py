@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.ssd.triton_states import _enter_chunk, _pn_tile, _seg_codes
+from mamba_parallel.ops.ssd.triton_states import _enter_chunk, _pn_tile, _seg_codes, final_states_buffer
 from mamba_parallel.ops.ssd.triton_tuning import dot_precision, tuned
 
 
@@ -62,15 +62,16 @@ def _chain_kernel(s_ptr, acs_ptr, init_ptr, seg_ptr, hin_ptr, final_ptr, H, NC, 
         tl.store(hin_ptr + idx, h.to(hin_ptr.dtype.element_ty), mask=m)
         a_last = tl.load(acs_ptr + ((pid_b * H + pid_h) * NC + c) * CHUNK + CHUNK - 1)
         h = tl.exp(a_last) * h + tl.load(s_ptr + idx, mask=m, other=0.0)
-        tl.store(final_ptr + (tl.maximum(fcode, 0) * H + pid_h) * PN + offs, h, mask=m & (zero + fcode >= 0))
+        tl.store(final_ptr + (tl.maximum(fcode, 0) * H + pid_h) * PN + offs, h.to(final_ptr.dtype.element_ty),
+                 mask=m & (zero + fcode >= 0))
 
 
 _CHAIN_BLOCK = 512
 
 
-def chunk_states_then_chain(x, B, dtp, acs, init, seg, nstates, state_dtype, hpg):
+def chunk_states_then_chain(x, B, dtp, acs, init, seg, nstates, state_dtype, hpg, final_out=None):
     """x (b, L, h, p), B (b, L, g, n), dtp / acs (b, h, nc, chunk) fp32 -> (hin (b, nc, h, p, n) state_dtype,
-    final (nstates, h, p, n) fp32), as ``triton_states.chunk_state_pass``."""
+    final (nstates, h, p, n) fp32 or ``final_out``), as ``triton_states.chunk_state_pass``."""
     b, L, H, P = x.shape
     N = B.shape[-1]
     nc, chunk = acs.shape[2], acs.shape[3]
@@ -80,7 +81,7 @@ def chunk_states_then_chain(x, B, dtp, acs, init, seg, nstates, state_dtype, hpg
     fn[grid](x, B, dtp, acs, states, L, H, nc, P, N, hpg, *x.stride(), *B.stride(),
              CHUNK=chunk, PREC=dot_precision(x.dtype))
     hin = torch.empty(b, nc, H, P, N, device=x.device, dtype=state_dtype)
-    final = torch.zeros(nstates, H, P, N, device=x.device, dtype=torch.float32)
+    final = final_states_buffer(final_out, nstates, H, P, N, nc, x.device)
     block = min(_CHAIN_BLOCK, triton.next_power_of_2(P * N))
     _chain_kernel[(triton.cdiv(P * N, block), b, H)](
         states, acs, init if init is not None else states, seg if seg is not None else acs, hin, final, H, nc, P * N,
