@@ -75,3 +75,19 @@ def graph_node_names(t: torch.Tensor) -> set[str]:
             names.add(node.name())
             todo.extend(f for f, _ in node.next_functions)
     return names
+
+
+def eval_model(preset: str, perturbed: tuple[str, ...], device="cpu", dtype=torch.float32, n_layer=None):
+    """A seeded preset model in eval mode with the parameters whose names end in ``perturbed`` moved off their
+    init (a conv bias of zeros, D of ones or a dt bias at its init would hide mistakes that scale or shift them)."""
+    from mamba_parallel import get_preset
+    from mamba_parallel.models import MambaLMHeadModel
+
+    torch.manual_seed(0)
+    config = get_preset(preset)
+    model = MambaLMHeadModel(config.with_layers(n_layer) if n_layer else config, device=device, dtype=dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(perturbed):
+                p.add_(0.1 * torch.randn_like(p))
+    return model

@@ -4,25 +4,17 @@ for a first prompt and for a chunk that continues from the cache; interpreter on
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, eval_model
 
-from mamba_parallel import get_preset, ops
+from mamba_parallel import ops
 from mamba_parallel.layers import mamba1
 from mamba_parallel.layers.mamba1 import Mamba
-from mamba_parallel.models import MambaLMHeadModel
 
 pytest.importorskip("triton")
 
 
 def _model(preset, device="cpu", dtype=torch.float32, n_layer=None):
-    torch.manual_seed(0)
-    config = get_preset(preset)
-    model = MambaLMHeadModel(config.with_layers(n_layer) if n_layer else config, device=device, dtype=dtype).eval()
-    with torch.no_grad():  # not the init's ones / zeros: the conv bias, D and dt bias all matter
-        for name, p in model.named_parameters():
-            if name.endswith(("conv1d.bias", ".D", "dt_proj.bias")):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return eval_model(preset, ("conv1d.bias", ".D", "dt_proj.bias"), device, dtype, n_layer)
 
 
 def _prefill_twice(model, ids, split, fused, state_dtype=None):

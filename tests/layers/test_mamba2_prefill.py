@@ -7,10 +7,10 @@ kernels (interpreter on CPU, bf16 on a GPU)."""
 
 import pytest
 import torch
+from helpers import eval_model
 
-from mamba_parallel import get_preset, ops
+from mamba_parallel import ops
 from mamba_parallel.layers.mamba2 import Mamba2, Mamba2Ops
-from mamba_parallel.models import MambaLMHeadModel
 
 
 class _Returning(Mamba2Ops):
@@ -36,14 +36,7 @@ class _Spying(Mamba2Ops):
 
 
 def _model(preset, device="cpu", dtype=torch.float32, n_layer=None):
-    torch.manual_seed(0)
-    config = get_preset(preset)
-    model = MambaLMHeadModel(config.with_layers(n_layer) if n_layer else config, device=device, dtype=dtype).eval()
-    with torch.no_grad():  # not the init's ones / zeros: the conv bias, D and dt bias all matter
-        for name, p in model.named_parameters():
-            if name.endswith(("conv1d.bias", ".D", "dt_bias")):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return eval_model(preset, ("conv1d.bias", ".D", "dt_bias"), device, dtype, n_layer)
 
 
 def _mixers(model):
