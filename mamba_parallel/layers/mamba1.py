@@ -57,6 +57,7 @@ from mamba_parallel.layers.recompute import (NOTHING, SCAN_CHECKPOINT_EVERY, Rec
 from mamba_parallel.layers.seq_ops import SequenceOps
 from mamba_parallel.ops._common import linear_dtype
 from mamba_parallel.ops.backend import triton_available, use_triton
+from mamba_parallel.ops.conv1d.naive import final_state as conv_final_state
 from mamba_parallel.ops.grad_arena import split_with_grad_arena, tag_view
 
 
@@ -538,18 +539,13 @@ def _prefill(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None, conv_
     conv1d = layer.conv1d
     conv_init = conv_state if resume else None
     xc = _conv_token_major(conv, x, conv1d.weight[:, 0, :], conv1d.bias, seq_idx, conv_init)
-    conv.final_state(x, conv_init, seq_idx, conv1d.weight.shape[-1], out=conv_state)  # after the conv read it
+    conv_final_state(x, conv_init, seq_idx, conv1d.weight.shape[-1], out=conv_state)  # after the conv read it
     _, _, dt, B4, C4 = _project(xc, layer.x_proj.weight.to(cdt), layer.dt_proj.weight.to(cdt), r, n,
                                 layer.bcdt_rms_eps)
     # the constants the decode steps that follow use too, cached per parameter version
     A = derived(layer, "A_log", neg_exp_fp32_state_major)
     D, dtb = derived(layer, "D", fp32), derived(layer.dt_proj, "bias", fp32)
     sid = seq_idx.to(torch.int32) if seq_idx is not None else None
-    # an fp32 cache takes the last state straight from the kernel; a narrower one gets it rounded by one copy
-    last = ssm_state if ssm_state.dtype == torch.float32 and ssm_state.is_contiguous() else None
-    y, hlast = scan.scan_into(scan.forward_launch(xc, dt, A, B4), xc, dt, A, B4, C4, D, dtb,
-                              ssm_state if resume else None, sid, last)
-    if last is None:
-        ssm_state.copy_(hlast)
+    y, _ = scan.scan_into(scan.forward_launch(xc, dt, A, B4), xc, dt, A, B4, C4, D, dtb,
+                          ssm_state if resume else None, sid, ssm_state)
     return layer.out_proj(layout._gate_fwd(y, z))
-

@@ -333,6 +333,9 @@ def test_scan_into_is_scan_forward(with_init, mode):
     cache = h0.clone() if with_init else torch.full_like(last, float("nan"))
     y3, into = triton_impl.scan_into(run, u, delta, A, B4, C4, D, dtb, cache if with_init else None, sid, cache)
     assert into is cache and torch.equal(y3, y) and torch.equal(cache, last)
+    narrow = torch.full_like(last, float("nan"), dtype=torch.float16)
+    y4, into = triton_impl.scan_into(run, u, delta, A, B4, C4, D, dtb, h0, sid, narrow)
+    assert into is narrow and torch.equal(y4, y) and torch.equal(narrow, last.half())  # rounded by one copy
 
 
 def test_checkpoint_every_is_checked():

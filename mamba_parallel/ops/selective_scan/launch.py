@@ -204,4 +204,3 @@ def plan(s: ScanShape, sm_count: int | None, path: str | None = None) -> ScanPla
     # the interpreter emulates the backward's lane sums only behind a forward that was asked to emulate its own
     bwd = _backward(s, interp, row_layout=not interp or fwd.path in ROW_LAYOUT_PATHS)
     return ScanPlan(fwd, bwd)
-

@@ -147,12 +147,14 @@ def scan_into(run: launch.Launch, u: torch.Tensor, delta: torch.Tensor, A: torch
               initial_state: torch.Tensor | None, sid: torch.Tensor | None, last: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inference forward (no z, no cu_seqlens, no checkpoints, softplus on delta) with the launch ``run`` from
-    ``forward_launch`` of the same tensors -> y (b, d, L), last_state (b, d, n) fp32. ``last`` (b, d, n) fp32
-    contiguous, or None (a new tensor): where the last state is written, e.g. the inference cache's state, which
-    may also be ``initial_state`` (the kernel reads the initial state from its own copy, made before it runs)."""
+    ``forward_launch`` of the same tensors -> y (b, d, L), last_state. ``last`` (b, d, n), or None (a new fp32
+    tensor): where the last state is written and what comes back as it, e.g. the inference cache's state, which
+    may also be ``initial_state`` (the kernel reads the initial state from its own copy, made before it runs). An
+    fp32 contiguous one is the kernel's own output; any other gets the fp32 state rounded into it by one copy."""
+    direct = last if last is None or (last.dtype == torch.float32 and last.is_contiguous()) else None
     y, hlast, _, _ = _forward(run, u, delta, A, B, C, D, None, delta_bias, initial_state, sid, True, False,
-                              u.shape[0], False, 1, torch.float32, last)
-    return y, hlast
+                              u.shape[0], False, 1, torch.float32, direct)
+    return y, (hlast if direct is last else last.copy_(hlast))
 
 
 def _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates,
