@@ -5,9 +5,11 @@ optimizer, copy/cast/elementwise, nccl, other), each category's share of the ste
 host (CPU) time per step against GPU busy time per step (a step whose GPU sits idle is host-bound). On CPU the
 "kernels" are aten ops with their self CPU time (useful to count copies / casts; the naive backend runs there).
 
-    python -m mamba_parallel.bench.profile_train --preset mamba2-1.3b --out prof_dir [--trace]
+    python -m mamba_parallel.bench.profile_train --preset mamba2-1.3b --out prof_dir [--trace] [--peer]
 
 Writes ``profile.json`` and ``profile.md`` (and ``trace.json``, a Chrome trace, with ``--trace``) under ``--out``.
+``--peer`` then profiles the peer's step (mamba_ssm, built as ``bench train --peer`` builds it) in the same process,
+on the same batch, both steps without gradient clipping; the report puts the two side by side by category.
 """
 
 from __future__ import annotations
@@ -87,14 +89,38 @@ def _dp_options(a: argparse.Namespace) -> dict:
     return {"options": dp_options(a)}
 
 
-class _Setup:
+class _Steps:
+    """One side's training step: forward + loss under the run's autocast, backward, grad-norm clip (when
+    ``grad_clip`` > 0), optimizer step, zero grads. A side sets model, optimizer, cfg, env, grad_clip and ``loss``."""
+
+    def loss(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self) -> torch.Tensor:
+        from mamba_parallel.train.trainer import _autocast, _grad_norm
+
+        with _autocast(self.cfg, self.env.device):
+            loss = self.loss()
+        loss.backward()
+        if self.grad_clip > 0:
+            _grad_norm(self.model, self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def sync(self) -> None:
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+
+
+class _Setup(_Steps):
     """bench_train's model, optimizer and synthetic batch for the parsed flags, and its training step."""
 
     def __init__(self, a: argparse.Namespace):
         from mamba_parallel.distributed.data_parallel import init_distributed
         from mamba_parallel.train.config import resolve_config
         from mamba_parallel.train.optim import build_optimizer
-        from mamba_parallel.train.trainer import _autocast, _grad_norm, build_parallel_model, choose_dims
+        from mamba_parallel.train.trainer import build_parallel_model, choose_dims
 
         self.cfg = resolve_config(preset=a.preset, seq_len=a.seq_len, batch_size=a.batch_size, dtype=a.dtype,
                                   device=a.device, dp_mode=a.dp_mode, tp=a.tp, cp=a.cp, recompute=a.recompute,
@@ -107,8 +133,8 @@ class _Setup:
             dims.build_mesh(env.device.type)
         self.model, _ = build_parallel_model(config, self.cfg, env, dims, resuming=False, **_dp_options(a))
         self.optimizer = build_optimizer(self.model, 1e-4, 0.1, fused=env.device.type == "cuda")
-        self._autocast, self._grad_norm = _autocast, _grad_norm
-        self.grad_clip = getattr(a, "grad_clip", 1.0)
+        # beside the peer, as the side-by-side benchmark runs both steps: no clipping
+        self.grad_clip = 0.0 if getattr(a, "peer", None) else getattr(a, "grad_clip", 1.0)
         # as bench_train: ranks of one tp / cp group share a batch (their cp slice)
         dp_rank = env.rank // (dims.cp * dims.tp)
         gen = torch.Generator().manual_seed(1000 + dp_rank)
@@ -118,23 +144,58 @@ class _Setup:
         self.inputs = tokens[:, c * n:(c + 1) * n].to(env.device)
         self.labels = tokens[:, 1 + c * n:1 + (c + 1) * n].to(env.device)
 
-    def step(self) -> torch.Tensor:
-        """bench_train's timed step: forward + loss, backward, grad-norm clip, optimizer step, zero grads."""
-        with self._autocast(self.cfg, self.env.device):
-            loss = self.model(self.inputs, targets=self.labels).loss
-        loss.backward()
-        if self.grad_clip > 0:
-            self._grad_norm(self.model, self.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss
+    def loss(self) -> torch.Tensor:
+        return self.model(self.inputs, targets=self.labels).loss
 
-    def sync(self) -> None:
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize(self.env.device)
+    def free(self) -> None:
+        """Drop the model and optimizer (the batch stays), so that the peer's side does not add to their memory."""
+        from mamba_parallel.bench.train_side_by_side import _free
+
+        self.model = self.optimizer = None
+        _free(self.env.device)
 
 
-def _timed_steps(s: _Setup, n: int) -> tuple[float, float]:
+class _PeerSetup(_Steps):
+    """The peer's model, optimizer and loss as the side-by-side benchmark (train_side_by_side.py) builds them, on
+    our side's batch, under the same autocast; no gradient clipping there."""
+
+    def __init__(self, peer, ours: _Setup, seed: int = 0):
+        from mamba_parallel.bench.peer import PeerUnavailable
+        from mamba_parallel.bench.train_side_by_side import BETAS, LR, _optimizer_groups
+
+        self.peer, self.cfg, self.env, self.grad_clip = peer, ours.cfg, ours.env, 0.0
+        self.inputs, self.labels = ours.inputs, ours.labels
+        torch.manual_seed(seed)
+        try:
+            self.model = peer.build_lm(ours.cfg.model_config(), self.env.device)
+        except PeerUnavailable as e:
+            raise SystemExit(f"profile_train --peer: {e}") from None
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(_optimizer_groups(self.model), lr=LR, betas=BETAS,
+                                           fused=self.env.device.type == "cuda" or None)
+
+    def loss(self) -> torch.Tensor:
+        return self.peer.loss(self.model, self.inputs, self.labels)
+
+
+def _check_peer_flags(a: argparse.Namespace):
+    """The peer adapter for ``--peer`` (None without it), after checking the run is one the peer can match: one
+    process, without the parallel / memory / compile options only our model has."""
+    if not a.peer:
+        return None
+    from mamba_parallel.bench.peer import resolve_peer
+
+    other = [flag for flag, on in (("torchrun (one process only)", torch.distributed.is_torchelastic_launched()),
+                                   ("--tp", a.tp > 1), ("--cp", a.cp > 1), ("--compile", a.compile),
+                                   ("--recompute", bool(a.recompute)),
+                                   ("--activation-checkpointing", a.activation_checkpointing)) if on]
+    if other:
+        raise SystemExit(f"profile_train: --peer profiles the one-process step without {', '.join(other)}: drop "
+                         f"{'it' if len(other) == 1 else 'them'} (or drop --peer)")
+    return resolve_peer(True, a.peer_impl)
+
+
+def _timed_steps(s: _Steps, n: int) -> tuple[float, float]:
     """(median wall ms, median host ms) over n unprofiled steps; host = until the CPU has issued the whole step."""
     wall, host = [], []
     for _ in range(n):
@@ -217,7 +278,9 @@ def markdown(result: dict) -> str:
         f"# Training-step profile: {r['preset']} on {r['device']}",
         "",
         f"seq {r['seq_len']} x batch {r['batch_size']}, {r['dtype']} autocast, world {r['world_size']} "
-        f"(dp {r['dp']}, tp {r['tp']}, cp {r['cp']}), {r['profiled_steps']} profiled steps.",
+        f"(dp {r['dp']}, tp {r['tp']}, cp {r['cp']}), {r['profiled_steps']} profiled steps."
+        + (" No gradient clipping (as the side-by-side benchmark runs both steps; the peer's step follows below)."
+           if "peer" in r else ""),
         "",
         "| per step | ms |", "|---|---|",
         f"| wall (unprofiled, median) | {r['step_ms']:.2f} |",
@@ -233,13 +296,7 @@ def markdown(result: dict) -> str:
     ]
     for c in sorted(r["categories"], key=lambda c: -c["ms_per_step"]):
         lines.append(f"| {c['category']} | {c['ms_per_step']:.2f} | {c['share']:.1%} | {c['launches_per_step']:.0f} |")
-    lines += ["", f"## Top {len(r['top_kernels'])} {what} by total time", "",
-              "| # | name | category | ms / step | calls / step | avg µs | share |", "|---|---|---|---|---|---|---|"]
-    for i, k in enumerate(r["top_kernels"], 1):
-        name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
-        name = name.replace("|", "\\|")
-        lines.append(f"| {i} | `{name}` | {k['category']} | {k['ms_per_step']:.3f} | {k['calls_per_step']:g} | "
-                     f"{k['avg_us']:.1f} | {k['share']:.1%} |")
+    lines += ["", f"## Top {len(r['top_kernels'])} {what} by total time", "", *_kernel_table(r["top_kernels"])]
     if r.get("collectives"):
         where = "GPU kernels by stream" if r["collectives"][0]["lanes"] == "gpu" else "CPU ops by thread (gloo)"
         lines += ["", "## Collectives: time per step and the part that overlaps compute", "",
@@ -252,10 +309,53 @@ def markdown(result: dict) -> str:
         for i, k in enumerate(r["top_host_ops"], 1):
             name = k["name"][:90].replace("|", "\\|")
             lines.append(f"| {i} | `{name}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:g} | {k['avg_us']:.1f} |")
+    if r.get("peer"):
+        lines += ["", *_peer_markdown(r, what)]
     return "\n".join(lines) + "\n"
 
 
-def _python_profile(s: "_Setup", steps: int, path: str | None) -> None:
+def _kernel_table(top_kernels: list[dict]) -> list[str]:
+    """The Markdown rows of a top-kernels table."""
+    lines = ["| # | name | category | ms / step | calls / step | avg µs | share |", "|---|---|---|---|---|---|---|"]
+    for i, k in enumerate(top_kernels, 1):
+        name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
+        name = name.replace("|", "\\|")
+        lines.append(f"| {i} | `{name}` | {k['category']} | {k['ms_per_step']:.3f} | {k['calls_per_step']:g} | "
+                     f"{k['avg_us']:.1f} | {k['share']:.1%} |")
+    return lines
+
+
+def _peer_markdown(r: dict, what: str) -> list[str]:
+    """The "Beside the peer" section: both steps by category and overall, then the peer's top kernels."""
+    p = r["peer"]
+    versions = ", ".join(f"{k} {v}" for k, v in (p.get("versions") or {}).items() if v)
+    ours_cat = {c["category"]: c["ms_per_step"] for c in r["categories"]}
+    peer_cat = {c["category"]: c["ms_per_step"] for c in p["categories"]}
+    cats = sorted((c for c in CATEGORIES if ours_cat.get(c) or peer_cat.get(c)),
+                  key=lambda c: -max(ours_cat.get(c, 0.0), peer_cat.get(c, 0.0)))
+    lines = [f"## Beside the peer: {p['name']}" + (f" ({versions})" if versions else ""), "",
+             "The peer's step as the side-by-side benchmark (`bench train --peer`) runs it: its model built and "
+             "initialised by the peer, `F.cross_entropy` on its logits, AdamW (fused on CUDA), no gradient clipping; "
+             "the same batch, autocast, warm-up and profiled steps as ours, profiled after ours in this process "
+             f"(ours freed first). Categories: {what}, summed time.", "",
+             "| category | ours ms / step | peer ms / step | ours - peer |", "|---|---|---|---|"]
+
+    def row(label, ours, peer, fmt=".2f"):
+        lines.append(f"| {label} | {ours:{fmt}} | {peer:{fmt}} | {ours - peer:+{fmt}} |")
+
+    for c in cats:
+        row(c, ours_cat.get(c, 0.0), peer_cat.get(c, 0.0))
+    row("wall step (unprofiled, median)", r["step_ms"], p["step_ms"])
+    row("host: CPU time to issue the step", r["host_ms"], p["host_ms"])
+    row("busy (union of intervals)", r["busy_ms_per_step"], p["busy_ms_per_step"])
+    row("launches per step (count)", r["launches_per_step"], p["launches_per_step"], ".0f")
+    lines += ["", f"Peer: busy / wall (profiled) {p['busy_fraction']:.1%}. {p['verdict']}",
+              "", f"### The peer's top {len(p['top_kernels'])} {what} by total time", "",
+              *_kernel_table(p["top_kernels"])]
+    return lines
+
+
+def _python_profile(s: _Steps, steps: int, path: str | None) -> None:
     """cProfile over ``steps`` steps (synchronised at the end): the top Python functions by own time and by
     cumulative time, written to ``path`` (None: this rank does not write)."""
     import cProfile
@@ -290,14 +390,57 @@ def main(argv: list[str] | None = None) -> int:
 
 def _profile(a: argparse.Namespace) -> int:
     """``main`` with its flags parsed and --recompute in effect."""
-    from torch.profiler import ProfilerActivity, profile
-
     if a.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {a.steps}")
     if getattr(a, "cuda_graph", False):
         raise SystemExit("profile_train: --cuda-graph is not supported (the profiler tables need the eager step's "
                          "launches); profile without it, time the graphed step with bench_train --cuda-graph")
+    peer = _check_peer_flags(a)
     s = _Setup(a)
+    if peer is not None:  # a model the peer cannot build stops the run now, before ours is profiled
+        from mamba_parallel.bench.peer import PeerUnavailable
+
+        try:
+            peer.config(s.cfg.model_config())
+        except PeerUnavailable as e:
+            raise SystemExit(f"profile_train --peer: {e}") from None
+    on_cuda = s.env.device.type == "cuda"
+    result = {
+        "bench": "profile_train", "preset": a.preset,
+        "device": torch.cuda.get_device_name(s.env.device) if on_cuda else "cpu",
+        "world_size": s.env.world_size, "dp": s.dims.dp, "tp": s.dims.tp, "cp": s.dims.cp, "dtype": a.dtype,
+        "seq_len": a.seq_len, "batch_size": a.batch_size, "profiled_steps": a.steps,
+        "backend": requested_backend(),
+        **_profile_steps(s, a, ""),
+    }
+    if peer is not None:
+        s.free()  # ours' weights, gradients and optimizer state go before the peer's are made
+        side = _PeerSetup(peer, s)
+        versions = peer.versions() if hasattr(peer, "versions") else {}
+        result["grad_clip"] = s.grad_clip  # 0: neither side clips
+        result["peer"] = {"name": peer.name, "versions": versions, **_profile_steps(side, a, "_peer")}
+        side = None
+    if s.env.is_main:
+        with open(os.path.join(a.out, "profile.json"), "w") as fh:
+            json.dump(result, fh, indent=1)
+        md = markdown(result)
+        with open(os.path.join(a.out, "profile.md"), "w") as fh:
+            fh.write(md)
+        print(md)
+        if result.get("collectives") is not None:
+            print(json.dumps({"collectives": result["collectives"]}))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def _profile_steps(s: _Steps, a: argparse.Namespace, suffix: str) -> dict:
+    """One side's profile: ``--warmup-steps`` steps, then the median of unprofiled steps (wall and host time),
+    then torch.profiler over ``--steps`` steps (and cProfile with ``--host-python``) -> its summary: times, busy
+    fraction, verdict, last loss, per-kernel and per-category tables (and the collectives of a parallel step).
+    ``suffix`` names this side's files under ``--out`` (trace{suffix}.json, host_python{suffix}.txt)."""
+    from torch.profiler import ProfilerActivity, profile
+
     on_cuda = s.env.device.type == "cuda"
     for _ in range(a.warmup_steps):  # compile / autotune / allocator warm-up
         s.step()
@@ -316,10 +459,11 @@ def _profile(a: argparse.Namespace) -> int:
     if s.env.is_main:
         os.makedirs(a.out, exist_ok=True)
     keep = a.trace and s.env.is_main
+    trace = os.path.join(a.out, f"trace{suffix}.json")
     events = None
     if on_cuda or s.env.world_size > 1:  # the trace's events: GPU kernels, and the collectives of a parallel step
         if keep:
-            path = os.path.join(a.out, "trace.json")
+            path = trace
         else:
             fd, path = tempfile.mkstemp(suffix=".json")
             os.close(fd)
@@ -328,7 +472,7 @@ def _profile(a: argparse.Namespace) -> int:
         if not keep:
             os.remove(path)
     elif keep:
-        prof.export_chrome_trace(os.path.join(a.out, "trace.json"))
+        prof.export_chrome_trace(trace)
     if on_cuda:
         per_name, busy_us = _gpu_kernels_of(events)
     else:
@@ -354,11 +498,6 @@ def _profile(a: argparse.Namespace) -> int:
         verdict = (f"GPU-bound: the GPU is busy {busy_fraction:.0%} of the step; the host issues it in "
                    f"{host_ms:.1f} ms of {step_ms:.1f} ms.")
     result = {
-        "bench": "profile_train", "preset": a.preset,
-        "device": torch.cuda.get_device_name(s.env.device) if on_cuda else "cpu",
-        "world_size": s.env.world_size, "dp": s.dims.dp, "tp": s.dims.tp, "cp": s.dims.cp, "dtype": a.dtype,
-        "seq_len": a.seq_len, "batch_size": a.batch_size, "profiled_steps": a.steps,
-        "backend": requested_backend(),
         "step_ms": round(step_ms, 3), "host_ms": round(host_ms, 3),
         "profiled_step_ms": round(prof_wall_us / a.steps / 1e3, 3), "busy_fraction": round(busy_fraction, 4),
         "verdict": verdict, "final_loss": round(float(loss.detach().float().item()), 4), **summary,
@@ -366,19 +505,8 @@ def _profile(a: argparse.Namespace) -> int:
     if collectives is not None:
         result["collectives"] = collectives
     if a.host_python:
-        _python_profile(s, a.steps, os.path.join(a.out, "host_python.txt") if s.env.is_main else None)
-    if s.env.is_main:
-        with open(os.path.join(a.out, "profile.json"), "w") as fh:
-            json.dump(result, fh, indent=1)
-        md = markdown(result)
-        with open(os.path.join(a.out, "profile.md"), "w") as fh:
-            fh.write(md)
-        print(md)
-        if collectives is not None:
-            print(json.dumps({"collectives": collectives}))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    return 0
+        _python_profile(s, a.steps, os.path.join(a.out, f"host_python{suffix}.txt") if s.env.is_main else None)
+    return result
 
 
 if __name__ == "__main__":

@@ -81,6 +81,37 @@ def test_cpu_run_writes_json_and_markdown(tmp_path, monkeypatch):
     assert not (out / "trace.json").exists()
 
 
+def test_cpu_run_beside_the_peer(tmp_path, monkeypatch):
+    """--peer (here the reference stand-in, which runs on CPU) profiles the peer's step after ours, on the same
+    batch: its summary under "peer" in profile.json, and a "Beside the peer" section in profile.md."""
+    monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "naive")
+    out = tmp_path / "prof"
+    assert profile_train.main(["--preset", "tiny-mamba", "--seq-len", "16", "--batch-size", "2", "--steps", "1",
+                               "--warmup-steps", "1", "--dtype", "fp32", "--device", "cpu", "--top", "5",
+                               "--peer", "--peer-impl", "reference", "--out", str(out)]) == 0
+    r = json.loads((out / "profile.json").read_text())
+    assert r["step_ms"] > 0 and r["grad_clip"] == 0.0
+    p = r["peer"]
+    assert p["name"] == "reference" and "reference" in p["versions"]
+    assert p["step_ms"] > 0 and p["host_ms"] > 0 and p["launches_per_step"] > 0 and len(p["top_kernels"]) == 5
+    assert p["final_loss"] > 0 and p["verdict"]
+    cats = {c["category"]: c for c in p["categories"]}
+    assert set(cats) == set(CATEGORIES) and cats["matmul"]["ms_per_step"] > 0
+    md = (out / "profile.md").read_text()
+    assert "Beside the peer: reference" in md and "| category | ours ms / step | peer ms / step | ours - peer |" in md
+    assert "No gradient clipping" in md and "The peer's top 5" in md
+
+
+@pytest.mark.parametrize("flags, named", [(["--tp", "2"], "--tp"), (["--compile"], "--compile"),
+                                          (["--recompute", "conv"], "--recompute")])
+def test_peer_refuses_what_only_ours_has(tmp_path, flags, named):
+    """--peer with an option the peer's step cannot match stops before any work, naming the option."""
+    with pytest.raises(SystemExit, match=f"--peer .*without {named}"):
+        profile_train.main(["--preset", "tiny-mamba", "--device", "cpu", "--peer", "--peer-impl", "reference",
+                            "--out", str(tmp_path), *flags])
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.gpu
 def test_cuda_run_finds_our_kernels(tmp_path):
     """On a GPU the Chrome trace is parsed: our SSD / conv / norm / cross-entropy kernels and the matmuls appear."""
