@@ -37,7 +37,7 @@ _RULES: tuple[tuple[str, str], ...] = (
     # SSD kernel names start with "_"; the look-behind keeps norm_bwd_dx_kernel out of "_dx_kernel". The last
     # two lines are mamba_ssm's SSD Triton kernels (_chunk_scan_*, _chunk_state_fwd/bwd_*, _bmm_chunk_*, ...).
     ("ssd", r"(?<![a-z0-9])(_dt_fwd_kernel|_dt_bwd_kernel|"
-            r"_chunk_state_pass_fwd_kernel|_state_grad_pass_kernel|_scan_fwd_kernel|_intra_kernel|_carried_kernel|"
+            r"_chunk_state_pass_fwd_kernel|_chunk_states_kernel|_state_grad_pass_kernel|_scan_fwd_kernel|_intra_kernel|_carried_kernel|"
             r"_dx_kernel|_gate_bwd_kernel|"
             r"_chunk_cumsum_\w*kernel|_chunk_state_(fwd|bwd|varlen)\w*kernel|_chunk_scan_\w*kernel|"
             r"_state_passing_\w*kernel|_bmm_chunk_\w*kernel)|mamba2_step_kernel|ssd"),

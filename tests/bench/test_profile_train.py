@@ -14,7 +14,7 @@ from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kern
     ("nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT", "matmul"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
     ("aten::mm", "matmul"),
-    ("_scan_fwd_kernel", "ssd"), ("_dt_bwd_kernel", "ssd"), ("_intra_kernel", "ssd"),
+    ("_scan_fwd_kernel", "ssd"), ("_dt_bwd_kernel", "ssd"), ("_intra_kernel", "ssd"), ("_chunk_states_kernel", "ssd"),
     (selective_scan_fwd_kernel.fn.__name__, "selective_scan"),  # the Mamba-1 scan kernels as they are named now
     (selective_scan_bwd_kernel.fn.__name__, "selective_scan"),
     ("conv1d_fwd_kernel", "conv"), ("conv1d_bwd_kernel", "conv"),
