@@ -56,11 +56,6 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return lo, hi + t.element_size() - 1
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
-            and a.stride() == b.stride())
-
-
 def check_final_states_out(op, out, x, B, initial_states, cu_seqlens):
     """``final_states_out``: a contiguous floating-point (b or nseq, h, p, n) tensor on x's device that is
     ``initial_states`` itself (e.g. the inference cache a prompt continues from) or does not overlap it."""
@@ -75,7 +70,8 @@ def check_final_states_out(op, out, x, B, initial_states, cu_seqlens):
     if not out.is_contiguous():
         raise ValueError(f"{op}: {name} must be contiguous (e.g. cache[:b] of a contiguous cache), got strides "
                          f"{tuple(out.stride())} for shape {tuple(out.shape)}")
-    if (initial_states is not None and out.numel() and initial_states.numel() and not _same_view(out, initial_states)
+    same_view = initial_states is not None and out.dtype == initial_states.dtype and out.is_set_to(initial_states)
+    if (initial_states is not None and out.numel() and initial_states.numel() and not same_view
             and initial_states.device == out.device):
         (lo, hi), (ilo, ihi) = _byte_span(out), _byte_span(initial_states)
         if lo <= ihi and ilo <= hi:
