@@ -236,6 +236,24 @@ def test_compile_backward_matches_eager():
         assert_close(grads[1][k], grads[0][k], torch.float32, grad=True, name=f"compiled d{k}")
 
 
+def test_kernels_run_at_the_kernel_chunk(monkeypatch):
+    """A chunk_size above KERNEL_CHUNK_MAX runs the kernels at KERNEL_CHUNK_MAX: the same scan (outputs, final
+    states, every gradient) as the reference at the requested chunk."""
+    monkeypatch.setattr(triton_impl, "KERNEL_CHUNK_MAX", 16)  # interpreter-sized: asked 32, run at 16
+    calls = []
+    real = triton_impl.ssd_fwd_op
+    monkeypatch.setattr(triton_impl, "ssd_fwd_op", lambda *a: calls.append(a[5]) or real(*a))
+    args = make_inputs(2, 45, 4, 16, 16, 2, torch.float32)
+    check_against_reference(args, dict(chunk_size=32, dt_softplus=True), torch.float32)
+    assert set(calls) == {16}
+    assert triton_impl.kernel_chunk(64) == 16 and triton_impl.kernel_chunk(16) == 16
+    monkeypatch.undo()
+    assert triton_impl.kernel_chunk(256) == triton_impl.KERNEL_CHUNK_MAX == 128
+    assert triton_impl.kernel_chunk(64) == 64
+    with pytest.raises(ValueError, match="chunk_size must be a power of two >= 16, got 200"):
+        triton_impl.kernel_chunk(200)
+
+
 def test_public_function_dispatches_here(monkeypatch, ops_backend):
     """mamba_parallel.ops.ssd.ssd_chunk_scan on the triton backend runs this module's op."""
     from mamba_parallel.ops.ssd import ssd_chunk_scan
