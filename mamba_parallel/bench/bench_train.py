@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from mamba_parallel.bench.peer import add_peer_flags, resolve_peer
 from mamba_parallel.bench.results import add_git_commit_flag, publish
+from mamba_parallel.train.config import DEFAULT_RECOMPUTE
 
 
 def _non_negative_float(text: str) -> float:
@@ -75,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel degree")
     p.add_argument("--cp", type=int, default=1, help="context parallel degree")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute block activations")
-    p.add_argument("--recompute", default="", metavar="ITEMS",
+    p.add_argument("--recompute", default=DEFAULT_RECOMPUTE, metavar="ITEMS",
                    help="comma list of conv, dt, gate, states: activations each layer rebuilds in the backward "
-                        "instead of keeping them (as `train --recompute`; docs/memory.md). Default: keep everything")
+                        "instead of keeping them (as `train --recompute`; docs/memory.md); none keeps everything. "
+                        f"Default: {DEFAULT_RECOMPUTE}, as train's")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture the whole step in one CUDA graph and replay it (one GPU or --tp only)")
@@ -114,7 +116,7 @@ def _side_by_side_peer(a: argparse.Namespace):
     other = [flag for flag, on in (("--tp", a.tp > 1), ("--cp", a.cp > 1),
                                    ("--cuda-graph under torchrun", a.cuda_graph and launched),
                                    ("--profile", a.profile), ("--compile", a.compile),
-                                   ("--recompute under torchrun", bool(a.recompute) and launched),
+                                   ("--recompute under torchrun", a.recompute != DEFAULT_RECOMPUTE and launched),
                                    ("--activation-checkpointing", a.activation_checkpointing),
                                    ("--dtype fp32", a.dtype != "bf16")) if on]
     if other:
@@ -122,7 +124,7 @@ def _side_by_side_peer(a: argparse.Namespace):
             raise SystemExit(f"bench train: --peer compares the bf16 step without {', '.join(other)}: drop it "
                              "(or pass --no-peer)")
         return None
-    if not a.peer and (launched or a.recompute or a.cuda_graph):  # the comparison is asked for, not assumed
+    if not a.peer and (launched or a.recompute != DEFAULT_RECOMPUTE or a.cuda_graph):  # asked for, not assumed
         return None
     return resolve_peer(a.peer, a.peer_impl)
 

@@ -30,6 +30,8 @@ from mamba_parallel.bench import train_side_by_side as sbs
 from mamba_parallel.bench.peer import add_peer_flags, load_ours, resolve_peer, save_peer_weights
 from mamba_parallel.bench.results import add_git_commit_flag, error_text, publish, say, write_result
 from mamba_parallel.config import PRESETS
+from mamba_parallel.layers.recompute import apply_recompute
+from mamba_parallel.train.config import DEFAULT_RECOMPUTE
 
 DP_MODES = ("fsdp", "ddp")
 MODE_NAMES = {"fsdp": "FSDP2", "ddp": "DDP"}
@@ -121,7 +123,7 @@ def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, w
             else:
                 torch.manual_seed(seed)
                 model = MambaLMHeadModel(config, device=device)
-            return our_data_parallel(model, mode, device)
+            return our_data_parallel(apply_recompute(model, DEFAULT_RECOMPUTE), mode, device)
         return build
 
     if peer is not None:
@@ -160,7 +162,7 @@ def result_of(rows: list[dict], checks: list[dict], peer, world: int, seq_len: i
                                       "no clipping",
                          "peer": "MambaLMHeadModel in torch DDP + F.cross_entropy on its logits",
                          "ours": "MambaLMHeadModel.from_pretrained(peer's save_pretrained), parallelize(dp_mode) + "
-                                 "its fused loss",
+                                 f"its fused loss, recompute {DEFAULT_RECOMPUTE}",
                          "timing": "median step per rank (CUDA events), the slowest rank",
                          "sides": ["ours"] + (["peer"] if peer is not None else [])},
             "rows": rows, "checks": {"step1_loss": checks}}

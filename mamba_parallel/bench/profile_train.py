@@ -27,6 +27,7 @@ import torch
 from mamba_parallel.bench.overlap import collective_overlap, trace_events
 from mamba_parallel.ops.backend import requested_backend
 from mamba_parallel.bench.overlap import markdown as collectives_markdown
+from mamba_parallel.train.config import DEFAULT_RECOMPUTE
 
 CATEGORIES = ("matmul", "ssd", "selective_scan", "conv", "norm", "cross_entropy", "optimizer",
               "copy/cast/elementwise", "nccl", "other")
@@ -187,7 +188,7 @@ def _check_peer_flags(a: argparse.Namespace):
 
     other = [flag for flag, on in (("torchrun (one process only)", torch.distributed.is_torchelastic_launched()),
                                    ("--tp", a.tp > 1), ("--cp", a.cp > 1), ("--compile", a.compile),
-                                   ("--recompute", bool(a.recompute)),
+                                   ("--recompute", a.recompute != DEFAULT_RECOMPUTE),
                                    ("--activation-checkpointing", a.activation_checkpointing)) if on]
     if other:
         raise SystemExit(f"profile_train: --peer profiles the one-process step without {', '.join(other)}: drop "

@@ -22,6 +22,7 @@ import torch
 from mamba_parallel.bench.peer import load_ours, save_peer_weights
 from mamba_parallel.bench.results import error_text, make_row, say
 from mamba_parallel.bench.timing import Clock, synchronize
+from mamba_parallel.train.config import DEFAULT_RECOMPUTE
 
 PRESETS = ["mamba2-130m", "mamba2-370m", "mamba2-1.3b", "mamba2-2.7b",
            "mamba-130m", "mamba-370m", "mamba-1.4b", "mamba-2.8b"]
@@ -117,10 +118,11 @@ def _optimizer_groups(model) -> list[dict]:
 
 def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, warmup: int = 2, steps: int = 5,
                seed: int = 0, loss_rtol: float = LOSS_RTOL, log=say, n_layer: int | None = None,
-               recompute: str = "", cuda_graph: bool = False) -> tuple[list[dict], dict]:
+               recompute: str = DEFAULT_RECOMPUTE, cuda_graph: bool = False) -> tuple[list[dict], dict]:
     """-> (rows: tokens/s, step ms, peak GiB; check: both step-1 losses and whether they agree). ``n_layer``: the
     preset cut to that many layers (the compile warm-up). ``recompute``: what our layers rebuild in the backward
-    instead of keeping (layers/recompute.py; the peer's model as it is): the case names it. ``cuda_graph``: our
+    instead of keeping (layers/recompute.py; the peer's model as it is): the case names it unless it is the
+    training default. ``cuda_graph``: our
     step captured as one CUDA graph (the peer's eager, as it ships): the case names it."""
     from mamba_parallel.config import get_preset
     from mamba_parallel.layers.recompute import apply_recompute
@@ -158,7 +160,8 @@ def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, w
     if "folder" in handed:  # ours failed before reading it
         import shutil
         shutil.rmtree(handed.pop("folder"), ignore_errors=True)
-    case = (f"{preset} b{batch} L{seq_len}" + (f" recompute {recompute}" if recompute else "")
+    case = (f"{preset} b{batch} L{seq_len}" + (f" recompute {recompute or 'none'}" if recompute != DEFAULT_RECOMPUTE
+                                               else "")
             + (" cuda graph (ours)" if cuda_graph else ""))
     rows = _rows(case, figures, errors, batch * seq_len, peer is not None, preset=preset)
     check = _loss_check(preset, figures.get("ours"), figures.get("peer") if peer is not None else None, loss_rtol,
@@ -199,7 +202,7 @@ def _loss_check(preset: str, ours: dict | None, peer: dict | None, loss_rtol: fl
 
 
 def run(presets, peer, device, seq_len=2048, batch=8, warmup=2, steps=5, seed=0, deadline=None, log=say,
-        n_layer=None, recompute: str = "", cuda_graph: bool = False) -> dict:
+        n_layer=None, recompute: str = DEFAULT_RECOMPUTE, cuda_graph: bool = False) -> dict:
     """Every preset (skipped with a note once ``deadline`` has passed) -> the result's settings, rows, checks."""
     rows, checks = [], []
     for preset in presets:
@@ -217,7 +220,7 @@ def run(presets, peer, device, seq_len=2048, batch=8, warmup=2, steps=5, seed=0,
                          "optimizer": f"AdamW fused, lr {LR}, weight decay {WEIGHT_DECAY}, betas {BETAS}, no clipping",
                          "peer": "MambaLMHeadModel + F.cross_entropy on its logits",
                          "ours": "MambaLMHeadModel.from_pretrained(peer's save_pretrained) + its fused loss"
-                                 + (f", recompute {recompute}" if recompute else "")
+                                 + f", recompute {recompute or 'none'}"
                                  + (", the whole step as one CUDA graph (--cuda-graph)" if cuda_graph else ""),
                          "sides": ["ours"] + (["peer"] if peer is not None else [])},
             "rows": rows, "checks": {"step1_loss": checks}}

@@ -43,8 +43,10 @@ _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 
 
 def parse_items(raw: str) -> tuple[frozenset[str], list[str]]:
-    """A comma list ('conv, gate') -> (its names, those not in RECOMPUTE_ITEMS, sorted): the ``--recompute``
-    flags' parser."""
+    """A comma list ('conv, gate'; 'none' for no item) -> (its names, those not in RECOMPUTE_ITEMS, sorted): the
+    ``--recompute`` flags' parser."""
+    if raw.strip() == "none":
+        return NOTHING, []
     items = frozenset(v.strip() for v in raw.split(",") if v.strip())
     return items, sorted(items - RECOMPUTE_ITEMS.keys())
 

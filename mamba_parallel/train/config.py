@@ -17,6 +17,10 @@ from typing import Any
 from mamba_parallel.config import PRESETS, ConfigError, MambaConfig, get_preset
 
 DEFAULT_PRESET = "small-byte-mamba2"
+# What a training step rebuilds in the backward unless told otherwise: the conv output, one more depthwise conv per
+# layer (1-2 % of a step) for 8-11 KB per token and layer at the 1.3b - 2.8b sizes, as mamba_ssm's fused
+# backward does (docs/memory.md). Compiled blocks keep it (saved-tensor hooks are eager-only); "none" keeps it.
+DEFAULT_RECOMPUTE = "conv"
 
 
 def _f(default, help: str, *, choices=None, flag_type=None, metavar=None):
@@ -92,12 +96,13 @@ class TrainConfig:
                                   "stay fp32, updates rounded stochastically into the bf16 weights)",
                           choices=["fp32", "bf16"])
     activation_checkpointing: bool = _f(False, "recompute each block's activations in the backward pass")
-    recompute: str = _f("", "comma list of activations each layer rebuilds in the backward instead of keeping "
-                            "them (less memory for one more cheap kernel per layer; docs/memory.md): conv = the "
-                            "conv output, dt = Mamba's dt_proj output, gate = out_proj's input (where out_proj "
-                            "does not already run fused with the norm / gate, which keeps none), states = Mamba2's "
-                            "SSD chunk states. Default: keep everything. Eager only: under --compile only states "
-                            "applies", metavar="ITEMS")
+    recompute: str = _f(DEFAULT_RECOMPUTE, "comma list of activations each layer rebuilds in the backward instead "
+                            "of keeping them (less memory for one more cheap kernel per layer; docs/memory.md): "
+                            "conv = the conv output, dt = Mamba's dt_proj output, gate = out_proj's input (where "
+                            "out_proj does not already run fused with the norm / gate, which keeps none), states = "
+                            "the SSD's chunk states (Mamba2), fewer selective-scan checkpoints (Mamba); none = keep "
+                            "everything. Eager only: under --compile only states applies",
+                        metavar="ITEMS")
     compile: bool = _f(False, "torch.compile each block")
     deterministic: bool = _f(False, "bitwise-repeatable steps: torch's deterministic algorithms and one fixed "
                                     "kernel configuration (no autotuning); a little slower")
@@ -181,7 +186,7 @@ class TrainConfig:
 
             unknown = parse_items(self.recompute)[1]
             need(not unknown, "recompute", f"unknown item(s) {', '.join(unknown)} in {self.recompute!r}; expected a "
-                                           f"comma list of {', '.join(RECOMPUTE_ITEMS)}")
+                                           f"comma list of {', '.join(RECOMPUTE_ITEMS)}, or none")
         need(self.seq_len % self.cp == 0, "seq_len", f"{self.seq_len} is not divisible by --cp {self.cp}")
         if self.cuda_graph:  # the rest of the layout (data parallel ranks) is known at launch: trainer.py
             need(self.device != "cpu", "cuda_graph", "needs a CUDA device, got --device cpu")

@@ -30,7 +30,7 @@ from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS, apply_recompute, pa
 from mamba_parallel.manifest import update_manifest
 from mamba_parallel.train import checkpoint as ckpt
 from mamba_parallel.train import flag_effects, guard, run_folder
-from mamba_parallel.train.config import TrainConfig
+from mamba_parallel.train.config import DEFAULT_RECOMPUTE, TrainConfig
 from mamba_parallel.train.cuda_graph import GraphedTrainStep, check_graph_layout
 from mamba_parallel.train.data import DataError, RankBatches, TokenWindows, check_token_folder, folder_tokenizer, \
     is_prepared, open_docs, open_split, prepare_data, read_header
@@ -247,15 +247,16 @@ def _drop_metrics_after(out: str, step: int) -> None:
 
 # ---- --recompute ------------------------------------------------------------------------------------------------
 def resolve_recompute(items: str, compiled: bool = False) -> str:
-    """``--recompute ITEMS`` checked: the items as a comma list in RECOMPUTE_ITEMS order ("" for none), which
-    ``build_parallel_model`` sets on the model's layers (``apply_recompute``). Raises ConfigError naming an
-    unknown item; warns (rank 0) when ``compiled`` (--compile) leaves the eager-only items without effect."""
+    """``--recompute ITEMS`` checked: the items as a comma list in RECOMPUTE_ITEMS order ("" for none: "none" or
+    empty), which ``build_parallel_model`` sets on the model's layers (``apply_recompute``). Raises ConfigError
+    naming an unknown item; warns (rank 0) when ``compiled`` (--compile) leaves eager-only items that were asked
+    for without effect (the default's quietly: compiled blocks simply keep the conv output)."""
     active, unknown = parse_items(items or "")
     if unknown:
         raise ConfigError(f"--recompute: unknown item(s) {', '.join(unknown)}; expected a comma list of "
-                          f"{', '.join(RECOMPUTE_ITEMS)}")
+                          f"{', '.join(RECOMPUTE_ITEMS)}, or none")
     eager_only = sorted(active - {"states"})
-    if compiled and eager_only and os.environ.get("RANK", "0") == "0":
+    if compiled and eager_only and items != DEFAULT_RECOMPUTE and os.environ.get("RANK", "0") == "0":
         warnings.warn(f"--compile: recompute item(s) {', '.join(eager_only)} have no effect in compiled blocks "
                       f"(saved-tensor hooks are eager-only, layers/recompute.py); only 'states' applies there",
                       stacklevel=2)

@@ -103,7 +103,7 @@ def test_cpu_run_beside_the_peer(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("flags, named", [(["--tp", "2"], "--tp"), (["--compile"], "--compile"),
-                                          (["--recompute", "conv"], "--recompute")])
+                                          (["--recompute", "none"], "--recompute")])
 def test_peer_refuses_what_only_ours_has(tmp_path, flags, named):
     """--peer with an option the peer's step cannot match stops before any work, naming the option."""
     with pytest.raises(SystemExit, match=f"--peer .*without {named}"):

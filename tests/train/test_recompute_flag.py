@@ -19,7 +19,7 @@ from mamba_parallel.distributed.parallel_dims import ParallelDims
 from mamba_parallel.layers import recompute
 from mamba_parallel.layers.recompute import RECOMPUTE_ITEMS
 from mamba_parallel.train import trainer
-from mamba_parallel.train.config import MACHINE_FIELDS, add_train_flags, resolve_config
+from mamba_parallel.train.config import DEFAULT_RECOMPUTE, MACHINE_FIELDS, add_train_flags, resolve_config
 from mamba_parallel.train.trainer import build_parallel_model, resolve_recompute
 
 
@@ -33,20 +33,21 @@ def test_config_refuses_unknown_items(value, bad, tmp_path):
 def test_config_accepts_and_is_a_machine_setting(tmp_path):
     cfg = resolve_config(recompute=" conv, gate ", out=str(tmp_path))
     assert cfg.recompute == " conv, gate " and 'recompute = " conv, gate "' in cfg.to_toml()
-    assert resolve_config(out=str(tmp_path)).recompute == ""
+    assert resolve_config(out=str(tmp_path)).recompute == DEFAULT_RECOMPUTE == "conv"
+    assert resolve_config(recompute="none", out=str(tmp_path)).recompute == "none"
     assert "recompute" in MACHINE_FIELDS  # a resume may change it, like --activation-checkpointing
     (tmp_path / "config.toml").write_text('recompute = "states"\nsteps = 7\n')
     resumed = resolve_config(resume=True, out=str(tmp_path))
-    assert resumed.recompute == "" and resumed.steps == 7  # not taken from the run's config.toml
+    assert resumed.recompute == "conv" and resumed.steps == 7  # not taken from the run's config.toml
 
 
 def test_flag_and_help():
     p = argparse.ArgumentParser()
     add_train_flags(p)
     assert p.parse_args(["--recompute", "conv,dt"]).recompute == "conv,dt"
-    assert p.parse_args([]).recompute is None  # not given: the config default ("")
+    assert p.parse_args([]).recompute is None  # not given: the config default ("conv")
     text = " ".join(p.format_help().split())
-    assert "--recompute ITEMS" in text and "Default: keep everything" in text and "(default: )" not in text
+    assert "--recompute ITEMS" in text and "none = keep everything." in text and "(default: conv)" in text
     for item in RECOMPUTE_ITEMS:  # the help's list cannot drift from layers/recompute.py
         assert f"{item} = " in text, item
 
@@ -54,13 +55,18 @@ def test_flag_and_help():
 # ---- the trainer -------------------------------------------------------------------------------------------------
 def test_resolve_recompute_orders_validates_and_warns():
     assert resolve_recompute(" gate, conv") == "conv,gate" and resolve_recompute("") == ""
-    with pytest.raises(ConfigError, match=r"--recompute: unknown item\(s\) nope"):
+    assert resolve_recompute("none") == resolve_recompute(" none ") == ""
+    with pytest.raises(ConfigError, match=r"--recompute: unknown item\(s\) nope; .*states, or none"):
         resolve_recompute("conv,nope")
+    with pytest.raises(ConfigError, match=r"unknown item\(s\) none"):  # "none" is a whole value, not an item
+        resolve_recompute("conv,none")
     with pytest.warns(UserWarning, match=r"--compile: recompute item\(s\) conv, gate have no effect"):
         resolve_recompute("gate,conv,states", compiled=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "states" works compiled: no warning, no error
         resolve_recompute("states", compiled=True)
+        # the default's conv under --compile: compiled blocks keep the conv output, nothing to warn about
+        assert resolve_recompute(DEFAULT_RECOMPUTE, compiled=True) == "conv"
 
 
 def test_built_model_carries_the_items(tmp_path):
@@ -99,15 +105,18 @@ def test_bench_train_records_flag_and_keeps_the_loss(tmp_path, monkeypatch):
     orig_add = recompute.RecomputeInBackward.add
     monkeypatch.setattr(recompute.RecomputeInBackward, "add", lambda self, out, fn: added.append(1)
                         or orig_add(self, out, fn))
-    plain = _bench(tmp_path, "plain")
+    plain = _bench(tmp_path, "plain", "--recompute", "none")
     assert plain["recompute"] == "" and not added
+    default = _bench(tmp_path, "default")
+    assert default["recompute"] == "conv" and added  # the training default rebuilds the conv output
+    added.clear()
     rebuilt = _bench(tmp_path, "rebuilt", "--recompute", "gate,conv")
     assert rebuilt["recompute"] == "conv,gate" and added  # the layers saw the option
     # the timed step follows one optimizer step (warm-up): its loss depends on the first step's gradients, by far
     # more than the JSON's 4 decimals (a wrongly rebuilt tensor would show)
     first = _bench(tmp_path, "first", "--recompute", "conv,gate", warmup=0)
     assert abs(first["final_loss"] - plain["final_loss"]) > 1e-2
-    assert rebuilt["final_loss"] == plain["final_loss"]
+    assert rebuilt["final_loss"] == default["final_loss"] == plain["final_loss"]
 
 
 def test_bench_train_refuses_unknown_items(tmp_path):
