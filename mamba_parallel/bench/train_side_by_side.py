@@ -122,8 +122,8 @@ def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, w
     """-> (rows: tokens/s, step ms, peak GiB; check: both step-1 losses and whether they agree). ``n_layer``: the
     preset cut to that many layers (the compile warm-up). ``recompute``: what our layers rebuild in the backward
     instead of keeping (layers/recompute.py; the peer's model as it is): the case names it unless it is the
-    training default. ``cuda_graph``: our
-    step captured as one CUDA graph (the peer's eager, as it ships): the case names it."""
+    training default. ``cuda_graph``: our step captured as one CUDA graph (the peer's eager, as it ships): the case
+    names it."""
     from mamba_parallel.config import get_preset
     from mamba_parallel.layers.recompute import apply_recompute
     from mamba_parallel.models.lm import MambaLMHeadModel
