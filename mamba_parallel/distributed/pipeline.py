@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.torch_version import TorchVersion
 
 from mamba_parallel.distributed.parallel_dims import ParallelConfigError, ParallelDims
 
@@ -44,10 +45,24 @@ PP_SCHEDULES = {
 }
 
 
+# The zero-bubble schedules split the backward into an input pass and a weight pass. torch 2.11's weight pass
+# (pipelining/_backward.py, stage_backward_weight) feeds the sum of an autograd node's output gradients into the
+# node's first output; torch 2.12 gives each output its own. A node with several outputs that all carry a
+# gradient then yields a wrong weight gradient (the fused add + RMSNorm: the normed output and the residual), or a
+# shape error where the outputs differ in shape.
+ZERO_BUBBLE = ("interleaved-zb", "zbv")
+ZERO_BUBBLE_MIN_TORCH = "2.12"
+
+
 def schedule_class(name: str):
     """The torch schedule class of ``--pp-schedule name``; a clear error for an unknown one or an old torch."""
     if name not in PP_SCHEDULES:
         raise ParallelConfigError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}, got {name!r}")
+    if name in ZERO_BUBBLE and TorchVersion(torch.__version__) < ZERO_BUBBLE_MIN_TORCH:
+        raise ParallelConfigError(f"--pp-schedule {name} needs torch >= {ZERO_BUBBLE_MIN_TORCH}, this is "
+                                  f"{torch.__version__}: its zero-bubble weight pass adds up the gradients of an "
+                                  "autograd node's outputs into the first one, which gives wrong weight gradients "
+                                  "for the model's nodes with several outputs; use 1f1b or interleaved-1f1b")
     import torch.distributed.pipelining as pipelining
 
     cls = getattr(pipelining, PP_SCHEDULES[name][0], None)

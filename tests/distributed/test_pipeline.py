@@ -200,6 +200,19 @@ def test_bad_pp_degree_is_one_line_naming_it():
         PipelinePlan(2, "dualpipe", 4)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-zb", "zbv"])
+def test_zero_bubble_refused_where_torch_adds_up_output_gradients(schedule, monkeypatch):
+    """torch 2.11's zero-bubble weight pass feeds the sum of a node's output gradients into its first output (wrong
+    weight gradients for the fused add + norm): refused there, naming the flag and the torch that works; the
+    other schedules and torch >= 2.12 are unaffected."""
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(ParallelConfigError, match=rf"--pp-schedule {schedule} needs torch >= 2.12, this is 2.11.0"):
+        PipelinePlan(2, schedule, 4)
+    assert PipelinePlan(2, "1f1b", 4).n_stages == 2 and PipelinePlan(2, "interleaved-1f1b", 4).n_stages == 4
+    monkeypatch.setattr(torch, "__version__", "2.12.0+cu130")
+    assert PipelinePlan(2, schedule, 4).n_stages == 4
+
+
 def test_stage_placement():
     assert PipelinePlan(4, "interleaved-1f1b", 4).stage_ids(1) == [1, 5]
     assert PipelinePlan(4, "zbv", 4).stage_ids(1) == [1, 6]
