@@ -16,7 +16,7 @@ import torch
 
 from mamba_parallel.bench.results import error_text, make_row, say
 from mamba_parallel.bench.timing import Clock, synchronize
-from mamba_parallel.bench.train_side_by_side import BETAS, LR, _optimizer_groups, our_loss
+from mamba_parallel.bench.train_side_by_side import our_loss, side_optimizer
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -32,7 +32,7 @@ def probe(build, loss_of, device, lengths, vocab: int, log=say, name: str = "") 
     model = opt = None
     try:
         model = build().train()
-        opt = torch.optim.AdamW(_optimizer_groups(model), lr=LR, betas=BETAS, fused=cuda or None)
+        opt = side_optimizer(model, device)
         for length in lengths:
             if model is None:
                 break

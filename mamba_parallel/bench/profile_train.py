@@ -162,7 +162,7 @@ class _PeerSetup(_Steps):
 
     def __init__(self, peer, ours: _Setup, seed: int = 0):
         from mamba_parallel.bench.peer import PeerUnavailable
-        from mamba_parallel.bench.train_side_by_side import BETAS, LR, _optimizer_groups
+        from mamba_parallel.bench.train_side_by_side import side_optimizer
 
         self.peer, self.cfg, self.env, self.grad_clip = peer, ours.cfg, ours.env, 0.0
         self.inputs, self.labels = ours.inputs, ours.labels
@@ -172,8 +172,7 @@ class _PeerSetup(_Steps):
         except PeerUnavailable as e:
             raise SystemExit(f"profile_train --peer: {e}") from None
         self.model.train()
-        self.optimizer = torch.optim.AdamW(_optimizer_groups(self.model), lr=LR, betas=BETAS,
-                                           fused=self.env.device.type == "cuda" or None)
+        self.optimizer = side_optimizer(self.model, self.env.device)
 
     def loss(self) -> torch.Tensor:
         return self.peer.loss(self.model, self.inputs, self.labels)

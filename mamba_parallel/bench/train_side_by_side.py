@@ -80,8 +80,7 @@ def _side(name, build, loss_of, device, warmup, steps, log, combine=None,
         _free(device)
         model = build()
         model.train()
-        opt = torch.optim.AdamW(_optimizer_groups(model), lr=LR, betas=BETAS,
-                                fused=torch.device(device).type == "cuda" or None)
+        opt = side_optimizer(model, device)
         if graph_batch is not None:
             from mamba_parallel.train.cuda_graph import GraphedTrainStep
 
@@ -114,6 +113,12 @@ def _optimizer_groups(model) -> list[dict]:
             (no_decay if no_weight_decay(name, p) else decay).append(p)
     return [g for g in ({"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0})
             if g["params"]]
+
+
+def side_optimizer(model, device) -> torch.optim.AdamW:
+    """The AdamW every side of the training benchmarks steps with (fused on CUDA, the groups above)."""
+    return torch.optim.AdamW(_optimizer_groups(model), lr=LR, betas=BETAS,
+                             fused=torch.device(device).type == "cuda" or None)
 
 
 def run_preset(preset: str, peer, device, seq_len: int = 2048, batch: int = 8, warmup: int = 2, steps: int = 5,

@@ -42,20 +42,15 @@ def _small(*ts):
 KERNEL_CHUNK_MAX = 128
 
 
-def _check_chunk(chunk_size: int) -> None:
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"ssd_chunk_scan (triton): chunk_size must be a power of two >= 16, got {chunk_size}")
-
-
 def kernel_chunk(chunk_size: int) -> int:
     """The chunk the kernels run at for a requested ``chunk_size`` (a power of two >= 16)."""
-    _check_chunk(chunk_size)
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"ssd_chunk_scan (triton): chunk_size must be a power of two >= 16, got {chunk_size}")
     return min(chunk_size, KERNEL_CHUNK_MAX)
 
 
 def _prepare(x, dt, B, C, chunk_size, seq_idx, cu_seqlens):
-    """-> (packing or None, B, C in x.dtype)."""
-    _check_chunk(chunk_size)
+    """-> (packing or None, B, C in x.dtype); chunk_size: the kernels' (``kernel_chunk``)."""
     pk = None
     if seq_idx is not None or cu_seqlens is not None:
         pk = make_packing(x.shape[0], x.shape[1], chunk_size, seq_idx, cu_seqlens, x.device)
