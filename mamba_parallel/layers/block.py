@@ -5,6 +5,11 @@ config (Mamba / Mamba2 / MHA mixer, optional MLP after it; or an MLP block, whos
     [MLP after the mixer]  residual = hidden + residual;  hidden = mlp(norm2(residual))
 
 The block returns (hidden, residual) un-added: the next block's norm (or the final norm) does the add, fused.
+
+In a training forward the add + norm and a Mamba / Mamba2 mixer's in_proj run as one autograd node
+(``ops.add_rms_norm_linear``): in_proj's input, the norm output, is not kept for the backward (the norm's backward
+writes it again), nor is autocast's bf16 copy of in_proj's weight. It applies where in_proj is a plain nn.Linear
+(layers/out_proj.py's ``fusable_linear``); tensor parallelism's sharded in_proj keeps the module call.
 """
 
 from __future__ import annotations
@@ -12,13 +17,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from mamba_parallel import ops
 from mamba_parallel.config import MambaConfig
 from mamba_parallel.layers.attention import MHA
 from mamba_parallel.layers.mamba1 import Mamba
 from mamba_parallel.layers.mamba2 import Mamba2
 from mamba_parallel.layers.mamba3 import Mamba3
 from mamba_parallel.layers.mlp import MLP, GatedMLP, create_mlp
-from mamba_parallel.layers.norm import add_norm, make_norm
+from mamba_parallel.layers.norm import RMSNorm, add_norm, make_norm
+from mamba_parallel.layers.out_proj import fusable_linear
 
 
 class Block(nn.Module):
@@ -28,6 +35,7 @@ class Block(nn.Module):
         self.residual_in_fp32 = residual_in_fp32
         # An MLP block (Nemotron-H's "-" layers): the mixer is a feed-forward, blind to positions and caches.
         self.mixer_is_mlp = isinstance(mixer, (GatedMLP, MLP))
+        self.mixer_takes_in_proj_out = isinstance(mixer, (Mamba, Mamba2))
         self.norm = make_norm(dim, rms_norm, norm_epsilon, device=device, dtype=dtype)
         self.mixer = mixer
         if mlp is not None:
@@ -42,11 +50,28 @@ class Block(nn.Module):
 
         ``mixer_kwargs``: seq_idx, cu_seqlens, position_ids (passed to the mixer).
         """
+        if self._norm_in_proj_node(inference_params):
+            in_proj = self.mixer.in_proj
+            projected, residual = ops.add_rms_norm_linear(hidden_states, residual, self.norm.weight, in_proj.weight,
+                                                          in_proj.bias, self.norm.eps, self.residual_in_fp32)
+            hidden_states = self.mixer(None, in_proj_out=projected, **mixer_kwargs)
+            return self._mlp(hidden_states, residual)
         hidden_states, residual = add_norm(hidden_states, residual, self.norm, self.residual_in_fp32)
         if self.mixer_is_mlp:
             hidden_states = self.mixer(hidden_states)
         else:
             hidden_states = self.mixer(hidden_states, inference_params=inference_params, **mixer_kwargs)
+        return self._mlp(hidden_states, residual)
+
+    def _norm_in_proj_node(self, inference_params) -> bool:
+        """Whether this forward runs the add + norm and the mixer's in_proj as one node: a training forward
+        (autograd on, no inference cache) of a Mamba / Mamba2 mixer whose in_proj is a plain nn.Linear without
+        hooks, after an RMSNorm (decided per call: ``parallelize`` may swap in_proj after construction)."""
+        return (self.mixer_takes_in_proj_out and inference_params is None and torch.is_grad_enabled()
+                and isinstance(self.norm, RMSNorm) and fusable_linear(self.mixer.in_proj))
+
+    def _mlp(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The optional MLP after the mixer."""
         if self.mlp is not None:
             hidden_states, residual = add_norm(hidden_states, residual, self.norm2, self.residual_in_fp32)
             hidden_states = self.mlp(hidden_states)

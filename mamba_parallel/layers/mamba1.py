@@ -193,15 +193,19 @@ class Mamba(nn.Module):
         return self.seq_ops.channel_sum(_token_major_linear(self.x_proj.weight, x, self.x_proj.bias))
 
     # ---- forward ------------------------------------------------------------------------------------------------
-    def forward(self, hidden_states: torch.Tensor, inference_params=None, seq_idx: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden_states (b, L, d_model) -> (b, L, d_model).
+    def forward(self, hidden_states: torch.Tensor | None, inference_params=None, seq_idx: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                in_proj_out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states (b, L, d_model) -> (b, L, d_model). ``in_proj_out``: in_proj(hidden_states) computed by the
+        caller instead (the block's norm + in_proj node, a training forward without a cache; hidden_states None).
 
         seq_idx (b, L) int32 resets conv and scan state where it changes (packed sequences); ``cu_seqlens``
         (nseq + 1,) with b == 1 is turned into seq_idx when that is missing. With ``inference_params``
         the conv / SSM states of this layer are read (when ``seqlen_offset > 0``) and written back.
         """
-        b, L, _ = hidden_states.shape
+        if in_proj_out is not None and inference_params is not None:
+            raise ValueError("Mamba: in_proj_out is for a training forward; with inference_params pass hidden_states")
+        b, L = (hidden_states if in_proj_out is None else in_proj_out).shape[:2]
         seq_idx = resolve_seq_idx(seq_idx, cu_seqlens, L)
         conv_state = ssm_state = None
         if inference_params is not None:
@@ -209,7 +213,7 @@ class Mamba(nn.Module):
             if inference_params.seqlen_offset > 0 and L == 1:
                 return self.step(hidden_states, conv_state, ssm_state)
         d_inner, n, r = self.d_inner, self.d_state, self.dt_rank
-        xz = self.in_proj(hidden_states)
+        xz = self.in_proj(hidden_states) if in_proj_out is None else in_proj_out
         if xz.shape[-1] != 2 * d_inner:
             raise ValueError(f"Mamba: in_proj gives {xz.shape[-1]} features, expected 2 * d_inner = {2 * d_inner}")
         if conv_state is not None and self.use_fused_path and self.seq_ops.local and prefill_ok(xz):

@@ -130,15 +130,19 @@ class Mamba2(nn.Module):
         D = derived(self, "D", fp32)
         return D.view(self.nheads, self.headdim) if self.D_has_hdim else D
 
-    def forward(self, hidden_states: torch.Tensor, inference_params=None, seq_idx: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden_states (b, L, d_model) -> (b, L, d_model).
+    def forward(self, hidden_states: torch.Tensor | None, inference_params=None, seq_idx: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                in_proj_out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states (b, L, d_model) -> (b, L, d_model). ``in_proj_out``: in_proj(hidden_states) computed by the
+        caller instead (the block's norm + in_proj node, a training forward without a cache; hidden_states None).
 
         seq_idx (b, L) int32 / cu_seqlens (nseq + 1,) int32 (b == 1): packed sequences, no state crosses a
         boundary. With ``inference_params`` the conv / SSM states of this layer are read (when
         ``seqlen_offset > 0``) and written back.
         """
-        b, L, _ = hidden_states.shape
+        if in_proj_out is not None and inference_params is not None:
+            raise ValueError("Mamba2: in_proj_out is for a training forward; with inference_params pass hidden_states")
+        b, L = (hidden_states if in_proj_out is None else in_proj_out).shape[:2]
         seq_idx = resolve_seq_idx(seq_idx, cu_seqlens, L)
         conv_state = ssm_state = None
         if inference_params is not None:
@@ -149,7 +153,7 @@ class Mamba2(nn.Module):
                 raise ValueError("Mamba2: cu_seqlens (packed sequences) cannot fill an inference cache; prefill "
                                  "one sequence per batch row instead")
         h, p, g, n = self.nheads, self.headdim, self.ngroups, self.d_state
-        z, xBC, dt = self._split_in_proj(self.in_proj(hidden_states))
+        z, xBC, dt = self._split_in_proj(self.in_proj(hidden_states) if in_proj_out is None else in_proj_out)
 
         conv_kwargs, scan_kwargs = {}, {}
         into = False  # whether the conv's and the scan's final states go straight into the cache

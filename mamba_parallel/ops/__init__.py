@@ -13,7 +13,8 @@ from mamba_parallel.ops.conv1d import causal_conv1d, causal_conv1d_update
 from mamba_parallel.ops.cross_entropy import linear_cross_entropy
 from mamba_parallel.ops.eager_fastpath import use_eager_fastpath
 from mamba_parallel.ops.layout import silu_gate, token_major
-from mamba_parallel.ops.norm import add_rms_norm, gated_rms_norm, gated_rms_norm_linear, rms_norm
+from mamba_parallel.ops.norm import (add_rms_norm, add_rms_norm_linear, gated_rms_norm, gated_rms_norm_linear,
+                                     rms_norm)
 from mamba_parallel.ops.selective_scan import selective_scan
 from mamba_parallel.ops.selective_scan.naive import selective_scan_sequential
 from mamba_parallel.ops.ssd import ssd_chunk_scan
@@ -22,7 +23,8 @@ from mamba_parallel.ops.state_update import selective_state_update, ssd_state_up
 
 __all__ = [
     "selective_scan", "ssd_chunk_scan", "causal_conv1d", "causal_conv1d_update", "rms_norm", "add_rms_norm",
-    "gated_rms_norm", "gated_rms_norm_linear", "selective_state_update", "ssd_state_update", "linear_cross_entropy",
+    "add_rms_norm_linear", "gated_rms_norm", "gated_rms_norm_linear", "selective_state_update", "ssd_state_update",
+    "linear_cross_entropy",
     "ssd_sequential", "selective_scan_sequential", "token_major", "silu_gate", "use_backend", "use_eager_fastpath",
     "use_autotune", "decode_step",
 ]

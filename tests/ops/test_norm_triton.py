@@ -128,6 +128,74 @@ def test_gated_rms_norm_linear_keeps_no_norm_output():
     assert any(t is W for t in saved)
 
 
+def _add_norm_then_linear(fn_add_norm):
+    def f(x, r, w, W, b):
+        y, res = fn_add_norm(x, r, w)
+        return torch.nn.functional.linear(y, W, b), res
+    return f
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("res, residual_in_fp32, bias", [("none", True, False), ("fp32", True, True),
+                                                         ("same", False, False), ("fp32", False, True)])
+def test_add_rms_norm_linear(dtype, res, residual_in_fp32, bias):
+    """Against the reference (add + norm, then F.linear) on odd row counts: the output, the new residual and every
+    gradient (x, residual, the norm weight, the linear's weight and bias); against the Triton add + norm followed by
+    F.linear bit for bit: the rebuilt norm output is the forward's."""
+    shape = (3, 7, 24)
+    x = _rand(shape, dtype, 0)
+    r = None if res == "none" else _rand(shape, dtype if res == "same" else torch.float32, 2)
+    w = _rand(shape[-1:], dtype, 1, 0.5) + 1
+    W, b = _rand((10, 24), dtype, 4, 0.3), _rand((10,), dtype, 5) if bias else None
+    fused = lambda x, r, w, W, b: tri.add_rms_norm_linear(x, r, w, W, b, 1e-5, residual_in_fp32)  # noqa: E731
+    _compare(fused, lambda x, r, w, W, b: naive.add_rms_norm_linear(x, r, w, W, b, 1e-5, residual_in_fp32),
+             [x, r, w, W, b], dtype, [(3, 7, 10), shape])
+    g = torch.Generator(device="cpu").manual_seed(9)
+    grad_out = [torch.randn((3, 7, 10), generator=g).to(_dev()), torch.randn(shape, generator=g).to(_dev())]
+    got = _run(fused, [x, r, w, W, b], grad_out)
+    unfused = _run(_add_norm_then_linear(lambda x, r, w: tri.add_rms_norm(x, r, w, 1e-5, residual_in_fp32)),
+                   [x, r, w, W, b], grad_out)
+    for a, ref in zip([*got[0], *got[1]], [*unfused[0], *unfused[1]]):
+        assert (a is None and ref is None) or torch.equal(a, ref)
+
+
+def test_add_rms_norm_linear_keeps_no_norm_output():
+    """Saved for the backward: the new residual, the norm weight, rstd and the linear's weight as given (no norm
+    output, no cast copy of the weight)."""
+    x, r = _rand((5, 16), torch.float32, 0).requires_grad_(), _rand((5, 16), torch.float32, 1).requires_grad_()
+    w, W = _rand((16,), torch.float32, 2).requires_grad_(), _rand((6, 16), torch.float32, 3).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, res = tri.add_rms_norm_linear(x, r, w, W, None, 1e-5)
+    assert sorted(tuple(t.shape) for t in saved) == sorted([(5, 16), (16,), (1, 5), (6, 16)])
+    assert any(t is W for t in saved) and any(t.data_ptr() == res.data_ptr() for t in saved)
+
+
+def test_add_rms_norm_linear_frozen_and_unused():
+    """Gradients only for what requires them (a frozen linear weight skips the rebuilt output); an output that does
+    not reach the loss is a zero gradient."""
+    x, r = _rand((4, 16), torch.float32, 0).requires_grad_(), _rand((4, 16), torch.float32, 1)
+    w, W, b = _rand((16,), torch.float32, 2), _rand((6, 16), torch.float32, 3), _rand((6,), torch.float32, 4)
+    out, res = tri.add_rms_norm_linear(x, r, w, W, b.requires_grad_(), 1e-5)
+    out.sum().backward()
+    assert x.grad is not None and b.grad is not None and W.grad is None and w.grad is None
+    ref_x = x.detach().requires_grad_()
+    naive.add_rms_norm_linear(ref_x, r, w, W, b, 1e-5)[0].sum().backward()
+    assert_close(x.grad, ref_x.grad, torch.float32, grad=True)
+    x.grad = None
+    tri.add_rms_norm_linear(x, r, w, W, b, 1e-5)[1].sum().backward()  # only the residual reaches the loss
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_add_rms_norm_linear_checks_shapes():
+    x, w = torch.randn(2, 3, 16), torch.randn(16)
+    from mamba_parallel.ops import add_rms_norm_linear
+    with pytest.raises(ValueError, match="add_rms_norm_linear.*lin_weight"):
+        add_rms_norm_linear(x, None, w, torch.randn(8, 12))
+    with pytest.raises(ValueError, match="add_rms_norm_linear.*residual"):
+        add_rms_norm_linear(x, torch.randn(2, 4, 16), w, torch.randn(8, 16))
+
+
 def test_gated_rms_norm_linear_frozen_weights():
     """Gradients only for what requires them; a frozen linear weight skips the rebuilt output."""
     x, z = _rand((4, 16), torch.float32, 0).requires_grad_(), _rand((4, 16), torch.float32, 1)
@@ -301,6 +369,46 @@ def test_gated_rms_norm_linear_under_autocast_gpu(nan_poison):
     for i, (a, r) in enumerate(zip([*got[0], *got[1]], [*ref[0], *ref[1]])):
         assert a.dtype == r.dtype
         assert_close(a, r, torch.bfloat16, grad=i >= len(got[0]), factor=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("m, d, e, first", [(4099, 2560, 10576, False), (131, 2048, 8192, True),
+                                            (1000, 768, 3328, False)])
+def test_add_rms_norm_linear_gpu(dtype, m, d, e, first, nan_poison):
+    """The block's add + norm + in_proj at Mamba-2 / Mamba sizes (the first block has no residual yet): against the
+    reference, and the Triton add + norm followed by F.linear."""
+    x = _rand((m, d), dtype, 0)
+    r = None if first else _rand((m, d), torch.float32, 1)
+    w = _rand((d,), dtype, 2, 0.5) + 1
+    W = _rand((e, d), dtype, 3, d ** -0.5)
+    fused = lambda x, r, w, W: tri.add_rms_norm_linear(x, r, w, W, None, 1e-5)  # noqa: E731
+    outs = [(m, e), (m, d)]
+    _compare(fused, lambda x, r, w, W: naive.add_rms_norm_linear(x, r, w, W, None, 1e-5), [x, r, w, W], dtype, outs)
+    _compare(fused, lambda x, r, w, W: _add_norm_then_linear(lambda x, r, w: tri.add_rms_norm(x, r, w, 1e-5))(
+        x, r, w, W, None), [x, r, w, W], dtype, outs)
+
+
+@pytest.mark.gpu
+def test_add_rms_norm_linear_under_autocast_gpu(nan_poison):
+    """fp32 parameters and residual under bf16 autocast (training): the matmuls in bf16 as nn.Linear's, fp32 weight
+    gradients, the values of the Triton add + norm followed by nn.Linear."""
+    m, d, e = 2048, 2048, 8448
+    x, r = _rand((m, d), torch.bfloat16, 0), _rand((m, d), torch.float32, 1)
+    w, W = _rand((d,), torch.float32, 2, 0.5) + 1, _rand((e, d), torch.float32, 3, d ** -0.5)
+    g = [_rand((m, e), torch.float32, 5), _rand((m, d), torch.float32, 6)]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = _run(lambda *a: tri.add_rms_norm_linear(*a, None, 1e-5), [x, r, w, W], g)
+        unfused = _add_norm_then_linear(lambda x, r, w: tri.add_rms_norm(x, r, w, 1e-5))
+        ref = _run(lambda x, r, w, W: unfused(x, r, w, W, None), [x, r, w, W], g)
+    assert got[0][0].dtype == torch.bfloat16 and got[0][1].dtype == torch.float32
+    assert got[1][3].dtype == torch.float32
+    for i in range(2):
+        assert torch.equal(got[0][i], ref[0][i]), f"output {i}"
+    for i in range(3):  # x, the residual and the norm weight: the same kernels on the same values
+        assert_close(got[1][i], ref[1][i], torch.bfloat16, grad=True, name=f"grad {i}")
+    # nn.Linear's weight gradient is a bf16 matmul rounded to bf16; the node's is accumulated in fp32
+    assert_close(got[1][3], ref[1][3].float(), torch.bfloat16, grad=True, name="grad of the linear weight")
 
 
 @pytest.mark.gpu

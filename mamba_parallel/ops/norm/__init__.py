@@ -1,5 +1,6 @@
-"""RMSNorm family: ``rms_norm``, ``add_rms_norm`` (residual add fused with the norm), ``gated_rms_norm`` (Mamba-2),
-``gated_rms_norm_linear`` (Mamba-2's gated norm and out_proj as one node that keeps no norm output)."""
+"""RMSNorm family: ``rms_norm``, ``add_rms_norm`` (residual add fused with the norm), ``add_rms_norm_linear`` (the
+block's add + norm and the mixer's in_proj as one node), ``gated_rms_norm`` (Mamba-2), ``gated_rms_norm_linear``
+(Mamba-2's gated norm and out_proj as one node). The two norm + linear nodes keep no norm output."""
 
 from __future__ import annotations
 
@@ -41,6 +42,28 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return naive.add_rms_norm(x, residual, weight, eps, residual_in_fp32)
 
 
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                        lin_weight: torch.Tensor, lin_bias: torch.Tensor | None = None, eps: float = 1e-5,
+                        residual_in_fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., d), residual (..., d) or None, weight (d,), lin_weight (e, d), lin_bias (e,) or None ->
+    (out (..., e), new_residual (..., d)).
+
+    y, new_residual = add_rms_norm(x, residual, weight, eps, residual_in_fp32); out = F.linear(y, lin_weight,
+    lin_bias), the matmul in autocast's dtype when autocast is on (as nn.Linear), else in the promotion of y's and
+    lin_weight's dtypes. On the Triton path, with the new residual in fp32, it is one autograd node that keeps no
+    norm output and no cast copy of lin_weight (the new residual, rstd, both weights as given): the norm's backward
+    kernel writes y again for lin_weight's gradient (docs/memory.md).
+    """
+    _check_weight("add_rms_norm_linear", x, weight)
+    check_shape("add_rms_norm_linear", "residual", residual, *(("...", s) for s in x.shape[:-1]), ("d", x.shape[-1]))
+    check_ndim("add_rms_norm_linear", "lin_weight", lin_weight, (2,), "(e, d)")
+    check_shape("add_rms_norm_linear", "lin_weight", lin_weight, ("e", lin_weight.shape[0]), ("d", x.shape[-1]))
+    check_shape("add_rms_norm_linear", "lin_bias", lin_bias, ("e", lin_weight.shape[0]))
+    if use_triton(x, op="add_rms_norm_linear", has_kernel=_kernel() is not None):
+        return _kernel().add_rms_norm_linear(x, residual, weight, lin_weight, lin_bias, eps, residual_in_fp32)
+    return naive.add_rms_norm_linear(x, residual, weight, lin_weight, lin_bias, eps, residual_in_fp32)
+
+
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-5,
                    group_size: int | None = None, norm_before_gate: bool = False) -> torch.Tensor:
     """x (..., d), z (..., d) or None, weight (d,) -> y (..., d) in x.dtype.
@@ -80,4 +103,4 @@ def gated_rms_norm_linear(x: torch.Tensor, z: torch.Tensor | None, weight: torch
     return naive.gated_rms_norm_linear(x, z, weight, out_weight, out_bias, eps, group_size, norm_before_gate)
 
 
-__all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm", "gated_rms_norm_linear"]
+__all__ = ["rms_norm", "add_rms_norm", "add_rms_norm_linear", "gated_rms_norm", "gated_rms_norm_linear"]

@@ -58,3 +58,12 @@ def gated_rms_norm_linear(x, z, weight, out_weight, out_bias=None, eps: float = 
     y = gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate)
     ct = linear_dtype(y, out_weight)
     return F.linear(y.to(ct), out_weight.to(ct), None if out_bias is None else out_bias.to(ct))
+
+
+def add_rms_norm_linear(x, residual, weight, lin_weight, lin_bias=None, eps: float = 1e-5,
+                        residual_in_fp32: bool = True):
+    """x (..., d), residual (..., d) or None, weight (d,), lin_weight (e, d), lin_bias (e,) or None ->
+    (F.linear of add_rms_norm's output in ``linear_dtype``: (..., e), the new residual (..., d))."""
+    y, new_res = add_rms_norm(x, residual, weight, eps, residual_in_fp32)
+    ct = linear_dtype(y, lin_weight)
+    return F.linear(y.to(ct), lin_weight.to(ct), None if lin_bias is None else lin_bias.to(ct)), new_res

@@ -270,7 +270,8 @@ def gated_rms_norm(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Ten
     return y.view(x.shape)
 
 
-# The gated norm + linear node (its own file; it builds on the launchers above, so it is imported after them).
+# The norm + linear nodes (their own files; they build on the launchers above, so they are imported after them).
+from mamba_parallel.ops.norm.triton_add_norm_linear import add_rms_norm_linear  # noqa: E402
 from mamba_parallel.ops.norm.triton_norm_linear import gated_rms_norm_linear  # noqa: E402
 
-__all__ = ["rms_norm", "add_rms_norm", "gated_rms_norm", "gated_rms_norm_linear"]
+__all__ = ["rms_norm", "add_rms_norm", "add_rms_norm_linear", "gated_rms_norm", "gated_rms_norm_linear"]
