@@ -292,6 +292,30 @@ def test_compile_keeps_norm_linear_op():
         assert_close(a, r, torch.float32)
 
 
+
+def test_compile_keeps_add_norm_linear_op():
+    """The add + norm + linear node compiles as one custom op (no graph break) and trains to the eager values; the
+    custom op's own autograd (the eager fast path off) gives them too."""
+    from mamba_parallel.ops import use_eager_fastpath
+
+    x, r = _rand((4, 16), torch.float32, 0), _rand((4, 16), torch.float32, 2)
+    w, W = _rand((16,), torch.float32, 1), _rand((8, 16), torch.float32, 3)
+
+    def f(x, r, w, W):
+        return tri.add_rms_norm_linear(x, r, w, W, None, 1e-5)
+
+    explained = torch._dynamo.explain(f)(x, r, w, W)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    g = [_rand((4, 8), torch.float32, 5), _rand((4, 16), torch.float32, 6)]
+    eager_run = _run(f, [x, r, w, W], g)
+    compiled_run = _run(torch.compile(f, backend="aot_eager", fullgraph=True), [x, r, w, W], g)
+    with use_eager_fastpath(False):
+        op_run = _run(f, [x, r, w, W], g)
+    for a, c, o in zip([*eager_run[0], *eager_run[1]], [*compiled_run[0], *compiled_run[1]],
+                       [*op_run[0], *op_run[1]]):
+        assert_close(c, a, torch.float32)
+        assert torch.equal(o, a)
+
 # ------------------------------------------------------------------------------------------------------ GPU
 
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
