@@ -25,7 +25,7 @@ from mamba_parallel.layers.mamba2 import Mamba2
 from mamba_parallel.layers.mamba3 import Mamba3
 from mamba_parallel.layers.mlp import MLP, GatedMLP, create_mlp
 from mamba_parallel.layers.norm import RMSNorm, add_norm, make_norm
-from mamba_parallel.layers.out_proj import fusable_linear
+from mamba_parallel.layers.out_proj import fusable_linear, no_hooks
 
 
 class Block(nn.Module):
@@ -65,10 +65,11 @@ class Block(nn.Module):
 
     def _norm_in_proj_node(self, inference_params) -> bool:
         """Whether this forward runs the add + norm and the mixer's in_proj as one node: a training forward
-        (autograd on, no inference cache) of a Mamba / Mamba2 mixer whose in_proj is a plain nn.Linear without
-        hooks, after an RMSNorm (decided per call: ``parallelize`` may swap in_proj after construction)."""
+        (autograd on, no inference cache) of a Mamba / Mamba2 mixer without hooks of its own (a hook would see no
+        hidden_states) whose in_proj is a plain nn.Linear without hooks, after an RMSNorm (decided per call:
+        ``parallelize`` may swap in_proj after construction)."""
         return (self.mixer_takes_in_proj_out and inference_params is None and torch.is_grad_enabled()
-                and isinstance(self.norm, RMSNorm) and fusable_linear(self.mixer.in_proj))
+                and isinstance(self.norm, RMSNorm) and no_hooks(self.mixer) and fusable_linear(self.mixer.in_proj))
 
     def _mlp(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The optional MLP after the mixer."""

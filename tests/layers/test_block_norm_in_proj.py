@@ -64,9 +64,10 @@ def test_node_only_where_it_applies():
     with torch.no_grad():
         assert not block._norm_in_proj_node(None)
     assert not block._norm_in_proj_node(InferenceParams(max_seqlen=8, max_batch_size=1))
-    handle = block.mixer.in_proj.register_forward_hook(lambda *a: None)
-    assert not block._norm_in_proj_node(None)
-    handle.remove()
+    for module in (block.mixer.in_proj, block.mixer):  # a hook on either would miss what the node skips
+        handle = module.register_forward_pre_hook(lambda *a: None)
+        assert not block._norm_in_proj_node(None)
+        handle.remove()
     assert block._norm_in_proj_node(None)
     hybrid = get_preset("tiny-hybrid")
     attn = create_block(hybrid, hybrid.attn_layer_idx[0])
