@@ -48,17 +48,18 @@ def _gate_back(DY, Z, YPRE, MZ, MO, row_off, tok_off, zoff, rank, offs_p, h, P, 
 
 
 @triton.jit
-def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, QT, CINIT, CFINAL, DFIN, DHS, DINIT, HS, TURN,
+def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, QT, CINIT, CFINAL, DFIN, DHS, DINIT, HS, TURN, DYG, DZ,
                    L, NC, H, P, NH, NA, NPB,
                    sdb, sdt, sdh, skb, skt, skr, skh, srb, srt, srr, srh, srp,
                    sob, sot, soh, sop, szb, szt, szh, szp,
                    T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BLOCK_P: tl.constexpr,
                    HALVED: tl.constexpr, HAS_Z: tl.constexpr, HAS_MZ: tl.constexpr,
                    HAS_MO: tl.constexpr, HAS_DFIN: tl.constexpr, HAS_DINIT: tl.constexpr, HAS_TURN: tl.constexpr,
-                   PREC: tl.constexpr):
+                   STORE_DYG: tl.constexpr, PREC: tl.constexpr):
     """TURN (rows, h, nc, NPB, a) fp32: one slot per headdim block (NPB at least their number; the caller sums
     them; every element written here, the slots no block of this launch owns
-    zeroed)."""
+    zeroed). STORE_DYG (SISO with a gate): the output gradient after the gate's backward (DYG, x.dtype) and dz
+    (DZ) are written per token (dx's strides, sob ..), so chunk_bwd reads one tensor instead of dy, z and ypre."""
     pid = tl.program_id(0)
     pp = tl.program_id(1)
     b = (pid // H).to(tl.int64)
@@ -106,11 +107,14 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, QT, CINIT, CFINAL, DFIN, D
         tot = tl.sum(la, 0)
         q1, q2 = load_halves(q_ptr, t * skt + rank * skr, valid, 0, NH, BH, HALVED)
         ym = valid[:, None] & pm[None, :]
-        dy, _, _, _ = _gate_back(DY, Z, YPRE, MZ, MO,
-                                 b * srb + h * srh + t[:, None] * srt + rank[:, None] * srr + offs_p[None, :] * srp,
-                                 b * sob + h * soh + t[:, None] * sot + offs_p[None, :] * sop,
-                                 b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp,
-                                 rank, offs_p, h, P, ym, pm, R, HAS_Z, HAS_MZ, HAS_MO)
+        tok_off = b * sob + h * soh + t[:, None] * sot + offs_p[None, :] * sop
+        dy, dzr, _, _ = _gate_back(DY, Z, YPRE, MZ, MO,
+                                   b * srb + h * srh + t[:, None] * srt + rank[:, None] * srr + offs_p[None, :] * srp,
+                                   tok_off, b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp,
+                                   rank, offs_p, h, P, ym, pm, R, HAS_Z, HAS_MZ, HAS_MO)
+        if STORE_DYG:  # R == 1: a row is a token
+            tl.store(DYG + tok_off, dy.to(DYG.dtype.element_ty), mask=ym)
+            tl.store(DZ + tok_off, dzr.to(DZ.dtype.element_ty), mask=ym)
         dyw = (dy * tl.exp(cs)[:, None]).to(dtype)
         decay = tl.exp(tot)
         dH1 = dH1 * decay + tl.dot(tl.trans(dyw), q1.to(dtype), input_precision=PREC)
@@ -131,7 +135,7 @@ def _pair_block(KT, QT, b, h, t, rank, valid, j0, NH, skb, skt, skr, skh, BJ: tl
 
 
 @triton.jit
-def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL, HS,
+def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL, HS,
                      DHS, DX, DZ, DK, DQ, DW, DG, DA, DAP, DD, DMX, DMZ, DMO,
                      L, NC, H, P, NH, NA,
                      sxb, sxt, sxh, sxp, sdb, sdt, sdh, skb, skt, skr, skh,
@@ -139,15 +143,16 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
                      sgb, sgt, sgr, sgh,
                      T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, BJ: tl.constexpr,
                      HALVED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-                     HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr, PREC: tl.constexpr,
-                     PART: tl.constexpr):
+                     HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr, HAS_DYG: tl.constexpr,
+                     PREC: tl.constexpr, PART: tl.constexpr):
     """The pairs are taken BJ at a time (at most BH), in three passes: the scores S = q k^T, then (after the
     chunk's (T, T) terms) k dH^T for du, then per block again dq, dk and what they give. Only one block's tiles
     are live at a time. DK / DQ (rows, L, [R,] h, n) fp32 or bf16: the gradients of the rotated k and q (the
     caller turns them back to B's and C's).
     Two launches, each with about half the live tiles (du's part fits two programs on an SM):
     PART 1 the scores and everything du needs (dx, dz, dD, the MIMO scales, dw, dg), its share of the decay's
-    per-token gradient left in DAP (the shape of DA); then PART 2 dq and dk, which completes DA from DAP."""
+    per-token gradient left in DAP (the shape of DA); then PART 2 dq and dk, which completes DA from DAP.
+    HAS_DYG: dstates already took the gate's backward (DYG per token, dz written there): dy is read from DYG."""
     NJB: tl.constexpr = (BH + BJ - 1) // BJ
     BJE: tl.constexpr = BH // NJB
     pid = tl.program_id(0)
@@ -182,9 +187,13 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
     ud = u.to(dtype)
     row_off = b * srb + h * srh + t[:, None] * srt + rank[:, None] * srr + offs_p[None, :] * srp
     tok_off = b * sob + h * soh + t[:, None] * sot + offs_p[None, :] * sop
-    dy, dzr, dy_tok, yg = _gate_back(DY, Z, YPRE, MZ, MO, row_off, tok_off,
-                                     b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp,
-                                     rank, offs_p, h, P, xm, pm, R, HAS_Z, HAS_MZ, HAS_MO)
+    if HAS_DYG:  # R == 1, no fold: a row is a token
+        dy = tl.load(DYG + tok_off, mask=xm, other=0.0).to(tl.float32)
+        dzr, dy_tok, yg = dy, dy, dy
+    else:
+        dy, dzr, dy_tok, yg = _gate_back(DY, Z, YPRE, MZ, MO, row_off, tok_off,
+                                         b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp,
+                                         rank, offs_p, h, P, xm, pm, R, HAS_Z, HAS_MZ, HAS_MO)
     tt = c * T + tl.arange(0, T)  # per-token outputs
     tm = tt < L
     tmp = tm[:, None] & pm[None, :]
@@ -192,7 +201,7 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL
     mrank = ((b * H + h) * NC + c) * R * P + tl.arange(0, R)[:, None] * P + offs_p[None, :]
     if HAS_MO and PART == 1:
         tl.store(DMO + mrank, per_rank(dy_tok * yg, T, R, BP), mask=pm[None, :])
-    if HAS_Z and PART == 1:
+    if HAS_Z and not HAS_DYG and PART == 1:
         zraw = tl.load(Z + b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp, mask=xm,
                        other=0.0).to(tl.float32)
         if HAS_MZ:

@@ -161,16 +161,19 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     tok_strides = strides(dx)
     npb = triton.cdiv(P, 16)  # a slot for every headdim block of any candidate (BLOCK_P >= 16)
     turn = torch.empty(rows, H, lay.nchunks, npb, NA, device=dev, dtype=f32)  # <dH, J H> at every chunk's end
+    dz = torch.empty_like(dx) if z is not None else None
+    # SISO with a gate: the reverse sweep takes the gate's backward once and leaves dy after it (and dz) per token,
+    # so the two per-chunk launches read one tensor where each read dy, z and y before the gate
+    dyg = torch.empty_like(dx) if z is not None and R == 1 and not fold else None
     kernel = tuned(dstates_kernel, "dstates", x.dtype)
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
     kst = _kt_strides(KT)
     kernel[grid](dys, zs, ypres, mimo_z, mimo_o, dts, As, traps, QT, lay.init, lay.final, dfin,
-                 dHS, dinit, HS, turn, Lk, lay.nchunks, H, P, N // 2, NA, npb,
+                 dHS, dinit, HS, turn, dyg, dz, Lk, lay.nchunks, H, P, N // 2, NA, npb,
                  *strides(dts, 3), *kst, *row_strides(row_t), *tok_strides,
                  *strides(zs), T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_Z=z is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold, HAS_DFIN=dfin is not None,
-                 HAS_DINIT=dinit is not None, HAS_TURN=True, PREC=dot_precision(x.dtype))
+                 HAS_DINIT=dinit is not None, HAS_TURN=True, STORE_DYG=dyg is not None, PREC=dot_precision(x.dtype))
 
-    dz = torch.empty_like(dx) if z is not None else None
     rank_axis = (R,) if R > 1 else ()
     # every element of these is written by chunk_bwd (no zero fill)
     # the per-head gradients of the rotated k / q, read once more to be turned back and summed over the heads: in
@@ -188,14 +191,14 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
                                                                          (2, "chunk_bwd_mimo_dqk"))
     for part, name in parts:
         tuned(chunk_bwd_kernel, name, x.dtype)[(rows * H, lay.nchunks)](
-            xs, dys, zs, ypres, dts, As, traps, KT, QT, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
+            xs, dys, zs, ypres, dyg, dts, As, traps, KT, QT, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
             dHS, dx, dz, dBh, dCh, dw, dg, da, dap, dD, dmx, dmz, dmo,
             Lk, lay.nchunks, H, P, N // 2, NA,
             *strides(xs), *strides(dts, 3), *kst, *row_strides(row_t),
             *strides(dx), *strides(zs), *bc_strides(dBh)[:4],
             T=T, R=R, BH=block(N // 2), BP=block(P), HALVED=halved, HAS_D=D is not None,
             HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
-            PREC=dot_precision(x.dtype), PART=part)
+            HAS_DYG=dyg is not None, PREC=dot_precision(x.dtype), PART=part)
     # dk, dq -> dB, dC (+ bias), and the phases' gradients within each chunk
     dB, dC, dphi, dB_bias, dC_bias = unrotate(dBh, dCh, Bs, Cs, B_bias, C_bias, angs, dts, THS, lay, T, halved,
                                               B.dtype)
