@@ -55,7 +55,7 @@ from mamba_parallel.layers.packing import resolve_seq_idx
 from mamba_parallel.layers.recompute import (NOTHING, SCAN_CHECKPOINT_EVERY, RecomputeInBackward, recompute_plan,
                                              recompute_set, run_saving)
 from mamba_parallel.layers.seq_ops import SequenceOps
-from mamba_parallel.ops._common import linear_dtype
+from mamba_parallel.ops._common import linear_dtype, linear_in
 from mamba_parallel.ops.backend import triton_available, use_triton
 from mamba_parallel.ops.conv1d.naive import final_state as conv_final_state
 from mamba_parallel.ops.grad_arena import split_with_grad_arena, tag_view
@@ -453,7 +453,7 @@ class _Mamba1Inner(torch.autograd.Function):
                                           checkpoint_every=checkpoint_every, checkpoint_dtype=checkpoint_dtype)
         out = layout._gate_fwd(y, z)  # (b, L, d) contiguous: out_proj's input
         if out_w is not None:  # out_proj as nn.Linear computes it (out_dtype: autocast's); its input is not kept
-            out = F.linear(out.to(out_dtype), out_w.to(out_dtype), None if out_b is None else out_b.to(out_dtype))
+            out = linear_in(out, out_w, out_b, out_dtype)
         # dt is rebuilt in the backward (one small matmul), xc too with recompute_conv (one conv)
         ctx.save_for_backward(xz, conv_w, conv_b, wx, wdt, None if recompute_conv else xc, x_dbl, B4, C4, A, D32,
                               dtb32, sid, ckpt, y, seq_idx, rstd, out_w)

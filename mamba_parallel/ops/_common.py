@@ -8,6 +8,7 @@ import importlib.util
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 _KERNELS: dict[str, ModuleType | None] = {}
 
@@ -122,6 +123,11 @@ def linear_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return torch.promote_types(x.dtype, weight.dtype)
+
+
+def linear_in(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """F.linear(x, weight, bias) with all three cast to ``dtype`` (e.g. ``linear_dtype``: what nn.Linear computes)."""
+    return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
 
 
 def fp32_math(fn):

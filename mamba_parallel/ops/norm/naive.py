@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mamba_parallel.ops._common import compute_dtype, fp32_math, linear_dtype
+from mamba_parallel.ops._common import compute_dtype, fp32_math, linear_dtype, linear_in
 
 
 @fp32_math
@@ -56,8 +56,7 @@ def gated_rms_norm_linear(x, z, weight, out_weight, out_bias=None, eps: float = 
     """x/z (..., d), weight (d,), out_weight (e, d), out_bias (e,) or None -> (..., e): F.linear of the gated norm's
     output (x.dtype) in ``linear_dtype`` (autocast's when on: what nn.Linear would compute)."""
     y = gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate)
-    ct = linear_dtype(y, out_weight)
-    return F.linear(y.to(ct), out_weight.to(ct), None if out_bias is None else out_bias.to(ct))
+    return linear_in(y, out_weight, out_bias, linear_dtype(y, out_weight))
 
 
 def add_rms_norm_linear(x, residual, weight, lin_weight, lin_bias=None, eps: float = 1e-5,
@@ -65,5 +64,4 @@ def add_rms_norm_linear(x, residual, weight, lin_weight, lin_bias=None, eps: flo
     """x (..., d), residual (..., d) or None, weight (d,), lin_weight (e, d), lin_bias (e,) or None ->
     (F.linear of add_rms_norm's output in ``linear_dtype``: (..., e), the new residual (..., d))."""
     y, new_res = add_rms_norm(x, residual, weight, eps, residual_in_fp32)
-    ct = linear_dtype(y, lin_weight)
-    return F.linear(y.to(ct), lin_weight.to(ct), None if lin_bias is None else lin_bias.to(ct)), new_res
+    return linear_in(y, lin_weight, lin_bias, linear_dtype(y, lin_weight)), new_res

@@ -15,9 +15,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from mamba_parallel.ops._common import linear_dtype
+from mamba_parallel.ops._common import linear_dtype, linear_in
 from mamba_parallel.ops.eager_fastpath import eager, fastpath
 from mamba_parallel.ops.norm import naive
 from mamba_parallel.ops.norm.triton_impl import _fp64, _launch_bwd, _norm_fwd_impl, _rows, add_rms_norm
@@ -28,7 +27,7 @@ def _fwd_impl(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.T
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x/residual (M, d) -> out (M, e) mm_dtype, new residual (M, d) residual_dtype, rstd (1, M) fp32."""
     y, res_out, rstd = _norm_fwd_impl(x, None, residual, weight, eps, x.shape[1], False, True, residual_dtype)
-    out = F.linear(y.to(mm_dtype), lin_weight.to(mm_dtype), None if lin_bias is None else lin_bias.to(mm_dtype))
+    out = linear_in(y, lin_weight, lin_bias, mm_dtype)
     return out, res_out, rstd
 
 
@@ -110,8 +109,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: Optional[torch.Tensor], weigh
     res_dtype = torch.float32 if residual_in_fp32 else x.dtype
     if res_dtype != torch.float32:  # y comes from the fp32 sum, which a narrower kept residual could not rebuild
         y, new_res = add_rms_norm(x, residual, weight, eps, residual_in_fp32)
-        ct = linear_dtype(y, lin_weight)
-        return F.linear(y.to(ct), lin_weight.to(ct), None if lin_bias is None else lin_bias.to(ct)), new_res
+        return linear_in(y, lin_weight, lin_bias, linear_dtype(y, lin_weight)), new_res
     out, res_out, _ = eager(_fwd)(_rows(x, d), _rows(residual, d), weight, lin_weight, lin_bias, float(eps),
                                   res_dtype, linear_dtype(x, lin_weight))
     return out.view(*x.shape[:-1], lin_weight.shape[0]), res_out.view(x.shape)

@@ -13,17 +13,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from mamba_parallel.ops._common import linear_dtype
+from mamba_parallel.ops._common import linear_dtype, linear_in
 from mamba_parallel.ops.eager_fastpath import eager, fastpath
 from mamba_parallel.ops.grad_arena import grad_slot
 from mamba_parallel.ops.norm import naive
 from mamba_parallel.ops.norm.triton_impl import _fp64, _launch_bwd, _norm_fwd_impl, _tagged_rows
-
-
-def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    return None if t is None else t.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- forward op
@@ -33,7 +28,7 @@ def _fwd_impl(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Tensor, 
               mm_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x/z (M, d) -> out (M, e) mm_dtype, rstd (G, M) fp32; the norm output lives only inside this call."""
     y, _, rstd = _norm_fwd_impl(x, z, None, weight, eps, group_size, norm_before_gate, False, x.dtype)
-    out = F.linear(y.to(mm_dtype), out_weight.to(mm_dtype), _cast(out_bias, mm_dtype))
+    out = linear_in(y, out_weight, out_bias, mm_dtype)
     return out, rstd
 
 
