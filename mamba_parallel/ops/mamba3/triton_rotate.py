@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.mamba3.triton_common import (block, load_halves, per_rank, per_token, rotate_pairs, rows,
+from mamba_parallel.ops.backend import interpret_mode
+from mamba_parallel.ops.mamba3.triton_common import (block, cos_sin, load_halves, per_rank, per_token, rotate_pairs, rows,
                                                       store_halves)
 from mamba_parallel.ops.mamba3.triton_layout import Layout, bc_strides
 
@@ -89,7 +90,7 @@ def phase_prefix_kernel(TURNS, CINIT, CFINAL, INIT_ANG, THS, FIN, NC, H, NA,
 
 @triton.jit
 def _phase(ANG, DT, THS, b, h, c, t, lead, valid, j0, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh,
-           BJ: tl.constexpr):
+           BJ: tl.constexpr, FAST: tl.constexpr):
     """cos / sin (rows, BJ) of every row's phase for pairs j0 .. j0 + BJ of head h: the phase entering chunk c plus
     the chunk's steps up to the row's token (one row per token steps it: every rank of a token turns by the same
     angle). Pairs j >= NA have no angle: they read cos 1, sin 0."""
@@ -100,7 +101,7 @@ def _phase(ANG, DT, THS, b, h, c, t, lead, valid, j0, NC, H, NA, sab, sat, sah, 
     om = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_j[None, :] * saa,
                  mask=valid[:, None] & am[None, :], other=0.0).to(tl.float32)
     th_t = th_c[None, :] + tl.cumsum(tl.where(lead[:, None], om * dt[:, None], 0.0), 0)
-    return tl.cos(th_t), tl.sin(th_t)
+    return cos_sin(th_t, FAST)
 
 
 @triton.jit
@@ -108,7 +109,7 @@ def rotate_kernel(Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, KT, QT, L, NC, H, HPG, N
                   sbb, sbt, sbr, sbg, sbn, scb, sct, scr, scg, scn, sab, sat, sah, saa, sdb, sdt, sdh,
                   skb, skt, skr, skh,
                   T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BA: tl.constexpr, HALVED: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HAS_K: tl.constexpr, HAS_Q: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, HAS_K: tl.constexpr, HAS_Q: tl.constexpr, FAST: tl.constexpr):
     """KT / QT share one layout (strides sk*; the rank stride skr is 0 for SISO). THS (rows, h, nc, a): the phase
     entering every chunk. HAS_K / HAS_Q: write k / q (the forward needs both, the backward's state-gradient sweep
     q alone). Pairs BA .. BH (BA <= BH a power of two covering the NA turning pairs) never turn: they are copied
@@ -119,7 +120,8 @@ def rotate_kernel(Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, KT, QT, L, NC, H, HPG, N
     h = pid % H
     t, rank, lead = rows(c, T, R)
     valid = t < L
-    cos, sin = _phase(ANG, DT, THS, b, h, c, t, lead, valid, 0, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh, BA)
+    cos, sin = _phase(ANG, DT, THS, b, h, c, t, lead, valid, 0, NC, H, NA, sab, sat, sah, saa, sdb, sdt, sdh, BA,
+                      FAST)
     g = h // HPG
     out = b * skb + t * skt + rank * skr + h * skh
     bias_row = (h * R + rank) * (2 * NH)  # the biases (h, [R,] n), contiguous
@@ -159,7 +161,7 @@ def unrotate_kernel(DK, DQ, Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, DB, DC, DBB, D
                     sab, sat, sah, saa, sdb, sdt, sdh, sgb, sgt, sgr, sgh, sob, sot, sor, sog,
                     sbb, sbt, sbr, sbg, scb, sct, scr, scg, spb, spt, sph,
                     T: tl.constexpr, R: tl.constexpr, BJ: tl.constexpr, HALVED: tl.constexpr,
-                    HAS_BB: tl.constexpr, HAS_CB: tl.constexpr):
+                    HAS_BB: tl.constexpr, HAS_CB: tl.constexpr, FAST: tl.constexpr):
     """One program per (batch row, group, chunk, block of BJ pairs). DK, DQ (rows, L, [R,] h, n) fp32 or bf16
     (strides sg*): the gradients of the rotated k and q. Each head's rows are turned back by its phases and summed
     over the group's heads into DB, DC (rows, L, [R,] g, n) fp32 (strides so*): the gradients of B and C. HAS_BB /
@@ -188,7 +190,7 @@ def unrotate_kernel(DK, DQ, Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, DB, DC, DBB, D
         h = g * HPG + i
         if turns:
             cos, sin = _phase(ANG, DT, THS, b, h, c, t, lead, valid, j0, NC, H, NA, sab, sat, sah, saa, sdb, sdt,
-                              sdh, BJ)
+                              sdh, BJ, FAST)
         else:  # pairs that never turn: no trigonometry
             cos = tl.full((T * R, BJ), 1.0, tl.float32)
             sin = tl.zeros((T * R, BJ), dtype=tl.float32)
@@ -265,7 +267,7 @@ def rotated_bc(Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int, H: i
         Bs, Cs, B_bias, C_bias, angs, dts, ths, kt, qt, Lk, lay.nchunks, H, H // G, N // 2, angs.shape[3],
         *bc_strides(Bs), *bc_strides(Cs), *angs.stride(), *dts.stride(), *kst,
         T=T, R=R, BH=block(N // 2), BA=min(block(angs.shape[3]), block(N // 2)), HALVED=halved,
-        HAS_BIAS=B_bias is not None, HAS_K=want_k, HAS_Q=want_q,
+        HAS_BIAS=B_bias is not None, HAS_K=want_k, HAS_Q=want_q, FAST=not interpret_mode(),
         num_warps=4)
     return kt, qt
 
@@ -295,7 +297,8 @@ def unrotate(dk, dq, Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int
         dk, dq, Bs, Cs, B_bias, C_bias, angs, dts, ths, dB, dC, dbb, dcb, dphi, Lk, lay.nchunks, H, H // groups, NH,
         NA, *angs.stride(), *dts.stride(), st[0], st[1], st[2] if mimo else 0, st[-2],
         so[0], so[1], so[2] if mimo else 0, so[-2], *bc_strides(Bs)[:4], *bc_strides(Cs)[:4], *dphi.stride()[:3],
-        T=T, R=R, BJ=BJ, HALVED=halved, HAS_BB=B_bias is not None, HAS_CB=C_bias is not None, num_warps=4)
+        T=T, R=R, BJ=BJ, HALVED=halved, HAS_BB=B_bias is not None, HAS_CB=C_bias is not None,
+        FAST=not interpret_mode(), num_warps=4)
     bias_grad = lambda part, bias: (None if bias is None else  # noqa: E731
                                     part.sum((0, 2)).reshape(bias.shape).to(bias.dtype))
     return dB, dC, dphi, bias_grad(dbb, B_bias), bias_grad(dcb, C_bias)
