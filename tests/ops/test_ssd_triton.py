@@ -48,14 +48,20 @@ def run(fn, args, kw, gy, gf):
     return y.detach(), final.detach(), {k: leaves[k].grad for k in GRAD_NAMES if leaves[k] is not None}
 
 
-def check_against_reference(args, kw, dtype, factor=1.0):
-    ref_args = {k: v.double() if v is not None else None for k, v in args.items()}
+def loss_weights(args, kw):
+    """The random weights of the linear loss on y and on the final states (a fixed seed: every run gets the same)."""
     b, L, h, p = args["x"].shape
     nst = args["initial_states"].shape[0] if args["initial_states"] is not None else (
         kw["cu_seqlens"].numel() - 1 if kw.get("cu_seqlens") is not None else b)
     gen = torch.Generator().manual_seed(123)
     gy = torch.randn(b, L, h, p, generator=gen).to(args["x"].device)
     gf = torch.randn(nst, h, p, args["B"].shape[-1], generator=gen).to(args["x"].device)
+    return gy, gf
+
+
+def check_against_reference(args, kw, dtype, factor=1.0):
+    ref_args = {k: v.double() if v is not None else None for k, v in args.items()}
+    gy, gf = loss_weights(args, kw)
     y, final, grads = run(triton_impl.ssd_chunk_scan, args, kw, gy, gf)
     y_ref, final_ref, grads_ref = run(naive.ssd_chunk_scan, ref_args, kw, gy.double(), gf.double())
     assert y.dtype == dtype and final.dtype == torch.float32
@@ -420,6 +426,53 @@ def test_gpu_final_states_written_into_the_cache(layout, resume, out_dtype, nan_
     assert returned is out
     assert torch.equal(y, y_ref)
     assert torch.equal(out, final_ref.to(out_dtype))
+
+
+def _every_candidate():
+    from mamba_parallel.ops.ssd.triton_tuning import tuned
+
+    for name, entry in tuned.table.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            if dtype == torch.float32 and len(entry) <= 3:
+                continue  # one list for both widths: the bf16 run covers it
+            for i, _ in enumerate(tuned.candidates(name, dtype)):
+                yield pytest.param(name, dtype, i, id=f"{name}-{str(dtype)[6:]}-{i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, dtype, index", list(_every_candidate()))
+def test_gpu_every_candidate_alone(name, dtype, index, monkeypatch, nan_poison):
+    """Each launch candidate that autotuning may pick, run alone (its kernel's table cut to it, the others at their
+    first), with the state path that launches it, on a partial last chunk at the kernels' chunk: in fp32 outputs,
+    final states and every gradient against the reference; in bf16 against the first candidates' run on the same
+    path, to bf16's tolerances (at this input dA sums terms that cancel, and every bf16 launch, the first
+    included, is 6.8e-2 from the float64 reference, beyond the 3e-2 a gradient is allowed). A candidate Triton
+    miscompiles fails here by name."""
+    from mamba_parallel.ops import use_autotune
+    from mamba_parallel.ops.ssd.triton_tuning import tuned
+
+    monkeypatch.setattr(triton_impl, "sweep_states", lambda pairs, device: name != "chunk_states")
+    args = make_inputs(2, 300, 4, 64, 128, 1, dtype, device="cuda", z=True)
+    kw = dict(chunk_size=128, dt_softplus=True)
+    gy, gf = loss_weights(args, kw)
+    with use_autotune(False):
+        if dtype != torch.float32:
+            monkeypatch.setattr(tuned, "_cache", {})
+            first = run(triton_impl.ssd_chunk_scan, args, kw, gy, gf)
+        entry = list(tuned.table[name])
+        slot = 3 if dtype == torch.float32 and len(entry) > 3 else 0
+        entry[slot] = [entry[slot][index]]
+        monkeypatch.setattr(tuned, "table", {**tuned.table, name: tuple(entry)})
+        monkeypatch.setattr(tuned, "_cache", {})
+        if dtype == torch.float32:
+            check_against_reference(args, kw, dtype)
+            return
+        y, final, grads = run(triton_impl.ssd_chunk_scan, args, kw, gy, gf)
+    assert_close(y, first[0], dtype, name="y")
+    assert_close(final, first[1], dtype, name="final_states")
+    assert set(grads) == set(first[2])
+    for k, g in grads.items():
+        assert_close(g, first[2][k], dtype, grad=True, name=f"d{k}")
 
 
 @pytest.mark.gpu
