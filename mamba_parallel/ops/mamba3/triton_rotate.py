@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from mamba_parallel.ops.backend import interpret_mode
-from mamba_parallel.ops.mamba3.triton_common import (block, cos_sin, load_halves, per_rank, per_token, rotate_pairs, rows,
-                                                      store_halves)
+from mamba_parallel.ops.mamba3.triton_common import (block, cos_sin, load_halves, per_rank, per_token, rotate_pairs,
+                                                      rows, store_halves)
 from mamba_parallel.ops.mamba3.triton_layout import Layout, bc_strides
 
 
