@@ -77,7 +77,9 @@ def test_cpu_run_writes_json_and_markdown(tmp_path, monkeypatch):
     cats = {c["category"]: c for c in r["categories"]}
     assert cats["matmul"]["launches_per_step"] > 0 and cats["optimizer"]["launches_per_step"] > 0
     md = (out / "profile.md").read_text()
-    assert "| matmul |" in md and "Top 10" in md and "aten::mm" in md
+    assert "| matmul |" in md and "Top 10" in md
+    # the table lists the JSON's top kernels (which ops rank there depends on the machine's timings)
+    assert all(f"`{k['name']}`" in md for k in r["top_kernels"])
     assert not (out / "trace.json").exists()
 
 
