@@ -221,9 +221,9 @@ def _selective_scan_workloads(rec, which):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: rec.launches.append(dict(rec.describe(self.fn, args, kwargs), tuned=None))
 
-    saved = {k: getattr(scan, k) for k in ("_on_gpu", "_sms", "selective_scan_fwd_kernel",
+    saved = {k: getattr(scan, k) for k in ("gpu_compiled", "_sms", "selective_scan_fwd_kernel",
                                            "selective_scan_bwd_kernel", "finish_bwd")}
-    scan._on_gpu, scan._sms = (lambda u: True), (lambda u: 132)
+    scan.gpu_compiled, scan._sms = (lambda u: True), (lambda u: 132)
     scan.selective_scan_fwd_kernel = Recorded(saved["selective_scan_fwd_kernel"])
     scan.selective_scan_bwd_kernel = Recorded(saved["selective_scan_bwd_kernel"])
     scan.finish_bwd = lambda *args, **kwargs: None

@@ -87,6 +87,12 @@ def interpret_mode() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def gpu_compiled(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t`` are compiled for its GPU (not run by Triton's CPU interpreter): where they may use
+    inline PTX (fast exp / cos / sin) and the GPU's tiles."""
+    return t.is_cuda and not interpret_mode()
+
+
 def use_triton(*tensors: torch.Tensor | None, op: str = "op", has_kernel: bool = True) -> bool:
     """True when ``op`` should run its Triton kernel for these tensors."""
     b = requested_backend()

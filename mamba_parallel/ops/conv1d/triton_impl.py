@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import triton
 
-from mamba_parallel.ops.backend import interpret_mode
+from mamba_parallel.ops.backend import gpu_compiled
 from mamba_parallel.ops.conv1d import launch, naive
 from mamba_parallel.ops.conv1d.naive import final_state, final_state_mask as _final_state_mask
 from mamba_parallel.ops.conv1d.triton_conv1d_bwd import conv1d_bwd_kernel
@@ -31,10 +31,6 @@ from mamba_parallel.ops.grad_arena import grad_slot
 
 def _channels_last(x: torch.Tensor) -> bool:
     return x.stride(1) == 1 and x.shape[2] > 1 and x.stride(2) != 1
-
-
-def _on_gpu(x: torch.Tensor) -> bool:
-    return x.is_cuda and not interpret_mode()
 
 
 def _empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -125,7 +121,7 @@ def _conv_bwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     dx = dx_out if dx_out is not None else _empty_like_layout(x, x.dtype)
     dinit = torch.empty_like(initial_state) if initial_state is not None else x.new_empty((0,))
     if b * d * L > 0:
-        run = launch.backward_launch(_channels_last(x), d, L, backward_path(x, w, path), _on_gpu(x))
+        run = launch.backward_launch(_channels_last(x), d, L, backward_path(x, w, path), gpu_compiled(x))
         backward = _launch_bwd_one_pass if run.path == launch.ONE_PASS else _launch_bwd_two_pass
         dw_part, db_part = backward(run, x, weight, bias, initial_state, seq_idx, dy, dx, dinit, silu)
         dweight = dw_part.sum(0).to(weight.dtype)

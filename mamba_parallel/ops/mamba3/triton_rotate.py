@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.backend import interpret_mode
+from mamba_parallel.ops.backend import gpu_compiled
 from mamba_parallel.ops.mamba3.triton_common import (block, cos_sin, load_halves, per_rank, per_token, rotate_pairs,
                                                       rows, store_halves)
 from mamba_parallel.ops.mamba3.triton_layout import Layout, bc_strides
@@ -267,7 +267,7 @@ def rotated_bc(Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int, H: i
         Bs, Cs, B_bias, C_bias, angs, dts, ths, kt, qt, Lk, lay.nchunks, H, H // G, N // 2, angs.shape[3],
         *bc_strides(Bs), *bc_strides(Cs), *angs.stride(), *dts.stride(), *kst,
         T=T, R=R, BH=block(N // 2), BA=min(block(angs.shape[3]), block(N // 2)), HALVED=halved,
-        HAS_BIAS=B_bias is not None, HAS_K=want_k, HAS_Q=want_q, FAST=not interpret_mode(),
+        HAS_BIAS=B_bias is not None, HAS_K=want_k, HAS_Q=want_q, FAST=gpu_compiled(Bs),
         num_warps=4)
     return kt, qt
 
@@ -298,7 +298,7 @@ def unrotate(dk, dq, Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int
         NA, *angs.stride(), *dts.stride(), st[0], st[1], st[2] if mimo else 0, st[-2],
         so[0], so[1], so[2] if mimo else 0, so[-2], *bc_strides(Bs)[:4], *bc_strides(Cs)[:4], *dphi.stride()[:3],
         T=T, R=R, BJ=BJ, HALVED=halved, HAS_BB=B_bias is not None, HAS_CB=C_bias is not None,
-        FAST=not interpret_mode(), num_warps=4)
+        FAST=gpu_compiled(Bs), num_warps=4)
     bias_grad = lambda part, bias: (None if bias is None else  # noqa: E731
                                     part.sum((0, 2)).reshape(bias.shape).to(bias.dtype))
     return dB, dC, dphi, bias_grad(dbb, B_bias), bias_grad(dcb, C_bias)

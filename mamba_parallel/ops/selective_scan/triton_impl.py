@@ -28,7 +28,7 @@ import functools
 import torch
 import triton
 
-from mamba_parallel.ops.backend import interpret_mode
+from mamba_parallel.ops.backend import gpu_compiled
 from mamba_parallel.ops.eager_fastpath import eager, fastpath
 from mamba_parallel.ops.selective_scan import launch
 from mamba_parallel.ops.selective_scan.triton_bwd import selective_scan_bwd_kernel
@@ -52,10 +52,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # triton.cdiv is a constexpr function: ~1-2 us per host call, several per scan
 
 
-def _on_gpu(u: torch.Tensor) -> bool:
-    return u.is_cuda and not interpret_mode()
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -63,7 +59,7 @@ def _sm_count(device: torch.device) -> int:
 
 def _sms(u: torch.Tensor) -> int | None:
     """The GPU's SM count, or None in the interpreter."""
-    return _sm_count(u.device) if _on_gpu(u) else None
+    return _sm_count(u.device) if gpu_compiled(u) else None
 
 
 def _scan_shape(u, delta, z, A, B, varlen: bool) -> launch.ScanShape:
@@ -75,7 +71,7 @@ def _scan_shape(u, delta, z, A, B, varlen: bool) -> launch.ScanShape:
     aligned = L % 16 == 0 and all(t.stride(0) % 16 == 0 and t.stride(1) % 16 == 0 and t.data_ptr() % 16 == 0
                                   for t in rows)
     return launch.ScanShape(batch=b, d=d, n=A.shape[1], groups=_as4d(B).shape[1], seqlen=L,
-                            elem_size=u.element_size(), row_layout=token_major and (aligned or not _on_gpu(u)),
+                            elem_size=u.element_size(), row_layout=token_major and (aligned or not gpu_compiled(u)),
                             varlen=varlen)
 
 
@@ -209,7 +205,7 @@ def _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta
         states, carry, L, d, n, d // B4.shape[1], nchunks, nslots, nchunks, *_strides(u, delta, zz, B4, C4, sid),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, SAVE_YPRE=save_ypre,
-        FAST_EXP=_on_gpu(u), R=run.rows, LANES=run.row_layout, CKPT=save_ckpt, CK=ck, CKPT_APART=apart, **meta,
+        FAST_EXP=gpu_compiled(u), R=run.rows, LANES=run.row_layout, CKPT=save_ckpt, CK=ck, CKPT_APART=apart, **meta,
     )
     ckpt = (carry if apart else states) if save_ckpt else None
     return y, hlast, ckpt, ypre
@@ -223,7 +219,7 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, v
       checkpoint_every=1, checkpoint_dtype=torch.float32):
     b, d, L = u.shape
     n = A.shape[1]
-    nchunks = triton.cdiv(L, launch.chunk_tokens(L, interp=not _on_gpu(u)))
+    nchunks = triton.cdiv(L, launch.chunk_tokens(L, interp=not gpu_compiled(u)))
     apart = _checkpoints_apart(save_ckpt, launch.checkpoint_group(checkpoint_every, nchunks), checkpoint_dtype)
     return (u.new_empty((b, d, L)), u.new_empty((nstates, d, n), dtype=torch.float32),
             u.new_empty((b, triton.cdiv(nchunks, checkpoint_every), n, d) if save_ckpt else (0,),
@@ -302,7 +298,7 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
         L, d, n, d // G, nchunks, nblk, ngroups if ck > 1 else nchunks, *_strides(u, delta, zz, B4, C4, sid),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, HAS_DLAST=dl is not None,
-        FAST_EXP=_on_gpu(u), LANE_SUM=run.row_layout, CK=ck, **meta,
+        FAST_EXP=gpu_compiled(u), LANE_SUM=run.row_layout, CK=ck, **meta,
     )
     empty = lambda: u.new_empty((0,))  # noqa: E731  (distinct tensors: custom-op outputs may not alias)
     dB = torch.empty(B.shape, device=dev, dtype=B.dtype) if dB_out is None else dB_out
