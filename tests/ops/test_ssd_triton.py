@@ -62,15 +62,20 @@ def loss_weights(args, kw):
 def check_against_reference(args, kw, dtype, factor=1.0):
     ref_args = {k: v.double() if v is not None else None for k, v in args.items()}
     gy, gf = loss_weights(args, kw)
-    y, final, grads = run(triton_impl.ssd_chunk_scan, args, kw, gy, gf)
-    y_ref, final_ref, grads_ref = run(naive.ssd_chunk_scan, ref_args, kw, gy.double(), gf.double())
+    got = run(triton_impl.ssd_chunk_scan, args, kw, gy, gf)
+    y, final, grads = got
     assert y.dtype == dtype and final.dtype == torch.float32
-    assert_close(y, y_ref, dtype, name="y", factor=factor)
-    assert_close(final, final_ref, dtype, name="final_states", factor=factor)
-    assert set(grads) == set(grads_ref)
-    for k in grads_ref:
-        assert grads[k].dtype == args[k].dtype, k
-        assert_close(grads[k], grads_ref[k], dtype, grad=True, name=f"d{k}", factor=factor)
+    assert all(g.dtype == args[k].dtype for k, g in grads.items()), {k: g.dtype for k, g in grads.items()}
+    assert_runs_close(got, run(naive.ssd_chunk_scan, ref_args, kw, gy.double(), gf.double()), dtype, factor)
+
+
+def assert_runs_close(got, want, dtype, factor=1.0):
+    """Two runs' (y, final states, {name: grad}) agree to ``dtype``'s tolerances."""
+    assert_close(got[0], want[0], dtype, name="y", factor=factor)
+    assert_close(got[1], want[1], dtype, name="final_states", factor=factor)
+    assert set(got[2]) == set(want[2])
+    for k in want[2]:
+        assert_close(got[2][k], want[2][k], dtype, grad=True, name=f"d{k}", factor=factor)
 
 
 CASES = {
@@ -456,23 +461,17 @@ def test_gpu_every_candidate_alone(name, dtype, index, monkeypatch, nan_poison):
     kw = dict(chunk_size=128, dt_softplus=True)
     gy, gf = loss_weights(args, kw)
     with use_autotune(False):
-        if dtype != torch.float32:
-            monkeypatch.setattr(tuned, "_cache", {})
-            first = run(triton_impl.ssd_chunk_scan, args, kw, gy, gf)
+        monkeypatch.setattr(tuned, "_cache", {})
+        first = None if dtype == torch.float32 else run(triton_impl.ssd_chunk_scan, args, kw, gy, gf)
         entry = list(tuned.table[name])
         slot = 3 if dtype == torch.float32 and len(entry) > 3 else 0
         entry[slot] = [entry[slot][index]]
         monkeypatch.setattr(tuned, "table", {**tuned.table, name: tuple(entry)})
         monkeypatch.setattr(tuned, "_cache", {})
-        if dtype == torch.float32:
+        if first is None:
             check_against_reference(args, kw, dtype)
-            return
-        y, final, grads = run(triton_impl.ssd_chunk_scan, args, kw, gy, gf)
-    assert_close(y, first[0], dtype, name="y")
-    assert_close(final, first[1], dtype, name="final_states")
-    assert set(grads) == set(first[2])
-    for k, g in grads.items():
-        assert_close(g, first[2][k], dtype, grad=True, name=f"d{k}")
+        else:
+            assert_runs_close(run(triton_impl.ssd_chunk_scan, args, kw, gy, gf), first, dtype)
 
 
 @pytest.mark.gpu
