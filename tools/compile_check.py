@@ -334,7 +334,8 @@ class _Tagged:
 
 
 def _config(c) -> dict:
-    return {"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages}
+    return {"kwargs": dict(c.kwargs), "num_warps": c.num_warps, "num_stages": c.num_stages,
+            "maxnreg": getattr(c, "maxnreg", None)}
 
 
 def record(ops, path, which):
@@ -374,6 +375,8 @@ def compile_one(launch, config, arch):
     if config is not None:
         args.update({k: {"value": v} for k, v in config["kwargs"].items()})
         options.update(num_warps=config["num_warps"], num_stages=config["num_stages"])
+        if config.get("maxnreg"):
+            options["maxnreg"] = config["maxnreg"]
     signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(fn.params):
         a = args.get(p.name)
@@ -434,7 +437,8 @@ def _label(launch, config) -> str:
     first = next((v["ptr"] for v in a.values() if "ptr" in v), "?")  # the kernel's first pointer: its operand
     shown = " ".join(f"{k}={a[k]['value']}" for k in SHOWN if k in a and "value" in a[k])
     cfg = "" if config is None else " ".join([*(f"{k}={v}" for k, v in config["kwargs"].items()),
-                                               f"warps={config['num_warps']}", f"stages={config['num_stages']}"])
+                                               f"warps={config['num_warps']}", f"stages={config['num_stages']}",
+                                               *([f"maxnreg={config['maxnreg']}"] if config.get("maxnreg") else [])])
     kernel = launch["kernel"].rsplit(".", 1)[1]
     tuner = f"[{launch['tuned']['name']}]" if launch.get("tuned") else ""
     return f"{kernel}{tuner} {first} {shown} | {cfg}".rstrip(" |")
