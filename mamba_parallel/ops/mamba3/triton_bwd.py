@@ -187,9 +187,8 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
     ud = u.to(dtype)
     row_off = b * srb + h * srh + t[:, None] * srt + rank[:, None] * srr + offs_p[None, :] * srp
     tok_off = b * sob + h * soh + t[:, None] * sot + offs_p[None, :] * sop
-    if HAS_DYG:  # R == 1, no fold: a row is a token
+    if HAS_DYG:  # R == 1, no fold: a row is a token; dz is written (only the gate and the fold read dzr, dy_tok, yg)
         dy = tl.load(DYG + tok_off, mask=xm, other=0.0).to(tl.float32)
-        dzr, dy_tok, yg = dy, dy, dy
     else:
         dy, dzr, dy_tok, yg = _gate_back(DY, Z, YPRE, MZ, MO, row_off, tok_off,
                                          b * szb + h * szh + t[:, None] * szt + offs_p[None, :] * szp,
