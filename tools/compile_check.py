@@ -4,6 +4,7 @@ lets through (globals that are not constexpr, dot shapes, type mismatches, too m
     python tools/compile_check.py [--ops mamba3 norm layout selective_scan ssd decode_step]
                                   [--workloads variants tiles tiny]
                                   [--kernels NAME ...] [--arch 90] [--max-shared BYTES] [--ptx-hash]
+                                  [--compile-python EXE]
 
 Step one runs each op's forward and backward (and its decode step) in the CPU interpreter and records every kernel
 launch: the kernel, its argument types and values, its constexprs, and for an autotuned kernel the GPU candidates
@@ -511,6 +512,9 @@ def main(argv=None) -> int:
                     help="fail a candidate needing more shared memory (default: the arch's, e.g. 232448 on sm_90)")
     ap.add_argument("--ptx-hash", action="store_true",
                     help="print a hash of each launch's PTX: the same hash before and after a change, the same code")
+    ap.add_argument("--compile-python", metavar="EXE", default=sys.executable,
+                    help="the Python that compiles (step two), e.g. a venv's with another Triton pinned; the "
+                         "launches are recorded with this one's interpreter (default: this Python)")
     ap.add_argument("--record-only", metavar="PATH", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.record_only:
@@ -521,7 +525,7 @@ def main(argv=None) -> int:
     subprocess.run([sys.executable, __file__, "--record-only", path, "--ops", *a.ops, "--workloads", *a.workloads],
                    check=True, env=env)
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, __file__, "--compile", path, "--arch", str(a.arch)]
+    cmd = [a.compile_python, __file__, "--compile", path, "--arch", str(a.arch)]
     cmd += ["--max-shared", str(a.max_shared)] if a.max_shared else []
     cmd += ["--kernels", *a.kernels] if a.kernels else []
     cmd += ["--ptx-hash"] if a.ptx_hash else []
