@@ -187,7 +187,7 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
     ud = u.to(dtype)
     row_off = b * srb + h * srh + t[:, None] * srt + rank[:, None] * srr + offs_p[None, :] * srp
     tok_off = b * sob + h * soh + t[:, None] * sot + offs_p[None, :] * sop
-    if HAS_DYG:  # R == 1, no fold: a row is a token; dz is written (only the gate and the fold read dzr, dy_tok, yg)
+    if HAS_DYG:  # R == 1, no fold: a row is a token; dstates wrote dz (dzr, dy_tok, yg serve the gate and the fold)
         dy = tl.load(DYG + tok_off, mask=xm, other=0.0).to(tl.float32)
     else:
         dy, dzr, dy_tok, yg = _gate_back(DY, Z, YPRE, MZ, MO, row_off, tok_off,

@@ -15,12 +15,14 @@ from mamba_parallel.ops.tuning import Tuner, dot_precision  # noqa: F401  (the k
 from mamba_parallel.ops.tuning import block_pow2 as block  # noqa: F401
 from mamba_parallel.ops.tuning import config as _c
 
+TWO_PI = tl.constexpr(6.283185307179586)  # Triton kernels may read constexpr globals only
+INV_TWO_PI = tl.constexpr(0.15915494309189535)
 
 
 @triton.jit
 def wrap_angle(th):
     """th reduced to [0, 2 pi): rotary angles accumulate over the whole sequence, their fp32 sum would lose digits."""
-    return th - 6.283185307179586 * tl.floor(th * 0.15915494309189535)
+    return th - TWO_PI * tl.floor(th * INV_TWO_PI)
 
 
 @triton.jit
@@ -29,7 +31,7 @@ def cos_sin(th, FAST: tl.constexpr):
     error about 1e-6 there, against libdevice's tens of instructions per call); the interpreter takes tl.cos /
     tl.sin."""
     if FAST:
-        r = th - 6.283185307179586 * tl.floor(th * 0.15915494309189535 + 0.5)
+        r = th - TWO_PI * tl.floor(th * INV_TWO_PI + 0.5)
         c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=f,f", [r], dtype=tl.float32, is_pure=True, pack=1)
         s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [r], dtype=tl.float32, is_pure=True, pack=1)
         return c, s
