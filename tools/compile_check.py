@@ -339,11 +339,20 @@ def _config(c) -> dict:
             "maxnreg": getattr(c, "maxnreg", None)}
 
 
+# constexpr switches a launcher sets only for compiled GPU code (ops.backend.gpu_compiled: inline PTX such as the
+# MUFU exp / cos / sin); the interpreter runs with them off, the GPU would compile them on
+GPU_ONLY_FLAGS = ("FAST", "FAST_EXP")
+
+
 def record(ops, path, which):
     os.environ["TRITON_INTERPRET"] = "1"
     rec = Recorder()
     rec.install()
     done = [w for w in _workloads(ops, which, rec)]
+    for launch in rec.launches:
+        for flag in GPU_ONLY_FLAGS:
+            if flag in launch["args"]:
+                launch["args"][flag]["value"] = True
     with open(path, "w") as f:
         json.dump({"workloads": done, "launches": rec.launches}, f)
 
