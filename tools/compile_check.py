@@ -3,7 +3,7 @@ lets through (globals that are not constexpr, dot shapes, type mismatches, too m
 
     python tools/compile_check.py [--ops mamba3 norm layout selective_scan ssd decode_step]
                                   [--workloads variants tiles tiny]
-                                  [--kernels NAME ...] [--arch 90] [--max-shared BYTES] [--ptx-hash]
+                                  [--kernels NAME ...] [--arch 90] [--max-shared BYTES] [--ptx-hash] [--sass]
                                   [--compile-python EXE]
 
 Step one runs each op's forward and backward (and its decode step) in the CPU interpreter and records every kernel
@@ -16,7 +16,10 @@ than the target has (232448 bytes on sm_90): the launch would raise OutOfResourc
 ptxas and cuobjdump, so this runs the whole pipeline to a cubin. The selective scan plans its launches for the GPU
 it runs on (chunk, layout, unrolled states), so its launches are recorded as an H100 / H200 (132 SMs) would plan
 them, without running them. ``--ptx-hash`` adds a hash of each launch's PTX (line info, comments and parameter
-names left out): equal hashes before and after a change mean the change leaves that GPU code as it was.
+names left out): equal hashes before and after a change mean the change leaves that GPU code as it was. ``--sass``
+adds each launch's SASS instruction counts (all, shuffles, barriers, shared- and global-memory ops, MUFU, fp32
+arithmetic, tensor-core ops, local-memory spill traffic; tools/sass_report.py's): a change's cost in instructions and
+barriers, compared before and after without a GPU.
 """
 
 from __future__ import annotations
@@ -465,7 +468,7 @@ def ptx_hash(ptx: str) -> str:
     return hashlib.sha1(kept.encode()).hexdigest()[:12]
 
 
-def compile_all(path, arch, max_shared=None, kernels=None, show_hash=False) -> int:
+def compile_all(path, arch, max_shared=None, kernels=None, show_hash=False, show_sass=False) -> int:
     """Compile every recorded launch with each of its GPU candidates; one line per compile with its shared memory,
     registers and stack (and ``ptx_hash`` with ``show_hash``). Fails when a compile fails or a candidate needs more
     shared memory than ``max_shared`` (default: the arch's, MAX_SHARED): the autotuner would drop it there, and an
@@ -496,6 +499,11 @@ def compile_all(path, arch, max_shared=None, kernels=None, show_hash=False) -> i
             shared = int(kernel.metadata.shared)
             use = resource_usage(kernel.asm["cubin"])
             digest = f", ptx {ptx_hash(kernel.asm['ptx'])}" if show_hash else ""
+            if show_sass:
+                import sass_report
+
+                found = sass_report.counts(sass_report.sass_lines(kernel.asm["cubin"]))
+                digest += ", sass " + " ".join(f"{k} {v}" for k, v in found.items())
             print(f"{label}: shared {shared} B, {use['reg']} registers, stack {use['stack']} B{digest}", flush=True)
             if limit is not None and shared > limit:
                 failures.append(f"{label}: needs {shared} B of shared memory, sm_{arch} has {limit} B")
@@ -521,6 +529,8 @@ def main(argv=None) -> int:
                     help="fail a candidate needing more shared memory (default: the arch's, e.g. 232448 on sm_90)")
     ap.add_argument("--ptx-hash", action="store_true",
                     help="print a hash of each launch's PTX: the same hash before and after a change, the same code")
+    ap.add_argument("--sass", action="store_true",
+                    help="print each launch's SASS instruction counts (all, shuffles, barriers, memory ops, ...)")
     ap.add_argument("--compile-python", metavar="EXE", default=sys.executable,
                     help="the Python that compiles (step two), e.g. a venv's with another Triton pinned; the "
                          "launches are recorded with this one's interpreter (default: this Python)")
@@ -538,6 +548,7 @@ def main(argv=None) -> int:
     cmd += ["--max-shared", str(a.max_shared)] if a.max_shared else []
     cmd += ["--kernels", *a.kernels] if a.kernels else []
     cmd += ["--ptx-hash"] if a.ptx_hash else []
+    cmd += ["--sass"] if a.sass else []
     return subprocess.run(cmd, env=env).returncode
 
 
@@ -548,8 +559,9 @@ def _compile_main(argv) -> int:
     ap.add_argument("--max-shared", type=int, default=None)
     ap.add_argument("--kernels", nargs="+", default=None)
     ap.add_argument("--ptx-hash", action="store_true")
+    ap.add_argument("--sass", action="store_true")
     a = ap.parse_args(argv)
-    return compile_all(a.compile, a.arch, a.max_shared, a.kernels, a.ptx_hash)
+    return compile_all(a.compile, a.arch, a.max_shared, a.kernels, a.ptx_hash, a.sass)
 
 
 if __name__ == "__main__" and "--compile" in sys.argv:

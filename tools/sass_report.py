@@ -112,7 +112,8 @@ def counts(lines: list[str]) -> dict:
     ops = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*(@!?U?P\w+\s+)?", "", ln).split(" ")[0].split(".")[0] for ln in lines]
     c = dict(all=len(ops))
     for key, pats in (("shfl", ("SHFL",)), ("bar", ("BAR",)), ("smem", ("LDS", "STS")), ("mufu", ("MUFU",)),
-                      ("gmem", ("LDG", "STG", "RED", "ATOM")), ("fp32", ("FADD", "FMUL", "FFMA", "FSEL", "FMNMX"))):
+                      ("gmem", ("LDG", "STG", "RED", "ATOM")), ("fp32", ("FADD", "FMUL", "FFMA", "FSEL", "FMNMX")),
+                      ("mma", ("HGMMA", "HMMA")), ("local", ("LDL", "STL"))):
         c[key] = sum(op in pats for op in ops)
     return c
 

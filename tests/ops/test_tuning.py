@@ -5,6 +5,7 @@ tuning, and an untuned launch takes the first one that fits; here the choice is 
 compile_check compiles a tiny Mamba-3 scan for sm_90 (Triton's compiler runs without a GPU)."""
 
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -59,6 +60,20 @@ def test_compile_check_reports_shared_memory_and_fails_past_the_limit():
     failed = [ln for ln in out.splitlines() if ln.startswith("FAILED")]
     assert run.returncode == 1 and len(failed) == 2, out
     assert all("BLOCK_P=64" in ln and "sm_90 has 9000 B" in ln for ln in failed), out
+
+
+def test_compile_check_counts_sass_instructions():
+    """--sass: every compiled launch's line carries its SASS counts (the whole kernel, barriers, shuffles, spills)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "compile_check.py"), "--workloads", "tiny",
+                          "--kernels", "token_bwd", "--sass"], capture_output=True, text=True, env=env, timeout=600)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("token_bwd_kernel")]
+    assert run.returncode == 0 and lines, run.stdout + run.stderr
+    for ln in lines:
+        found = dict(re.findall(r"\b(all|bar|shfl|local|gmem) (\d+)", ln.split("sass", 1)[1]))
+        assert set(found) == {"all", "bar", "shfl", "local", "gmem"} and int(found["all"]) > 0, ln
+        assert int(found["gmem"]) > 0 and int(found["local"]) == 0, ln  # it loads and stores; nothing spills
 
 
 def test_compile_check_plans_the_selective_scan_for_a_gpu():
