@@ -147,8 +147,8 @@ def main(argv=None) -> int:
     if a.cmd == "prepare":
         prepare(a.rev, a.dest)
     else:
-        time_all(a.base or [os.path.join(ROOT, "build", "ab_base")], a.shape or [[8, 4096, 32, 64, 128, 1], [8, 4096, 32, 64, 128, 4]], a.dtype, a.reps,
-                  a.warmup, a.profile)
+        shapes = a.shape or [[8, 4096, 32, 64, 128, 1], [8, 4096, 32, 64, 128, 4]]
+        time_all(a.base or [os.path.join(ROOT, "build", "ab_base")], shapes, a.dtype, a.reps, a.warmup, a.profile)
     return 0
 
 
