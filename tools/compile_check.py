@@ -428,14 +428,9 @@ def resource_usage(cubin: bytes) -> dict:
     """Registers per thread and stack bytes (spills live there) of a cubin, from the bundled cuobjdump."""
     import re
 
-    import triton
+    import sass_report  # imports triton: not at the top, the recording step sets the interpreter up first
 
-    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        out = subprocess.run([exe, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    out = sass_report.cuobjdump(cubin, "--dump-resource-usage", check=False)
     found = {k: re.search(rf"\b{k}:(\d+)", out) for k in ("REG", "STACK")}
     return {k.lower(): int(m.group(1)) if m else -1 for k, m in found.items()}
 

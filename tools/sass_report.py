@@ -77,13 +77,18 @@ def ptxas_usage(ptx: str) -> dict:
                 spill_store=int(spill.group(1)) if spill else -1, spill_load=int(spill.group(2)) if spill else -1)
 
 
-def sass_lines(cubin: bytes) -> list[str]:
+def cuobjdump(cubin: bytes, *flags: str, check: bool = True) -> str:
+    """Triton's bundled cuobjdump run with ``flags`` on a cubin -> its output."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        out = subprocess.run([_nvidia_bin("cuobjdump"), "-sass", path], capture_output=True, text=True,
-                             check=True).stdout
+        return subprocess.run([_nvidia_bin("cuobjdump"), *flags, path], capture_output=True, text=True,
+                              check=check).stdout
+
+
+def sass_lines(cubin: bytes) -> list[str]:
+    out = cuobjdump(cubin, "-sass")
     return [ln for ln in out.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)]
 
 
