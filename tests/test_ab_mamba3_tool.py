@@ -1,9 +1,11 @@
-"""tools/ab_mamba3.py prepare: a revision's package renamed beside this checkout's, cut to what the scan imports."""
+"""tools/ab_mamba3.py: prepare (a revision's package renamed beside this checkout's, cut to what the scan imports) and
+the launch candidates time runs as sides of their own."""
 
 import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,3 +29,46 @@ def test_prepared_revision_imports_beside_this_checkout(tmp_path):
     (y0, g0), (y1, g1) = (ab_mamba3._run(op, inputs, dy) for op in (scan, triton_impl.mamba3_chunk_scan))
     assert torch.equal(y0, y1) and g0.keys() == g1.keys()
     assert all(torch.equal(g0[k], g1[k]) for k in g0)  # the same revision's kernels: the same numbers
+
+
+def test_launch_option_times_one_candidate_and_names_bad_input(monkeypatch):
+    entry, cand = ab_mamba3.parse_launch("chunk_bwd_dqk:warps=1,stages=1,BJ=8")
+    assert entry == "chunk_bwd_dqk" and cand.num_warps == 1 and cand.kwargs == {"BJ": 8}
+    for bad, words in (("nope:warps=4,stages=1", "must be one of"), ("chunk_bwd_dqk:warps=4", "stages"),
+                       ("chunk_bwd_dqk:warps=4,stages=1,BJ=x", "KEY=INTEGER")):
+        with pytest.raises(SystemExit, match=words):
+            ab_mamba3.parse_launch(bad)
+
+    from mamba_parallel.bench.bench_mamba3 import scan_inputs
+    from mamba_parallel.ops import tuning
+    from mamba_parallel.ops.mamba3 import triton_common, triton_impl
+
+    seen, autotune = [], tuning.triton.autotune
+    monkeypatch.setattr(tuning.triton, "autotune",
+                        lambda configs, **kw: seen.append(configs) or autotune(configs=configs, **kw))
+    table = dict(triton_common.tuned.table)
+    inputs = scan_inputs(1, 21, 2, 8, 32, 1, torch.float32, "cpu")
+    dy = torch.randn(1, 21, 2, 8, generator=torch.Generator().manual_seed(0))
+    # n = 32 in column blocks of 8 pairs (two blocks) against the interpreter's default: the same numbers up to
+    # the order of the sums
+    y0, g0 = ab_mamba3._run(triton_impl.mamba3_chunk_scan, inputs, dy)
+    y1, g1 = ab_mamba3._run(ab_mamba3.Side(triton_impl.mamba3_chunk_scan, launch=(entry, cand)), inputs, dy)
+    assert triton_common.tuned.table == table  # put back after the fwd+bwd
+    torch.testing.assert_close(y1, y0)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-6)
+    # the candidate is the launch the backward ran (its launches come after the forward returns): the tuner built
+    # the dq / dk part's wrapper from it
+    assert any(c is cand for configs in seen for c in configs)
+
+
+def test_sides_name_each_launch_and_the_peer_flag_says_why_it_cannot_run():
+    sides = ab_mamba3.sides_for([], ["chunk_bwd_dqk:warps=8,stages=1,BJ=64"])
+    assert list(sides) == ["this checkout", "this checkout, chunk_bwd_dqk:warps=8,stages=1,BJ=64"]
+    try:
+        from mamba_ssm.modules import mamba3  # noqa: F401
+    except Exception:  # the CPU machines: no mamba_ssm
+        with pytest.raises(SystemExit, match="--peer: mamba_ssm's Mamba-3 does not import"):
+            ab_mamba3.sides_for([], peer=True)
+    else:
+        assert ab_mamba3.sides_for([], peer=True)["mamba_ssm"].raw

@@ -4,18 +4,22 @@ side's kernels.
 
     python tools/ab_mamba3.py prepare REV [--dest build/ab_base]     where git is: REV's package, renamed
     python tools/ab_mamba3.py time [--base build/ab_base ...] [--shape B L H P N R ...] [--dtype bf16] [--reps 20]
-                                   [--profile]                          on a GPU
+                                   [--launch ENTRY:warps=W,stages=S,KEY=V ...] [--peer] [--profile]     on a GPU
 
 ``prepare`` writes git REV's package under --dest, renamed to ``mamba_parallel_<short sha>`` (its imports too), so
 several revisions and this checkout import side by side; only what the scan imports is kept (the package's
 ``__init__``, ``config`` and ``ops/``: about 0.6 MB to carry). ``time`` runs the benchmark's scan inputs
 (bench_mamba3.scan_inputs, one B / C group, n / 4 rotated pairs, D, biases and the gate) through every ``--base``
 (repeatable) and this checkout. build/ is git-ignored: a run on another machine must carry the folders.
+``--launch`` (repeatable) adds this checkout once more with one launch candidate in place of a tuner entry's list
+(e.g. ``chunk_bwd_dqk:warps=4,stages=1,BJ=32``): a candidate is timed alone, without editing the table. ``--peer``
+adds mamba_ssm's Mamba-3 scan (SISO shapes), called as its layer calls it, so the same run gives the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
@@ -64,31 +68,109 @@ def load_base(base: str):
     return open(os.path.join(base, "REV")).read().strip()[:12], impl.mamba3_chunk_scan
 
 
-def _run(op, inputs, dy):
-    """One fwd+bwd -> (y, {name: grad})."""
-    import torch
+def parse_launch(text: str):
+    """'ENTRY:warps=W,stages=S,KEY=V,...' -> (entry, triton.Config); block values are integers."""
+    from mamba_parallel.ops.mamba3.triton_common import tuned
+    from mamba_parallel.ops.tuning import config
 
+    entry, sep, spec = text.partition(":")
+    if not sep or entry not in tuned.table:
+        raise SystemExit(f"ab_mamba3: --launch {text!r}: the entry before ':' must be one of {sorted(tuned.table)}")
+    fields = {}
+    for item in filter(None, spec.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not value.strip().lstrip("-").isdigit():
+            raise SystemExit(f"ab_mamba3: --launch {text!r}: {item!r} is not KEY=INTEGER")
+        fields[key.strip()] = int(value)
+    if "warps" not in fields or "stages" not in fields:
+        raise SystemExit(f"ab_mamba3: --launch {text!r}: give warps=W and stages=S")
+    return entry, config(fields.pop("warps"), fields.pop("stages"), **fields)
+
+
+class Side:
+    """One timed side: ``op`` a mamba3_chunk_scan-like function (fed through the benchmark's preparation) or, with
+    ``raw``, a function of the raw inputs (the peer); ``launch`` (entry, candidate) puts that candidate in place of
+    the tuner entry's list while the side runs, forward and backward (the backward's launches happen after the
+    forward returns)."""
+
+    def __init__(self, op, raw: bool = False, launch=None):
+        self.op, self.raw, self.launch = op, raw, launch
+        if launch is not None:
+            from mamba_parallel.ops.mamba3.triton_common import tuned
+
+            entry, candidate = launch
+            kept = tuned.table[entry]
+            # one list object for the side's life: the tuner keys its wrappers on the list's identity
+            only = [candidate]
+            self._swapped = (only, candidate, kept[2]) + ((only,) if len(kept) > 3 else ())
+
+    @contextlib.contextmanager
+    def running(self):
+        if self.launch is None:
+            yield
+            return
+        from mamba_parallel.ops.mamba3.triton_common import tuned
+
+        entry = self.launch[0]
+        kept, tuned.table[entry] = tuned.table[entry], self._swapped
+        try:
+            yield
+        finally:
+            tuned.table[entry] = kept
+
+
+def peer_side() -> Side:
+    """mamba_ssm's scan from the raw inputs (bench/peer_mamba3.py); a clear error where it does not import."""
+    from functools import partial
+
+    from mamba_parallel.bench.peer import PeerUnavailable
+    from mamba_parallel.bench.peer_mamba3 import _import_mamba_ssm, peer_scan_call
+
+    try:
+        return Side(partial(peer_scan_call, _import_mamba_ssm()[1], None), raw=True)
+    except PeerUnavailable as e:
+        raise SystemExit(f"ab_mamba3: --peer: {e}") from e
+
+
+def _run(side, inputs, dy):
+    """One fwd+bwd of a Side (or a plain mamba3_chunk_scan-like op) -> (y, {name: grad})."""
     from mamba_parallel.bench.bench_mamba3 import grad_names
     from mamba_parallel.bench.peer_mamba3 import ours_scan
 
+    side = side if isinstance(side, Side) else Side(side)
     leaves = {k: (v.detach().requires_grad_(True) if k in grad_names(inputs) else v) for k, v in inputs.items()}
-    y = ours_scan(**leaves, op=op)
-    y.backward(dy)
+    with side.running():
+        y = side.op(**leaves) if side.raw else ours_scan(**leaves, op=side.op)
+        y.backward(dy)
     return y.detach(), {k: leaves[k].grad for k in grad_names(inputs) if leaves[k].grad is not None}
 
 
-def time_all(bases, shapes, dtype_name: str, reps: int, warmup: int, profile: bool) -> None:
-    import torch
-
+def sides_for(bases, launches=(), peer: bool = False) -> dict:
+    """name -> side: every prepared base, this checkout, this checkout once per --launch, the peer."""
     sys.path.insert(0, ROOT)
-    from mamba_parallel.bench.bench_mamba3 import case_name, scan_inputs
     from mamba_parallel.ops.mamba3 import triton_impl as new_impl
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     sides = dict(load_base(b) for b in bases)
     sides["this checkout"] = new_impl.mamba3_chunk_scan
+    for text in launches:
+        entry, candidate = parse_launch(text)
+        sides[f"this checkout, {text}"] = Side(new_impl.mamba3_chunk_scan, launch=(entry, candidate))
+    if peer:
+        sides["mamba_ssm"] = peer_side()
+    return sides
+
+
+def time_all(sides: dict, shapes, dtype_name: str, reps: int, warmup: int, profile: bool) -> None:
+    import torch
+
+    from mamba_parallel.bench.bench_mamba3 import case_name, scan_inputs
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    all_sides = sides
     print(f"ab_mamba3: {torch.cuda.get_device_name()}, {dtype_name}, median of {reps} alternating fwd+bwd")
     for shape in shapes:
+        # the peer's MIMO kernels need TileLang: MIMO shapes time ours only
+        sides = {n: s for n, s in all_sides.items() if shape[5] == 1 or not (isinstance(s, Side) and s.raw)}
         inputs = scan_inputs(*shape, dtype, "cuda")
         gen = torch.Generator(device="cuda").manual_seed(1)
         b, L, h, p = shape[:4]
@@ -142,13 +224,17 @@ def main(argv=None) -> int:
     t.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     t.add_argument("--reps", type=int, default=20)
     t.add_argument("--warmup", type=int, default=3)
+    t.add_argument("--launch", action="append", default=[], metavar="ENTRY:warps=W,stages=S,KEY=V",
+                   help="repeatable: this checkout again with one launch candidate for a tuner entry")
+    t.add_argument("--peer", action="store_true", help="also mamba_ssm's scan (SISO shapes; needs mamba_ssm)")
     t.add_argument("--profile", action="store_true", help="also each side's CUDA time by kernel")
     a = ap.parse_args(argv)
     if a.cmd == "prepare":
         prepare(a.rev, a.dest)
     else:
         shapes = a.shape or [[8, 4096, 32, 64, 128, 1], [8, 4096, 32, 64, 128, 4]]
-        time_all(a.base or [os.path.join(ROOT, "build", "ab_base")], shapes, a.dtype, a.reps, a.warmup, a.profile)
+        sides = sides_for(a.base or [os.path.join(ROOT, "build", "ab_base")], a.launch, a.peer)
+        time_all(sides, shapes, a.dtype, a.reps, a.warmup, a.profile)
     return 0
 
 
