@@ -47,8 +47,8 @@ def test_launch_option_times_one_candidate_and_names_bad_input(monkeypatch):
     monkeypatch.setattr(tuning.triton, "autotune",
                         lambda configs, **kw: seen.append(configs) or autotune(configs=configs, **kw))
     table = dict(triton_common.tuned.table)
-    inputs = scan_inputs(1, 21, 2, 8, 32, 1, torch.float32, "cpu")
-    dy = torch.randn(1, 21, 2, 8, generator=torch.Generator().manual_seed(0))
+    inputs = scan_inputs(1, 150, 2, 8, 32, 1, torch.float32, "cpu")  # three chunks: every backward term is live
+    dy = torch.randn(1, 150, 2, 8, generator=torch.Generator().manual_seed(0))
     # n = 32 in column blocks of 8 pairs (two blocks) against the interpreter's default: the same numbers up to
     # the order of the sums
     y0, g0 = ab_mamba3._run(triton_impl.mamba3_chunk_scan, inputs, dy)
@@ -56,7 +56,7 @@ def test_launch_option_times_one_candidate_and_names_bad_input(monkeypatch):
     assert triton_common.tuned.table == table  # put back after the fwd+bwd
     torch.testing.assert_close(y1, y0)
     for k in g0:
-        torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-4, atol=1e-4)
     # the candidate is the launch the backward ran (its launches come after the forward returns): the tuner built
     # the dq / dk part's wrapper from it
     assert any(c is cand for configs in seen for c in configs)
