@@ -68,7 +68,7 @@ def test_sides_name_each_launch_and_the_peer_flag_says_why_it_cannot_run():
     try:
         from mamba_ssm.modules import mamba3  # noqa: F401
     except Exception:  # the CPU machines: no mamba_ssm
-        with pytest.raises(SystemExit, match="--peer: mamba_ssm's Mamba-3 does not import"):
+        with pytest.raises(SystemExit, match="--peer: mamba_ssm.* does not import"):
             ab_mamba3.sides_for([], peer=True)
     else:
         assert ab_mamba3.sides_for([], peer=True)["mamba_ssm"].raw

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -42,7 +43,7 @@ def prepare(rev: str, dest: str) -> str:
                        check=True)
         with tarfile.open(tar) as t:
             t.extractall(tmp, filter="data")
-        subprocess.run(["rm", "-rf", dest], check=True)
+        shutil.rmtree(dest, ignore_errors=True)
         os.makedirs(dest)
         os.rename(os.path.join(tmp, "mamba_parallel"), os.path.join(dest, name))
     word = re.compile(r"\bmamba_parallel\b")
@@ -102,32 +103,28 @@ class Side:
             kept = tuned.table[entry]
             # one list object for the side's life: the tuner keys its wrappers on the list's identity
             only = [candidate]
-            self._swapped = (only, candidate, kept[2]) + ((only,) if len(kept) > 3 else ())
+            self._table, self._swapped = tuned.table, (only, candidate, kept[2]) + ((only,) if len(kept) > 3 else ())
 
     @contextlib.contextmanager
     def running(self):
         if self.launch is None:
             yield
             return
-        from mamba_parallel.ops.mamba3.triton_common import tuned
-
         entry = self.launch[0]
-        kept, tuned.table[entry] = tuned.table[entry], self._swapped
+        kept, self._table[entry] = self._table[entry], self._swapped
         try:
             yield
         finally:
-            tuned.table[entry] = kept
+            self._table[entry] = kept
 
 
 def peer_side() -> Side:
-    """mamba_ssm's scan from the raw inputs (bench/peer_mamba3.py); a clear error where it does not import."""
-    from functools import partial
-
-    from mamba_parallel.bench.peer import PeerUnavailable
-    from mamba_parallel.bench.peer_mamba3 import _import_mamba_ssm, peer_scan_call
+    """mamba_ssm's scan from the raw inputs (the benchmark's peer side); a clear error where it does not import."""
+    from mamba_parallel.bench.peer import MambaSsmPeer, PeerUnavailable
+    from mamba_parallel.bench.peer_mamba3 import mamba3_side
 
     try:
-        return Side(partial(peer_scan_call, _import_mamba_ssm()[1], None), raw=True)
+        return Side(mamba3_side(MambaSsmPeer()).scan, raw=True)
     except PeerUnavailable as e:
         raise SystemExit(f"ab_mamba3: --peer: {e}") from e
 
@@ -160,13 +157,12 @@ def sides_for(bases, launches=(), peer: bool = False) -> dict:
     return sides
 
 
-def time_all(sides: dict, shapes, dtype_name: str, reps: int, warmup: int, profile: bool) -> None:
+def time_all(all_sides: dict, shapes, dtype_name: str, reps: int, warmup: int, profile: bool) -> None:
     import torch
 
     from mamba_parallel.bench.bench_mamba3 import case_name, scan_inputs
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
-    all_sides = sides
     print(f"ab_mamba3: {torch.cuda.get_device_name()}, {dtype_name}, median of {reps} alternating fwd+bwd")
     for shape in shapes:
         # the peer's MIMO kernels need TileLang: MIMO shapes time ours only

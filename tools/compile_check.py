@@ -468,6 +468,8 @@ def compile_all(path, arch, max_shared=None, kernels=None, show_hash=False, show
     registers and stack (and ``ptx_hash`` with ``show_hash``). Fails when a compile fails or a candidate needs more
     shared memory than ``max_shared`` (default: the arch's, MAX_SHARED): the autotuner would drop it there, and an
     untuned launch would skip it."""
+    import sass_report  # imports triton: here, in the compiling process, not at the module's top
+
     limit = max_shared or MAX_SHARED.get(arch)
     data = json.load(open(path))
     seen, failures = set(), []
@@ -495,8 +497,6 @@ def compile_all(path, arch, max_shared=None, kernels=None, show_hash=False, show
             use = resource_usage(kernel.asm["cubin"])
             digest = f", ptx {ptx_hash(kernel.asm['ptx'])}" if show_hash else ""
             if show_sass:
-                import sass_report
-
                 found = sass_report.counts(sass_report.sass_lines(kernel.asm["cubin"]))
                 digest += ", sass " + " ".join(f"{k} {v}" for k, v in found.items())
             print(f"{label}: shared {shared} B, {use['reg']} registers, stack {use['stack']} B{digest}", flush=True)
