@@ -126,6 +126,11 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, QT, CINIT, CFINAL, DFIN, D
 
 
 @triton.jit
+def _add2(a1, a2, b1, b2):
+    return a1 + b1, a2 + b2
+
+
+@triton.jit
 def _pair_block(KT, QT, b, h, t, rank, valid, j0, NH, skb, skt, skr, skh, BJ: tl.constexpr, HALVED: tl.constexpr):
     """Pairs j0 .. j0 + BJ of the chunk's rotated q and k (as the forward's rotation wrote them), fp32."""
     off = b * skb + h * skh + t * skt + rank * skr
@@ -151,7 +156,8 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
     caller turns them back to B's and C's).
     Two launches, each with about half the live tiles (du's part fits two programs on an SM):
     PART 1 the scores and everything du needs (dx, dz, dD, the MIMO scales, dw, dg), its share of the decay's
-    per-token gradient left in DAP (the shape of DA); then PART 2 dq and dk, which completes DA from DAP.
+    per-token gradient left in DAP (the shape of DA); then PART 2 dq and dk, which adds its share to DAP's in DA
+    (per token, through that token's own decay; token_bwd sums it from the end of the chunk).
     HAS_DYG: dstates already took the gate's backward (DYG per token, dz written there): dy is read from DYG."""
     NJB: tl.constexpr = (BH + BJ - 1) // BJ
     BJE: tl.constexpr = BH // NJB
@@ -231,11 +237,11 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
     G = tl.dot(dyd, tl.trans(ud), input_precision=PREC)  # G_ij = dy_i . u_j
     if PART == 1:
         V = S * G
-        dg = tl.sum(tl.where(same, V, 0.0), 1)
         EV = tl.where(strict, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)) * V, 0.0)
         dw = tl.sum(EV, 0)
-        Rm = EV * w[None, :]
-        dcs = tl.sum(Rm, 1) - tl.sum(Rm, 0)
+        # the row sums as one reduction (the warps exchange partial sums once); sum_i EV_ij w_j is w_j dw_j
+        dg, ev_w = tl.reduce((tl.where(same, V, 0.0), EV * w[None, :]), 1, _add2)
+        dcs = ev_w - w * dw
     W = tl.where(strict, tl.exp(tl.minimum(cs[:, None] - cs[None, :], 0.0)) * w[None, :], 0.0) \
         + tl.where(same, gamma[:, None], 0.0)
     if PART == 1:
@@ -303,7 +309,5 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
         tl.store(DW + soff, per_token_vec(dw, T, R), mask=tm)
         tl.store(DG + soff, per_token_vec(dg, T, R), mask=tm)
         tl.store(DAP + soff, dcs, mask=tm)
-    else:
-        dcs += tl.load(DAP + soff, mask=tm, other=0.0)
-        da = tl.sum(dcs, 0) - tl.cumsum(dcs, 0) + dcs  # d(dt A)_t = sum_{i >= t} dcs_i
-        tl.store(DA + soff, da, mask=tm)
+    else:  # token_bwd sums DA from the end of the chunk: d(dt A)_t = sum_{i >= t} dcs_i
+        tl.store(DA + soff, dcs + tl.load(DAP + soff, mask=tm, other=0.0), mask=tm)

@@ -185,7 +185,7 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     dD = torch.empty(rows, H, lay.nchunks, device=dev, dtype=f32) if D is not None else None
     part = lambda t: torch.empty(rows, H, lay.nchunks, R, P, device=dev, dtype=f32) if t is not None else None  # noqa
     dmx, dmz, dmo = part(mimo_x), part(mimo_z), part(mimo_o)
-    # two launches (du's part, then dq / dk's, which completes da from dap), each holding about half the tiles of one
+    # two launches, each with about half the tiles of one: du's part, then dq / dk's (which adds dap to its da)
     dap = torch.empty_like(dts)
     parts = ((1, "chunk_bwd_dx"), (2, "chunk_bwd_dqk")) if R == 1 else ((1, "chunk_bwd_mimo_dx"),
                                                                          (2, "chunk_bwd_mimo_dqk"))

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mamba_parallel.ops.backend import gpu_compiled
-from mamba_parallel.ops.mamba3.triton_common import (block, cos_sin, load_halves, per_rank, per_token, rotate_pairs,
+from mamba_parallel.ops.mamba3.triton_common import (block, cos_sin, load_halves, per_token, rotate_pairs,
                                                       rows, store_halves)
 from mamba_parallel.ops.mamba3.triton_layout import Layout, bc_strides
 
@@ -167,10 +167,10 @@ def unrotate_kernel(DK, DQ, Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, DB, DC, DBB, D
     over the group's heads into DB, DC (rows, L, [R,] g, n) fp32 (strides so*): the gradients of B and C. HAS_BB /
     HAS_CB: the biases (h, [R,] n) are there, and per head the chunk's share of their gradients (summed over its
     tokens, per rank) goes to DBB / DCB (rows, h, nc, R, n).
-    DPHI (rows, L, h, a) fp32 (strides sp*): per head and token the gradient of its phase, summed from the end of
-    the chunk (the later chunks' share is token_bwd's). Turning a pair v (B or C plus bias) by theta and reading
-    the gradient g of the turned pair, d theta = g . J R v = (R^T g) . J v: the turned-back gradient against the
-    unturned pair, J a quarter turn."""
+    DPHI (rows, L, h, a) fp32 (strides sp*): per head and token the gradient of the phase through that token's own
+    B and C (token_bwd sums it from the end of the chunk, where no head loop waits on the sum). Turning a pair v
+    (B or C plus bias) by theta and reading the gradient g of the turned pair, d theta = g . J R v = (R^T g) . J v:
+    the turned-back gradient against the unturned pair, J a quarter turn."""
     pid = tl.program_id(0)
     c = tl.program_id(1)
     j0 = tl.program_id(2) * BJ
@@ -197,10 +197,12 @@ def unrotate_kernel(DK, DQ, Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, DB, DC, DBB, D
         off = b * sgb + h * sgh + t * sgt + rank * sgr
         part = ((b * H + h) * NC + c) * R * (2 * NH)
         bias_row = (h * R + rank) * (2 * NH)
-        gk1, gk2 = _turn_back(DK, DBB, part, off, cos, sin, valid, j0, NH, T, R, BJ, HALVED, HAS_BB)
+        gk1, gk2 = _turn_back(DK, off, cos, sin, valid, j0, NH, BJ, HALVED)
         k1, k2 = k1 + gk1, k2 + gk2
-        gq1, gq2 = _turn_back(DQ, DCB, part, off, cos, sin, valid, j0, NH, T, R, BJ, HALVED, HAS_CB)
+        gq1, gq2 = _turn_back(DQ, off, cos, sin, valid, j0, NH, BJ, HALVED)
         q1, q2 = q1 + gq1, q2 + gq2
+        if HAS_BB or HAS_CB:
+            _bias_partials(DBB, DCB, part, gk1, gk2, gq1, gq2, j0, NH, T, R, BJ, HALVED, HAS_BB, HAS_CB)
         if turns:  # the group's B and C rows, unturned (read again per head: cached, and fewer live registers)
             v1, v2 = _with_bias(Bm + b * sbb + g * sbg, t * sbt + rank * sbr, BIAS_B, bias_row, valid, j0, NH, BJ,
                                 HALVED, HAS_BB)
@@ -208,9 +210,7 @@ def unrotate_kernel(DK, DQ, Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, DB, DC, DBB, D
             v1, v2 = _with_bias(Cm + b * scb + g * scg, t * sct + rank * scr, BIAS_C, bias_row, valid, j0, NH, BJ,
                                 HALVED, HAS_CB)
             dth += v1 * gq2 - v2 * gq1
-            dth = per_token(dth, T, R, BJ)
-            tl.store(DPHI + b * spb + h * sph + tt[:, None] * spt + offs_j[None, :],
-                     tl.sum(dth, 0)[None, :] - tl.cumsum(dth, 0) + dth,
+            tl.store(DPHI + b * spb + h * sph + tt[:, None] * spt + offs_j[None, :], per_token(dth, T, R, BJ),
                      mask=(tt < L)[:, None] & (offs_j < NA)[None, :])
     out = b * sob + g * sog + t * sot + rank * sor
     store_halves(DB, out, k1, k2, valid, j0, NH, BJ, HALVED)
@@ -218,16 +218,34 @@ def unrotate_kernel(DK, DQ, Bm, Cm, BIAS_B, BIAS_C, ANG, DT, THS, DB, DC, DBB, D
 
 
 @triton.jit
-def _turn_back(ptr, PART, part, off, cos, sin, valid, j0, NH, T: tl.constexpr, R: tl.constexpr, BJ: tl.constexpr,
-               HALVED: tl.constexpr, HAS_PART: tl.constexpr):
-    """One head's gradient rows turned back (returned), and their per-rank sums over the chunk (HAS_PART)."""
+def _turn_back(ptr, off, cos, sin, valid, j0, NH, BJ: tl.constexpr, HALVED: tl.constexpr):
+    """One head's gradient rows (of the turned pairs) turned back."""
     d1, d2 = load_halves(ptr, off, valid, j0, NH, BJ, HALVED)
-    g1, g2 = rotate_pairs(d1, d2, cos, -sin)
-    if HAS_PART:
-        ranks = tl.arange(0, R)
-        store_halves(PART + part, ranks * (2 * NH), per_rank(g1, T, R, BJ), per_rank(g2, T, R, BJ), ranks >= 0, j0,
-                     NH, BJ, HALVED)
-    return g1, g2
+    return rotate_pairs(d1, d2, cos, -sin)
+
+
+@triton.jit
+def _add4(a1, a2, a3, a4, b1, b2, b3, b4):
+    return a1 + b1, a2 + b2, a3 + b3, a4 + b4
+
+
+@triton.jit
+def _bias_partials(DBB, DCB, part, gk1, gk2, gq1, gq2, j0, NH, T: tl.constexpr, R: tl.constexpr, BJ: tl.constexpr,
+                   HALVED: tl.constexpr, HAS_BB: tl.constexpr, HAS_CB: tl.constexpr):
+    """One head's turned-back gradients summed over the chunk's tokens per rank (the biases' gradients): the four
+    sums as one reduction, so the program's warps exchange their partial sums once instead of four times."""
+    sk1, sk2, sq1, sq2 = tl.reduce((tl.reshape(gk1, (T, R, BJ)), tl.reshape(gk2, (T, R, BJ)),
+                                    tl.reshape(gq1, (T, R, BJ)), tl.reshape(gq2, (T, R, BJ))), 0, _add4)
+    ranks = tl.arange(0, R)
+    if HAS_BB:
+        store_halves(DBB + part, ranks * (2 * NH), sk1, sk2, ranks >= 0, j0, NH, BJ, HALVED)
+    if HAS_CB:
+        store_halves(DCB + part, ranks * (2 * NH), sq1, sq2, ranks >= 0, j0, NH, BJ, HALVED)
+
+
+# ptxas gives unrotate_kernel 168 - 216 registers a thread uncapped (d_state 128, SISO and MIMO, every dtype; sm_90,
+# Triton 3.6) and none of them spills at 160; at 128 they spill 56 - 120 bytes
+UNROTATE_REGS = 160
 
 
 def chunk_phases(lay: Layout, angs, dts, init_angle, T: int):
@@ -276,7 +294,8 @@ def unrotate(dk, dq, Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int
              dtype=torch.float32):
     """dk, dq (rows, Lk, [R,] h, n), the gradients of the rotated k / q -> those of B and C (shaped as Bs / Cs: rows,
     Lk, [R,] groups, n) in ``dtype`` (each head's turned back and summed over its group's heads in fp32), the
-    phases' gradients (rows, Lk, h, a) fp32, each token's summed from the end of its chunk, and those of the
+    phases' gradients (rows, Lk, h, a) fp32, each token's through its own B / C (token_bwd sums them from the end
+    of the chunk), and those of the
     biases (shaped and typed as B_bias / C_bias; None without one): per-chunk partials (rows, h, nc, R, n) fp32
     summed here."""
     Bs, Cs = (t if t.stride(-1) == 1 else t.contiguous() for t in (Bs, Cs))  # whole rows of n
@@ -293,12 +312,14 @@ def unrotate(dk, dq, Bs, Cs, B_bias, C_bias, angs, dts, ths, lay: Layout, T: int
     st, so = dk.stride(), dB.stride()
     # pair blocks of 16 (whole 128-byte rows of interleaved fp32 pairs) give the grid enough programs at one group
     BJ = min(16, block(NH))
+    # a register cap (not in the interpreter): three 4-warp programs per SM instead of two, without spills
+    cap = {"maxnreg": UNROTATE_REGS} if gpu_compiled(Bs) else {}
     unrotate_kernel[(rows_ * groups, lay.nchunks, triton.cdiv(NH, BJ))](
         dk, dq, Bs, Cs, B_bias, C_bias, angs, dts, ths, dB, dC, dbb, dcb, dphi, Lk, lay.nchunks, H, H // groups, NH,
         NA, *angs.stride(), *dts.stride(), st[0], st[1], st[2] if mimo else 0, st[-2],
         so[0], so[1], so[2] if mimo else 0, so[-2], *bc_strides(Bs)[:4], *bc_strides(Cs)[:4], *dphi.stride()[:3],
         T=T, R=R, BJ=BJ, HALVED=halved, HAS_BB=B_bias is not None, HAS_CB=C_bias is not None,
-        FAST=gpu_compiled(Bs), num_warps=4)
+        FAST=gpu_compiled(Bs), num_warps=4, **cap)
     bias_grad = lambda part, bias: (None if bias is None else  # noqa: E731
                                     part.sum((0, 2)).reshape(bias.shape).to(bias.dtype))
     return dB, dC, dphi, bias_grad(dbb, B_bias), bias_grad(dcb, C_bias)

@@ -1,8 +1,12 @@
 """The last step of the Mamba-3 backward: the per-token chain rule from the kernels' gradients to the scan's inputs.
 
-chunk_bwd leaves, per token, the gradients of the decay's log (da), of the trapezoid weights w and gamma (dw, dg)
-and of the phase from the token's own chunk (dphi). Here, one program per (batch row, head, chunk):
+chunk_bwd leaves, per token, the gradients of the trapezoid weights w and gamma (dw, dg) and what the decay's log
+reaches through that token alone (da); unrotate what the phase reaches through the token's own B and C (dphi).
+Here, one program per (batch row, head, chunk):
 
+- da and dphi summed from the end of the chunk (a token's log decay and phase step reach every later token of it):
+  the kernels before leave these reverse cumulative sums here, where no head loop or register-bound tile waits on
+  them;
 - the phase's carry from the later chunks of the sequence, added to dphi. Turning all phases after chunk c together
   moves the loss only through the final phase, the final state and the state leaving chunk c (read as if turned
   back), so the carry is d fin_angle + <d fin_ssm, J fin_ssm> - <dH, J H> at the chunk's end (TURN, the dstates
@@ -59,14 +63,16 @@ def token_bwd_kernel(DW, DG, DA, DPHI, DT, AA, TRAP, ANG, TURN, CINIT, CFINAL, C
     trap = tl.load(TRAP + sc + t * sdt, mask=valid, other=0.0)
     dw = tl.load(DW + sc + t * sdt, mask=valid, other=0.0)
     dg = tl.load(DG + sc + t * sdt, mask=valid, other=0.0)
-    da = tl.load(DA + sc + t * sdt, mask=valid, other=0.0)
+    da = tl.load(DA + sc + t * sdt, mask=valid, other=0.0)  # per token: summed from the end of the chunk
+    da = tl.sum(da, 0) - tl.cumsum(da, 0) + da
     # the first token of a sequence has none before it (-1: no sequence starts at this chunk)
     first = tl.where(tl.load(CINIT + b * NC + c) != -2, c * T, -1)
     has_prev = valid & (t > 0) & (t != first)
     dbeta = tl.load(DW + sc + (t - 1) * sdt, mask=has_prev, other=0.0)
 
     p_off = b * spb + h * sph + t[:, None] * spt + offs_a[None, :]
-    dphi = tl.load(DPHI + p_off, mask=m2, other=0.0) + carry[None, :]
+    own = tl.load(DPHI + p_off, mask=m2, other=0.0)  # through each token's own B / C: summed from the chunk's end
+    dphi = tl.sum(own, 0)[None, :] - tl.cumsum(own, 0) + own + carry[None, :]
     ang = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_a[None, :] * saa, mask=m2,
                   other=0.0).to(tl.float32)
     dgt = dw + dg
