@@ -131,12 +131,17 @@ def _add2(a1, a2, b1, b2):
 
 
 @triton.jit
-def _pair_block(KT, QT, b, h, t, rank, valid, j0, NH, skb, skt, skr, skh, BJ: tl.constexpr, HALVED: tl.constexpr):
-    """Pairs j0 .. j0 + BJ of the chunk's rotated q and k (as the forward's rotation wrote them), fp32."""
-    off = b * skb + h * skh + t * skt + rank * skr
-    q1, q2 = load_halves(QT, off, valid, j0, NH, BJ, HALVED)
-    k1, k2 = load_halves(KT, off, valid, j0, NH, BJ, HALVED)
-    return q1, q2, k1, k2
+def _columns(ptr, off, rows_ok, n0, N, BN: tl.constexpr):
+    """Columns n0 .. n0 + BN of the rows at ``off`` (rows,) of a tensor whose n axis is contiguous, in its stored
+    dtype: what the dots read as is (the per-chunk backward never turns a pair, so it needs no pair halves)."""
+    cols = n0 + tl.arange(0, BN)
+    return tl.load(ptr + off[:, None] + cols[None, :], mask=rows_ok[:, None] & (cols < N)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_columns(ptr, off, v, rows_ok, n0, N, BN: tl.constexpr):
+    cols = n0 + tl.arange(0, BN)
+    tl.store(ptr + off[:, None] + cols[None, :], v.to(ptr.dtype.element_ty), mask=rows_ok[:, None] & (cols < N)[None, :])
 
 
 @triton.jit
@@ -147,12 +152,14 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
                      srb, srt, srr, srh, srp, sob, sot, soh, sop, szb, szt, szh, szp,
                      sgb, sgt, sgr, sgh,
                      T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, BJ: tl.constexpr,
-                     HALVED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                     HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                      HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr, HAS_DYG: tl.constexpr,
                      PREC: tl.constexpr, PART: tl.constexpr):
-    """The pairs are taken BJ at a time (at most BH), in three passes: the scores S = q k^T, then (after the
-    chunk's (T, T) terms) k dH^T for du, then per block again dq, dk and what they give. Only one block's tiles
-    are live at a time. DK / DQ (rows, L, [R,] h, n) fp32 or bf16: the gradients of the rotated k and q (the
+    """The state's n columns are taken 2 BJ at a time (BJ pairs' worth, at most all), in three passes: the scores
+    S = q k^T, then (after the chunk's (T, T) terms) k dH^T for du, then per block again dq, dk and what they give.
+    Only one block's tiles are live at a time. Nothing here turns a pair: every product runs over n in the order
+    the rotation wrote it, so blocks are plain column ranges, read in their stored dtype straight into the dots.
+    DK / DQ (rows, L, [R,] h, n) fp32 or bf16: the gradients of the rotated k and q, in the same columns (the
     caller turns them back to B's and C's).
     Two launches, each with about half the live tiles (du's part fits two programs on an SM):
     PART 1 the scores and everything du needs (dx, dz, dD, the MIMO scales, dw, dg), its share of the decay's
@@ -160,7 +167,7 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
     (per token, through that token's own decay; token_bwd sums it from the end of the chunk).
     HAS_DYG: dstates already took the gate's backward (DYG per token, dz written there): dy is read from DYG."""
     NJB: tl.constexpr = (BH + BJ - 1) // BJ
-    BJE: tl.constexpr = BH // NJB
+    BN: tl.constexpr = 2 * (BH // NJB)  # columns of n per block (BJ pairs' worth)
     pid = tl.program_id(0)
     c = tl.program_id(1)
     b = (pid // H).to(tl.int64)
@@ -218,6 +225,7 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
         tl.store(DD + (b * H + h) * NC + c, tl.sum(tl.sum(dy * u, 1), 0))
     hs = ((b * H + h) * NC + c) * P * N
     prow = offs_p * N  # the states' rows (p, n), n contiguous
+    qk_off = b * skb + h * skh + t * skt + rank * skr  # the rotated q / k rows (n contiguous)
 
     # the chunk's (T, T) terms, in an order that keeps few of them live (each is 16 registers a thread at 8 warps):
     # G = dy u^T and V = S * G give the trapezoid weights' and the decay's per-token gradients; then the weights
@@ -227,13 +235,12 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
     strict = ti > tj
     same = ti == tj
     if PART == 1:
-        # pass 1 over the pair blocks: the scores S = q k^T
+        # pass 1 over the column blocks: the scores S = q k^T
         S = tl.zeros((T * R, T * R), dtype=tl.float32)
         for jb in tl.static_range(NJB):
-            q1, q2, k1, k2 = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, skb, skt, skr, skh, BJE,
-                                          HALVED)
-            S += tl.dot(q1.to(dtype), tl.trans(k1.to(dtype)), input_precision=PREC) \
-                + tl.dot(q2.to(dtype), tl.trans(k2.to(dtype)), input_precision=PREC)
+            qb = _columns(QT, qk_off, valid, jb * BN, N, BN).to(dtype)
+            kb = _columns(KT, qk_off, valid, jb * BN, N, BN).to(dtype)
+            S += tl.dot(qb, tl.trans(kb), input_precision=PREC)
     G = tl.dot(dyd, tl.trans(ud), input_precision=PREC)  # G_ij = dy_i . u_j
     if PART == 1:
         V = S * G
@@ -254,10 +261,9 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
         # du's share through the state leaving the chunk: k dH^T (H, dH stay in their stored dtype, x.dtype)
         KdH = tl.zeros((T * R, BP), dtype=tl.float32)
         for jb in tl.static_range(NJB):
-            k1, k2 = load_halves(KT, b * skb + h * skh + t * skt + rank * skr, valid, jb * BJE, NH, BJE, HALVED)
-            dH1, dH2 = load_halves(DHS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
-            KdH += tl.dot(k1.to(dtype), tl.trans(dH1.to(dtype)), input_precision=PREC) \
-                + tl.dot(k2.to(dtype), tl.trans(dH2.to(dtype)), input_precision=PREC)
+            kb = _columns(KT, qk_off, valid, jb * BN, N, BN).to(dtype)
+            dHb = _columns(DHS + hs, prow, pm, jb * BN, N, BN).to(dtype)
+            KdH += tl.dot(kb, tl.trans(dHb), input_precision=PREC)
         du += coef[:, None] * KdH
         Zs = tl.sum(ud.to(tl.float32) * KdH, 1)  # u_j^T dH k_j
         if HAS_MX:
@@ -268,30 +274,23 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
     if PART == 2:
         PW = (G * W).to(dtype)
         PWt = tl.trans(PW)
-        # pass 2 over the pair blocks: dq, dk (of the rotated vectors; triton_rotate's unrotate turns them back into
+        # pass 2 over the column blocks: dq, dk (of the rotated vectors; triton_rotate's unrotate turns them back into
         # dB / dC and takes the phase's gradient from them)
         qdyH = tl.zeros((T * R,), dtype=tl.float32)  # q_i^T H^T dy_i
         dHH = 0.0
         noff = b * sgb + h * sgh + t * sgt + rank * sgr  # DK / DQ: per head
         for jb in tl.static_range(NJB):
-            q1, q2, k1, k2 = _pair_block(KT, QT, b, h, t, rank, valid, jb * BJE, NH, skb, skt, skr, skh, BJE,
-                                          HALVED)
-            H1, H2 = load_halves(HS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
-            dH1, dH2 = load_halves(DHS + hs, prow, pm, jb * BJE, NH, BJE, HALVED)
-            H1, H2, dH1, dH2 = H1.to(dtype), H2.to(dtype), dH1.to(dtype), dH2.to(dtype)
-            dHH += tl.sum(tl.sum(dH1.to(tl.float32) * H1.to(tl.float32) + dH2.to(tl.float32) * H2.to(tl.float32), 1),
-                          0)
-            dyH1 = tl.dot(dyd, H1, input_precision=PREC)  # (rows, BJ)
-            dyH2 = tl.dot(dyd, H2, input_precision=PREC)
-            dq1 = tl.dot(PW, k1.to(dtype), input_precision=PREC) + ecs[:, None] * dyH1
-            dq2 = tl.dot(PW, k2.to(dtype), input_precision=PREC) + ecs[:, None] * dyH2
-            udH1 = tl.dot(ud, dH1, input_precision=PREC)
-            udH2 = tl.dot(ud, dH2, input_precision=PREC)
-            dk1 = tl.dot(PWt, q1.to(dtype), input_precision=PREC) + coef[:, None] * udH1
-            dk2 = tl.dot(PWt, q2.to(dtype), input_precision=PREC) + coef[:, None] * udH2
-            qdyH += tl.sum(q1 * dyH1 + q2 * dyH2, 1)
-            store_halves(DQ, noff, dq1, dq2, valid, jb * BJE, NH, BJE, HALVED)
-            store_halves(DK, noff, dk1, dk2, valid, jb * BJE, NH, BJE, HALVED)
+            qb = _columns(QT, qk_off, valid, jb * BN, N, BN).to(dtype)
+            kb = _columns(KT, qk_off, valid, jb * BN, N, BN).to(dtype)
+            Hb = _columns(HS + hs, prow, pm, jb * BN, N, BN).to(dtype)
+            dHb = _columns(DHS + hs, prow, pm, jb * BN, N, BN).to(dtype)
+            dHH += tl.sum(tl.sum(dHb.to(tl.float32) * Hb.to(tl.float32), 1), 0)
+            dyH = tl.dot(dyd, Hb, input_precision=PREC)  # (rows, BN)
+            dq = tl.dot(PW, kb, input_precision=PREC) + ecs[:, None] * dyH
+            dk = tl.dot(PWt, qb, input_precision=PREC) + coef[:, None] * tl.dot(ud, dHb, input_precision=PREC)
+            qdyH += tl.sum(qb.to(tl.float32) * dyH, 1)
+            _store_columns(DQ, noff, dq, valid, jb * BN, N, BN)
+            _store_columns(DK, noff, dk, valid, jb * BN, N, BN)
 
     # per-token scalars: the trapezoid weights and the decay's log. The gradient of the chunk's total decay
     # (dtot) reaches every token up to the chunk's last: it is added there (past it nothing is stored)

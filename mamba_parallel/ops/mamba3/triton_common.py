@@ -148,8 +148,8 @@ _CONFIGS = {
     "dstates": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
                 _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z"],
                 [_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=64)]),
-    # the per-chunk backward holds ~20 chunk-sized tiles; BJ pairs at a time (at most all of them) keep one pair
-    # block's tiles live instead of all of them. It runs in two launches (du's part, then dq / dk's), each with
+    # the per-chunk backward holds ~20 chunk-sized tiles; n taken 2 BJ columns at a time (BJ pairs' worth, at most
+    # all) keeps one block's tiles live instead of all of them. It runs in two launches (du's part, then dq / dk's), each with
     # about half the tiles. One candidate each, what won on an H100 (b8 L4096 h32 bf16 fwd+bwd, same inputs, one
     # process): du's part at 4 warps (two programs per SM) 5.76 ms per fwd+bwd, against 6.93 at 8 warps and 6.63 at
     # 8 warps with BJ = 64 (BJ = 64 at 4 warps: level, 5.73 against 5.74); dq / dk's at 8 warps with all pairs at

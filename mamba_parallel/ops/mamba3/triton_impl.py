@@ -196,7 +196,7 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
             Lk, lay.nchunks, H, P, N // 2, NA,
             *strides(xs), *strides(dts, 3), *kst, *row_strides(row_t),
             *strides(dx), *strides(zs), *bc_strides(dBh)[:4],
-            T=T, R=R, BH=block(N // 2), BP=block(P), HALVED=halved, HAS_D=D is not None,
+            T=T, R=R, BH=block(N // 2), BP=block(P), HAS_D=D is not None,
             HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
             HAS_DYG=dyg is not None, PREC=dot_precision(x.dtype), PART=part)
     # dk, dq -> dB, dC (+ bias), and the phases' gradients within each chunk
