@@ -141,7 +141,8 @@ def _columns(ptr, off, rows_ok, n0, N, BN: tl.constexpr):
 @triton.jit
 def _store_columns(ptr, off, v, rows_ok, n0, N, BN: tl.constexpr):
     cols = n0 + tl.arange(0, BN)
-    tl.store(ptr + off[:, None] + cols[None, :], v.to(ptr.dtype.element_ty), mask=rows_ok[:, None] & (cols < N)[None, :])
+    mask = rows_ok[:, None] & (cols < N)[None, :]
+    tl.store(ptr + off[:, None] + cols[None, :], v.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

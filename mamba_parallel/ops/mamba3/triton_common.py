@@ -148,16 +148,16 @@ _CONFIGS = {
     "dstates": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
                 _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z"],
                 [_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=64)]),
-    # the per-chunk backward holds ~20 chunk-sized tiles; n taken 2 BJ columns at a time (BJ pairs' worth, at most
-    # all) keeps one block's tiles live instead of all of them. It runs in two launches (du's part, then dq / dk's), each with
-    # about half the tiles. One candidate each, what won on an H100 (b8 L4096 h32 bf16 fwd+bwd, same inputs, one
-    # process): du's part at 4 warps (two programs per SM) 5.76 ms per fwd+bwd, against 6.93 at 8 warps and 6.63 at
-    # 8 warps with BJ = 64 (BJ = 64 at 4 warps: level, 5.73 against 5.74); dq / dk's at 8 warps with all pairs at
-    # d_state 128 (BJ = 64) 5.46 against 5.74 with BJ = 32 (the part 1.69 against 1.96 ms), 7.67 at 16 warps, 7.55
-    # with BJ = 16. dq / dk's part at 4 warps computes wrong dB under Triton 3.6 and made the autotuner's timing
-    # fault (illegal address), as the former one-launch form did at 4 warps; capping that form at 128 registers
-    # (two programs per SM) spilled to 12.1 ms against 6.9. A candidate comes back once it passes
-    # test_gpu_every_candidate_alone and a tuned run
+    # the per-chunk backward holds ~20 chunk-sized tiles; n taken 2 BJ columns at a time (BJ pairs' worth, at most all)
+    # keeps one block's tiles live instead of all of them. It runs in two launches (du's part, then dq / dk's), each
+    # with about half the tiles. One candidate each, what won on an H100 (b8 L4096 h32 bf16 fwd+bwd, same inputs, one
+    # process): du's part at 4 warps (two programs per SM) 5.76 ms per fwd+bwd, against 6.93 at 8 warps and 6.63 at 8
+    # warps with BJ = 64 (BJ = 64 at 4 warps: level, 5.73 against 5.74); dq / dk's at 8 warps with all pairs at d_state
+    # 128 (BJ = 64) 5.46 against 5.74 with BJ = 32 (the part 1.69 against 1.96 ms), 7.67 at 16 warps, 7.55 with BJ = 16.
+    # dq / dk's part at 4 warps computes wrong dB under Triton 3.6 and made the autotuner's timing fault (illegal
+    # address), as the former one-launch form did at 4 warps; capping that form at 128 registers (two programs per SM)
+    # spilled to 12.1 ms against 6.9. A candidate comes back once it passes test_gpu_every_candidate_alone and a tuned
+    # run
     "chunk_bwd_dx": ([_c(4, 1, BJ=32)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
     "chunk_bwd_dqk": ([_c(8, 1, BJ=64)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
     # MIMO (R rows per token), in the same two parts: with 16-bit operands, 64-row tiles and two blocks of 32 pairs,
