@@ -26,6 +26,12 @@ import triton.language as tl
 
 
 @triton.jit
+def _from_chunk_end(v):
+    """v (T, ...) per token -> sum_{i >= t} v_i along the tokens (a token's step reaches the later ones)."""
+    return tl.sum(v, 0) - tl.cumsum(v, 0) + v
+
+
+@triton.jit
 def token_bwd_kernel(DW, DG, DA, DPHI, DT, AA, TRAP, ANG, TURN, CINIT, CFINAL, CSEQ, END_ANG, END_TURN,
                      DDT, DAA, DTRAP, DANG, L, NC, H, NA, NPB,
                      sdb, sdt, sdh, sab, sat, sah, saa, spb, spt, sph,
@@ -64,7 +70,7 @@ def token_bwd_kernel(DW, DG, DA, DPHI, DT, AA, TRAP, ANG, TURN, CINIT, CFINAL, C
     dw = tl.load(DW + sc + t * sdt, mask=valid, other=0.0)
     dg = tl.load(DG + sc + t * sdt, mask=valid, other=0.0)
     da = tl.load(DA + sc + t * sdt, mask=valid, other=0.0)  # per token: summed from the end of the chunk
-    da = tl.sum(da, 0) - tl.cumsum(da, 0) + da
+    da = _from_chunk_end(da)
     # the first token of a sequence has none before it (-1: no sequence starts at this chunk)
     first = tl.where(tl.load(CINIT + b * NC + c) != -2, c * T, -1)
     has_prev = valid & (t > 0) & (t != first)
@@ -72,7 +78,7 @@ def token_bwd_kernel(DW, DG, DA, DPHI, DT, AA, TRAP, ANG, TURN, CINIT, CFINAL, C
 
     p_off = b * spb + h * sph + t[:, None] * spt + offs_a[None, :]
     own = tl.load(DPHI + p_off, mask=m2, other=0.0)  # through each token's own B / C: summed from the chunk's end
-    dphi = tl.sum(own, 0)[None, :] - tl.cumsum(own, 0) + own + carry[None, :]
+    dphi = _from_chunk_end(own) + carry[None, :]
     ang = tl.load(ANG + b * sab + h * sah + t[:, None] * sat + offs_a[None, :] * saa, mask=m2,
                   other=0.0).to(tl.float32)
     dgt = dw + dg
