@@ -147,15 +147,15 @@ def _store_columns(ptr, off, v, rows_ok, n0, N, BN: tl.constexpr):
 
 @triton.jit
 def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, CFINAL, HS,
-                     DHS, DX, DZ, DK, DQ, DW, DG, DA, DAP, DD, DMX, DMZ, DMO,
-                     L, NC, H, P, NH, NA,
+                     DHS, DX, DZ, DK, DQ, DW, DG, DA, DD, DMX, DMZ, DMO,
+                     L, NC, H, P, NH, NA, NDA, s_da,
                      sxb, sxt, sxh, sxp, sdb, sdt, sdh, skb, skt, skr, skh,
                      srb, srt, srr, srh, srp, sob, sot, soh, sop, szb, szt, szh, szp,
                      sgb, sgt, sgr, sgh,
                      T: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, BJ: tl.constexpr,
                      HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
                      HAS_MX: tl.constexpr, HAS_MZ: tl.constexpr, HAS_MO: tl.constexpr, HAS_DYG: tl.constexpr,
-                     PREC: tl.constexpr, PART: tl.constexpr):
+                     PREC: tl.constexpr, PART: tl.constexpr, SPLIT: tl.constexpr = False):
     """The state's n columns are taken 2 BJ at a time (BJ pairs' worth, at most all), in three passes: the scores
     S = q k^T, then (after the chunk's (T, T) terms) k dH^T for du, then per block again dq, dk and what they give.
     Only one block's tiles are live at a time. Nothing here turns a pair: every product runs over n in the order
@@ -163,9 +163,13 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
     DK / DQ (rows, L, [R,] h, n) fp32 or bf16: the gradients of the rotated k and q, in the same columns (the
     caller turns them back to B's and C's).
     Two launches, each with about half the live tiles (du's part fits two programs on an SM):
-    PART 1 the scores and everything du needs (dx, dz, dD, the MIMO scales, dw, dg), its share of the decay's
-    per-token gradient left in DAP (the shape of DA); then PART 2 dq and dk, which adds its share to DAP's in DA
-    (per token, through that token's own decay; token_bwd sums it from the end of the chunk).
+    PART 1 the scores and everything du needs (dx, dz, dD, the MIMO scales, dw, dg); then PART 2 dq and dk. DA
+    (NDA, rows, L, h) fp32, slots s_da apart: each part's share of the decay's per-token gradient (through that
+    token's own decay; token_bwd sums the slots, then from the end of the chunk). PART 1 writes slot 0, PART 2's
+    block jb slot 1 + jb, and its last block zeroes the slots past its own (an autotuner's trial with more blocks
+    wrote there).
+    SPLIT (PART 2): one program per column block (grid axis 2) instead of one walking them all: the chunk's (T, T)
+    terms are recomputed per block, each program holds one block's tiles, and twice the programs share the SMs.
     HAS_DYG: dstates already took the gate's backward (DYG per token, dz written there): dy is read from DYG."""
     NJB: tl.constexpr = (BH + BJ - 1) // BJ
     BN: tl.constexpr = 2 * (BH // NJB)  # columns of n per block (BJ pairs' worth)
@@ -280,7 +284,10 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
         qdyH = tl.zeros((T * R,), dtype=tl.float32)  # q_i^T H^T dy_i
         dHH = 0.0
         noff = b * sgb + h * sgh + t * sgt + rank * sgr  # DK / DQ: per head
-        for jb in tl.static_range(NJB):
+        RUN: tl.constexpr = 1 if SPLIT else NJB
+        jbase = tl.program_id(2) if SPLIT else 0
+        for jj in tl.static_range(RUN):
+            jb = jbase + jj
             qb = _columns(QT, qk_off, valid, jb * BN, N, BN).to(dtype)
             kb = _columns(KT, qk_off, valid, jb * BN, N, BN).to(dtype)
             Hb = _columns(HS + hs, prow, pm, jb * BN, N, BN).to(dtype)
@@ -308,6 +315,9 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
     if PART == 1:
         tl.store(DW + soff, per_token_vec(dw, T, R), mask=tm)
         tl.store(DG + soff, per_token_vec(dg, T, R), mask=tm)
-        tl.store(DAP + soff, dcs, mask=tm)
-    else:  # token_bwd sums DA from the end of the chunk: d(dt A)_t = sum_{i >= t} dcs_i
-        tl.store(DA + soff, dcs + tl.load(DAP + soff, mask=tm, other=0.0), mask=tm)
+        tl.store(DA + soff, dcs, mask=tm)
+    else:
+        tl.store(DA + (1 + jbase) * s_da + soff, dcs, mask=tm)
+        if jbase + RUN == NJB:  # the last block: the slots past this launch's blocks are zeroed
+            for q in range(1 + NJB, NDA):
+                tl.store(DA + q * s_da + soff, tl.zeros((T,), dtype=tl.float32), mask=tm)

@@ -159,13 +159,16 @@ _CONFIGS = {
     # spilled to 12.1 ms against 6.9. A candidate comes back once it passes test_gpu_every_candidate_alone and a tuned
     # run
     "chunk_bwd_dx": ([_c(4, 1, BJ=32)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
-    "chunk_bwd_dqk": ([_c(8, 1, BJ=64)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
+    "chunk_bwd_dqk": ([_c(8, 1, BJ=64), _c(4, 1, BJ=32, SPLIT=True), _c(8, 1, BJ=32, SPLIT=True),
+                       _c(4, 1, BJ=16, SPLIT=True)], _c(1, 1, BJ=16, SPLIT=True), ["P", "BH", "T", "R", "HAS_Z"],
+                      [_c(16, 1, BJ=32)]),
     # MIMO (R rows per token), in the same two parts: with 16-bit operands, 64-row tiles and two blocks of 32 pairs,
     # Triton 3.6 on an H200 miscompiled the one-launch form (compute-sanitizer: an out-of-bounds shared-memory read
     # in a dot of pass 2; with 4 warps, wrong gradients and no fault); all pairs in one block at d_state 128
     # (BJ = 64) computes right. On an H100 (b8 L4096 h32 rank 4 bf16 fwd+bwd, one process): du's part at 4 warps
     # 28.1 ms, at 8 warps 30.7, the one-launch form 33.0
     "chunk_bwd_mimo_dx": ([_c(4, 1, BJ=64)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
-    "chunk_bwd_mimo_dqk": ([_c(8, 1, BJ=64)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
+    "chunk_bwd_mimo_dqk": ([_c(8, 1, BJ=64), _c(4, 1, BJ=32, SPLIT=True)], _c(1, 1, BJ=16),
+                           ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
 }
 tuned = Tuner(_CONFIGS)

@@ -137,6 +137,11 @@ def _init_angle_grad(lay: Layout, ends, dfin_angle, dinit, init_ssm, col1, col2)
     return dang
 
 
+def _column_blocks(meta, BH: int) -> int:
+    """Programs per chunk of chunk_bwd's dq / dk part: one per column block when it splits n (SPLIT), else one."""
+    return triton.cdiv(BH, meta["BJ"]) if meta.get("SPLIT") else 1
+
+
 def _backward(ctx, dy, dfin_angle, dfin_ssm):
     (x, dt, A, B, C, trap, angles, D, z, B_bias, C_bias, mimo_x, mimo_z, mimo_o, init_angle, init_ssm,
      ypre, fin_ssm, HS, THS, KT, QT) = ctx.saved_tensors
@@ -181,22 +186,27 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     # rounded once, as a bf16 result would be), fp32 otherwise (fp16's range is too short for per-head sums)
     dBh = torch.empty(rows, Lk, *rank_axis, H, N, device=dev, dtype=x.dtype if x.dtype == torch.bfloat16 else f32)
     dCh = torch.empty_like(dBh)
-    dw, dg, da = (torch.empty_like(dts) for _ in range(3))
+    dw, dg = (torch.empty_like(dts) for _ in range(2))
     dD = torch.empty(rows, H, lay.nchunks, device=dev, dtype=f32) if D is not None else None
     part = lambda t: torch.empty(rows, H, lay.nchunks, R, P, device=dev, dtype=f32) if t is not None else None  # noqa
     dmx, dmz, dmo = part(mimo_x), part(mimo_z), part(mimo_o)
-    # two launches, each with about half the tiles of one: du's part, then dq / dk's (which adds dap to its da)
-    dap = torch.empty_like(dts)
+    # two launches, each with about half the tiles of one: du's part, then dq / dk's (in one program per chunk or
+    # one per column block); each leaves its share of the decay's gradient in slots of da that token_bwd sums
     parts = ((1, "chunk_bwd_dx"), (2, "chunk_bwd_dqk")) if R == 1 else ((1, "chunk_bwd_mimo_dx"),
                                                                          (2, "chunk_bwd_mimo_dqk"))
+    BH = block(N // 2)
+    nda = 1 + max(_column_blocks(c.kwargs, BH) for c in tuned.candidates(parts[1][1], x.dtype)
+                  + [tuned.table[parts[1][1]][1]])
+    da = torch.empty(nda, *dts.shape, device=dev, dtype=f32)
+    grid = lambda meta: (rows * H, lay.nchunks, _column_blocks(meta, BH) if meta["PART"] == 2 else 1)  # noqa: E731
     for part, name in parts:
-        tuned(chunk_bwd_kernel, name, x.dtype)[(rows * H, lay.nchunks)](
+        tuned(chunk_bwd_kernel, name, x.dtype)[grid](
             xs, dys, zs, ypres, dyg, dts, As, traps, KT, QT, D, mimo_x, mimo_z, mimo_o, lay.final, HS,
-            dHS, dx, dz, dBh, dCh, dw, dg, da, dap, dD, dmx, dmz, dmo,
-            Lk, lay.nchunks, H, P, N // 2, NA,
+            dHS, dx, dz, dBh, dCh, dw, dg, da, dD, dmx, dmz, dmo,
+            Lk, lay.nchunks, H, P, N // 2, NA, nda, da.stride(0),
             *strides(xs), *strides(dts, 3), *kst, *row_strides(row_t),
             *strides(dx), *strides(zs), *bc_strides(dBh)[:4],
-            T=T, R=R, BH=block(N // 2), BP=block(P), HAS_D=D is not None,
+            T=T, R=R, BH=BH, BP=block(P), HAS_D=D is not None,
             HAS_Z=z is not None, HAS_MX=mimo_x is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold,
             HAS_DYG=dyg is not None, PREC=dot_precision(x.dtype), PART=part)
     # dk, dq -> dB, dC (+ bias), and the phases' gradients within each chunk
@@ -213,7 +223,8 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     end_ang, end_turn = ends if has_ends else (None, None)
     token_bwd_kernel[(rows * H, lay.nchunks)](
         dw, dg, da, dphi, dts, As, traps, angs, turn, lay.init, lay.final, lay.chunk_seq, end_ang, end_turn,
-        ddt, dA, dtrap, dang, Lk, lay.nchunks, H, NA, npb, *strides(dts, 3), *angs.stride(), *dphi.stride()[:3],
+        ddt, dA, dtrap, dang, Lk, lay.nchunks, H, NA, npb, nda, da.stride(0), *strides(dts, 3), *angs.stride(),
+        *dphi.stride()[:3],
         T=T, BA=block(NA), HAS_ENDS=has_ends, num_warps=4)
     unpack = lambda t: lay.unpack(t, x)  # noqa: E731
     dinit_angle = _init_angle_grad(lay, ends, dfin_angle, dinit, init_ssm, col1, col2) if need_dangle else None

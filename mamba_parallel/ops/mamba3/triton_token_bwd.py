@@ -33,10 +33,11 @@ def _from_chunk_end(v):
 
 @triton.jit
 def token_bwd_kernel(DW, DG, DA, DPHI, DT, AA, TRAP, ANG, TURN, CINIT, CFINAL, CSEQ, END_ANG, END_TURN,
-                     DDT, DAA, DTRAP, DANG, L, NC, H, NA, NPB,
+                     DDT, DAA, DTRAP, DANG, L, NC, H, NA, NPB, NDA, s_da,
                      sdb, sdt, sdh, sab, sat, sah, saa, spb, spt, sph,
                      T: tl.constexpr, BA: tl.constexpr, HAS_ENDS: tl.constexpr):
-    """DW, DG, DA, DT, AA, TRAP and the outputs DDT, DAA, DTRAP: (rows, L, h) fp32, one set of strides (sd*).
+    """DW, DG, DT, AA, TRAP and the outputs DDT, DAA, DTRAP: (rows, L, h) fp32, one set of strides (sd*); DA
+    (NDA, rows, L, h) the same, its slots s_da apart (summed here).
     ANG (rows, L, h, a) (strides sa*; a zero head stride is fine); DPHI and the output DANG share strides sp*
     (a contiguous). TURN (rows, h, nc, NPB, a) fp32. CINIT / CFINAL (rows, nc) the layout's chunk codes, CSEQ
     (rows * nc,) int64 the sequence of every chunk; END_ANG / END_TURN (nseq, h, a) fp32: d fin_angle and
@@ -69,7 +70,9 @@ def token_bwd_kernel(DW, DG, DA, DPHI, DT, AA, TRAP, ANG, TURN, CINIT, CFINAL, C
     trap = tl.load(TRAP + sc + t * sdt, mask=valid, other=0.0)
     dw = tl.load(DW + sc + t * sdt, mask=valid, other=0.0)
     dg = tl.load(DG + sc + t * sdt, mask=valid, other=0.0)
-    da = tl.load(DA + sc + t * sdt, mask=valid, other=0.0)  # per token: summed from the end of the chunk
+    da = tl.zeros((T,), dtype=tl.float32)  # per token: chunk_bwd's slots summed, then from the end of the chunk
+    for s in range(NDA):
+        da += tl.load(DA + s * s_da + sc + t * sdt, mask=valid, other=0.0)
     da = _from_chunk_end(da)
     # the first token of a sequence has none before it (-1: no sequence starts at this chunk)
     first = tl.where(tl.load(CINIT + b * NC + c) != -2, c * T, -1)
