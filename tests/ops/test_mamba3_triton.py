@@ -406,6 +406,25 @@ def test_backward_writes_every_turn_slot_whatever_block_ran_before(monkeypatch):
     check_against_reference(args, dict(chunk_size=16), torch.float32)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_backward_sums_only_the_decay_slots_its_launch_wrote(split, monkeypatch):
+    """chunk_bwd's dq / dk part leaves its share of the decay's gradient in one slot per program: one slot when a
+    program walks every column block, one per block when split. Two blocks of 16 pairs here (d_state 64), fresh
+    allocations NaN: a slot neither written nor zeroed fails the gradients. The other form is a candidate, so the
+    slots are counted for the split one."""
+    from mamba_parallel.ops.mamba3.triton_common import _c, tuned
+
+    orig_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: orig_empty(*a, **k).fill_(float("nan"))
+                        if k.get("dtype", torch.get_default_dtype()).is_floating_point else orig_empty(*a, **k))
+    entry = list(tuned.table["chunk_bwd_dqk"])
+    entry[1], entry[3] = _c(1, 1, BJ=16, SPLIT=split), [_c(1, 1, BJ=16, SPLIT=not split)]
+    monkeypatch.setattr(tuned, "table", {**tuned.table, "chunk_bwd_dqk": tuple(entry)})
+    monkeypatch.setattr(tuned, "_cache", {})
+    args = make_inputs(1, 37, 1, 64, 64, init=False)
+    check_against_reference(args, dict(chunk_size=16), torch.float32)
+
+
 def test_large_chunk_sizes_are_split_into_kernel_chunks():
     """chunk_size 128 (or MIMO 64 x rank 4) is more rows than one tile: the kernels split it, same result."""
     args = make_inputs(1, 70, 2, 8, 16, dtype=torch.float32, device=DEV, init=False)
