@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEPT = ("__init__.py", "config.py", "ops")  # what mamba_parallel.ops.mamba3 imports of the package
@@ -171,7 +172,11 @@ def time_all(all_sides: dict, shapes, dtype_name: str, reps: int, warmup: int, p
         gen = torch.Generator(device="cuda").manual_seed(1)
         b, L, h, p = shape[:4]
         dy = torch.randn(b, L, h, p, device="cuda", dtype=dtype, generator=gen)
-        results = {name: _run(op, inputs, dy) for name, op in sides.items()}
+        results = {}
+        for name, op in sides.items():  # the first call compiles and tunes: said as it ends, so a slow one shows
+            start = time.perf_counter()
+            results[name] = _run(op, inputs, dy)
+            print(f"  {case_name(shape)}, {name}: first fwd+bwd {time.perf_counter() - start:.1f} s", flush=True)
         for _ in range(warmup):
             for op in sides.values():
                 _run(op, inputs, dy)
