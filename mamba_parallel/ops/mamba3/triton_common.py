@@ -157,11 +157,12 @@ _CONFIGS = {
     # dq / dk's part at 4 warps computes wrong dB under Triton 3.6 and made the autotuner's timing fault (illegal
     # address), as the former one-launch form did at 4 warps; capping that form at 128 registers (two programs per SM)
     # spilled to 12.1 ms against 6.9. A candidate comes back once it passes test_gpu_every_candidate_alone and a tuned
-    # run
+    # run. Split over column blocks (one program per block of 32 pairs, 4 warps, 192 registers: two programs per SM)
+    # dq / dk's part beats the whole row on an H100 (one process, fwd+bwd): b8 L4096 h32 5.22 ms against 5.36, b4
+    # L8192 h64 9.52 against 9.79; 8 warps split 6.11 / 11.26, blocks of 16 pairs 5.60 / 10.31
     "chunk_bwd_dx": ([_c(4, 1, BJ=32)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
-    "chunk_bwd_dqk": ([_c(8, 1, BJ=64), _c(4, 1, BJ=32, SPLIT=True), _c(8, 1, BJ=32, SPLIT=True),
-                       _c(4, 1, BJ=16, SPLIT=True)], _c(1, 1, BJ=16, SPLIT=True), ["P", "BH", "T", "R", "HAS_Z"],
-                      [_c(16, 1, BJ=32)]),
+    "chunk_bwd_dqk": ([_c(4, 1, BJ=32, SPLIT=True), _c(8, 1, BJ=64)], _c(1, 1, BJ=16, SPLIT=True),
+                      ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
     # MIMO (R rows per token), in the same two parts: with 16-bit operands, 64-row tiles and two blocks of 32 pairs,
     # Triton 3.6 on an H200 miscompiled the one-launch form (compute-sanitizer: an out-of-bounds shared-memory read
     # in a dot of pass 2; with 4 warps, wrong gradients and no fault); all pairs in one block at d_state 128
