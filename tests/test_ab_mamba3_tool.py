@@ -31,6 +31,12 @@ def test_prepared_revision_imports_beside_this_checkout(tmp_path):
     assert all(torch.equal(g0[k], g1[k]) for k in g0)  # the same revision's kernels: the same numbers
 
 
+def test_a_folder_prepare_did_not_write_is_named_and_no_base_is_needed(tmp_path):
+    with pytest.raises(SystemExit, match=f"--base {tmp_path}: not a prepared folder .*prepare REV --dest"):
+        ab_mamba3.load_base(str(tmp_path))
+    assert list(ab_mamba3.sides_for([])) == ["this checkout"]
+
+
 def test_launch_option_times_one_candidate_and_names_bad_input(monkeypatch):
     entry, cand = ab_mamba3.parse_launch("chunk_bwd_dqk:warps=1,stages=1,BJ=8")
     assert entry == "chunk_bwd_dqk" and cand.num_warps == 1 and cand.kwargs == {"BJ": 8}

@@ -10,7 +10,7 @@ side's kernels.
 several revisions and this checkout import side by side; only what the scan imports is kept (the package's
 ``__init__``, ``config`` and ``ops/``: about 0.6 MB to carry). ``time`` runs the benchmark's scan inputs
 (bench_mamba3.scan_inputs, one B / C group, n / 4 rotated pairs, D, biases and the gate) through every ``--base``
-(repeatable) and this checkout. build/ is git-ignored: a run on another machine must carry the folders.
+(repeatable, none needed) and this checkout. build/ is git-ignored: a run on another machine must carry the folders.
 ``--launch`` (repeatable) adds this checkout once more with one launch candidate in place of a tuner entry's list
 (e.g. ``chunk_bwd_dqk:warps=4,stages=1,BJ=32``): a candidate is timed alone, without editing the table. ``--peer``
 adds mamba_ssm's Mamba-3 scan (SISO shapes), called as its layer calls it, so the same run gives the ratio.
@@ -64,7 +64,11 @@ def load_base(base: str):
     """A prepared folder -> (its revision's short sha, its mamba3_chunk_scan)."""
     import importlib
 
-    name = open(os.path.join(base, "PACKAGE")).read().strip()
+    marker = os.path.join(base, "PACKAGE")
+    if not os.path.isfile(marker):
+        raise SystemExit(f"ab_mamba3: --base {base}: not a prepared folder (no PACKAGE file); "
+                         f"write one with: python tools/ab_mamba3.py prepare REV --dest {base}")
+    name = open(marker).read().strip()
     sys.path.insert(0, os.path.abspath(base))
     impl = importlib.import_module(f"{name}.ops.mamba3.triton_impl")
     return open(os.path.join(base, "REV")).read().strip()[:12], impl.mamba3_chunk_scan
@@ -219,7 +223,8 @@ def main(argv=None) -> int:
     p.add_argument("rev")
     p.add_argument("--dest", default=os.path.join(ROOT, "build", "ab_base"))
     t = sub.add_parser("time", help="time every side on a GPU")
-    t.add_argument("--base", action="append", help="a prepared folder; repeatable (default: build/ab_base)")
+    t.add_argument("--base", action="append", default=[],
+                   help="a prepared folder; repeatable (none: this checkout and its --launch / --peer sides)")
     t.add_argument("--shape", nargs=6, type=int, action="append", metavar=("B", "L", "H", "P", "N", "R"),
                    help="repeatable; R = 1: SISO (default: 8 4096 32 64 128 1 and its MIMO rank 4)")
     t.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -234,7 +239,7 @@ def main(argv=None) -> int:
         prepare(a.rev, a.dest)
     else:
         shapes = a.shape or [[8, 4096, 32, 64, 128, 1], [8, 4096, 32, 64, 128, 4]]
-        sides = sides_for(a.base or [os.path.join(ROOT, "build", "ab_base")], a.launch, a.peer)
+        sides = sides_for(a.base, a.launch, a.peer)
         time_all(sides, shapes, a.dtype, a.reps, a.warmup, a.profile)
     return 0
 
