@@ -165,9 +165,9 @@ def chunk_bwd_kernel(X, DY, Z, YPRE, DYG, DT, AA, TRAP, KT, QT, D, MX, MZ, MO, C
     Two launches, each with about half the live tiles (du's part fits two programs on an SM):
     PART 1 the scores and everything du needs (dx, dz, dD, the MIMO scales, dw, dg); then PART 2 dq and dk. DA
     (NDA, rows, L, h) fp32, slots s_da apart: each part's share of the decay's per-token gradient (through that
-    token's own decay; token_bwd sums the slots, then from the end of the chunk). PART 1 writes slot 0, PART 2 slot 1 + jb
-    from the program of block jb (split) or slot 1 from the one program walking every block; its last program
-    zeroes the slots past those (an autotuner's trial with more programs wrote there).
+    token's own decay; token_bwd sums the slots, then from the end of the chunk). PART 1 writes slot 0, PART 2
+    slot 1 + jb from the program of block jb (split) or slot 1 from the one program walking every block; its last
+    program zeroes the slots past those (an autotuner's trial with more programs wrote there).
     SPLIT (PART 2): one program per column block (grid axis 2) instead of one walking them all: the chunk's (T, T)
     terms are recomputed per block, each program holds one block's tiles, and twice the programs share the SMs.
     HAS_DYG: dstates already took the gate's backward (DYG per token, dz written there): dy is read from DYG."""

@@ -150,16 +150,13 @@ _CONFIGS = {
                 [_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=64)]),
     # the per-chunk backward holds ~20 chunk-sized tiles; n taken 2 BJ columns at a time (BJ pairs' worth, at most all)
     # keeps one block's tiles live instead of all of them. It runs in two launches (du's part, then dq / dk's), each
-    # with about half the tiles. One candidate each, what won on an H100 (b8 L4096 h32 bf16 fwd+bwd, same inputs, one
-    # process): du's part at 4 warps (two programs per SM) 5.76 ms per fwd+bwd, against 6.93 at 8 warps and 6.63 at 8
-    # warps with BJ = 64 (BJ = 64 at 4 warps: level, 5.73 against 5.74); dq / dk's at 8 warps with all pairs at d_state
-    # 128 (BJ = 64) 5.46 against 5.74 with BJ = 32 (the part 1.69 against 1.96 ms), 7.67 at 16 warps, 7.55 with BJ = 16.
-    # dq / dk's part at 4 warps computes wrong dB under Triton 3.6 and made the autotuner's timing fault (illegal
-    # address), as the former one-launch form did at 4 warps; capping that form at 128 registers (two programs per SM)
-    # spilled to 12.1 ms against 6.9. A candidate comes back once it passes test_gpu_every_candidate_alone and a tuned
-    # run. Split over column blocks (one program per block of 32 pairs, 4 warps, 192 registers: two programs per SM)
-    # dq / dk's part beats the whole row on an H100 (one process, fwd+bwd): b8 L4096 h32 5.22 ms against 5.36, b4
-    # L8192 h64 9.52 against 9.79; 8 warps split 6.11 / 11.26, blocks of 16 pairs 5.60 / 10.31
+    # with about half the tiles. What won on an H100 (bf16 fwd+bwd, same inputs, one process): du's part at 4 warps
+    # (two programs per SM) 5.76 ms at b8 L4096 h32, against 6.93 at 8 warps and 6.63 at 8 warps with BJ = 64; dq /
+    # dk's split over column blocks (one program per block of 32 pairs, 4 warps, 192 registers: two per SM) 5.22 ms
+    # against 5.36 for one program walking all pairs at 8 warps, and 9.52 against 9.79 at b4 L8192 h64 (8 warps
+    # split 6.11 / 11.26, blocks of 16 pairs 5.60 / 10.31). Before the column blocks (pair halves), dq / dk's part at
+    # 4 warps computed wrong dB under Triton 3.6, and a 128-register cap spilled (12.1 ms against 6.9): a candidate
+    # enters once it passes test_gpu_every_candidate_alone and is timed
     "chunk_bwd_dx": ([_c(4, 1, BJ=32)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
     "chunk_bwd_dqk": ([_c(4, 1, BJ=32, SPLIT=True), _c(8, 1, BJ=64)], _c(1, 1, BJ=16, SPLIT=True),
                       ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
@@ -169,7 +166,6 @@ _CONFIGS = {
     # (BJ = 64) computes right. On an H100 (b8 L4096 h32 rank 4 bf16 fwd+bwd, one process): du's part at 4 warps
     # 28.1 ms, at 8 warps 30.7, the one-launch form 33.0
     "chunk_bwd_mimo_dx": ([_c(4, 1, BJ=64)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
-    "chunk_bwd_mimo_dqk": ([_c(8, 1, BJ=64), _c(4, 1, BJ=32, SPLIT=True)], _c(1, 1, BJ=16),
-                           ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
+    "chunk_bwd_mimo_dqk": ([_c(8, 1, BJ=64)], _c(1, 1, BJ=16), ["P", "BH", "T", "R", "HAS_Z"], [_c(16, 1, BJ=32)]),
 }
 tuned = Tuner(_CONFIGS)

@@ -176,8 +176,9 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     kernel[grid](dys, zs, ypres, mimo_z, mimo_o, dts, As, traps, QT, lay.init, lay.final, dfin,
                  dHS, dinit, HS, turn, dyg, dz, Lk, lay.nchunks, H, P, N // 2, NA, npb,
                  *strides(dts, 3), *kst, *row_strides(row_t), *tok_strides,
-                 *strides(zs), T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_Z=z is not None, HAS_MZ=mimo_z is not None, HAS_MO=fold, HAS_DFIN=dfin is not None,
-                 HAS_DINIT=dinit is not None, HAS_TURN=True, STORE_DYG=dyg is not None, PREC=dot_precision(x.dtype))
+                 *strides(zs), T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_Z=z is not None,
+                 HAS_MZ=mimo_z is not None, HAS_MO=fold, HAS_DFIN=dfin is not None, HAS_DINIT=dinit is not None,
+                 HAS_TURN=True, STORE_DYG=dyg is not None, PREC=dot_precision(x.dtype))
 
     rank_axis = (R,) if R > 1 else ()
     # every element of these is written by chunk_bwd (no zero fill)
