@@ -1,6 +1,7 @@
 """tools/ab_mamba3.py: prepare (a revision's package renamed beside this checkout's, cut to what the scan imports) and
 the launch candidates time runs as sides of their own."""
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -78,3 +79,44 @@ def test_sides_name_each_launch_and_the_peer_flag_says_why_it_cannot_run():
             ab_mamba3.sides_for([], peer=True)
     else:
         assert ab_mamba3.sides_for([], peer=True)["mamba_ssm"].raw
+
+
+def test_compile_jobs_run_each_side_alone_with_the_timed_runs_arguments(monkeypatch):
+    """--compile-jobs: a process per side gets the timed run's bases, shapes, dtype, launches and peer flag, and
+    runs only that side's first fwd+bwd; an unknown side and a negative count are named."""
+    args = ["time", "--dtype", "fp32", "--shape", "1", "150", "2", "8", "32", "1", "--launch",
+            "chunk_bwd_dqk:warps=1,stages=1,BJ=8", "--compile-jobs", "3"]
+    ap_args = {}
+    monkeypatch.setattr(ab_mamba3, "compile_in_parallel", lambda a, names, jobs: ap_args.update(a=a, names=names,
+                                                                                                jobs=jobs))
+    monkeypatch.setattr(ab_mamba3, "time_all", lambda *a, **k: None)
+    assert ab_mamba3.main(args) == 0
+    a = ap_args["a"]
+    assert ap_args["jobs"] == 3 and ap_args["names"] == ["this checkout",
+                                                         "this checkout, chunk_bwd_dqk:warps=1,stages=1,BJ=8"]
+    child = ab_mamba3.child_argv(a, ap_args["names"][1])
+    assert child[:3] == [sys.executable, os.path.abspath(ab_mamba3.__file__), "time"]
+    ran = []
+    monkeypatch.setattr(ab_mamba3, "first_runs", lambda sides, shapes, dtype: ran.append((list(sides), shapes,
+                                                                                          dtype)))
+    assert ab_mamba3.main(child[2:]) == 0
+    assert ran == [(["this checkout, chunk_bwd_dqk:warps=1,stages=1,BJ=8"], [[1, 150, 2, 8, 32, 1]], "fp32")]
+    with pytest.raises(SystemExit, match="--only 'nope': no such side .*this checkout"):
+        ab_mamba3.main(["time", "--only", "nope"])
+    with pytest.raises(SystemExit, match="--compile-jobs -1: must be 0 or more"):
+        ab_mamba3.main(["time", "--compile-jobs", "-1"])
+
+
+def test_a_sides_first_run_compiles_it_on_the_inputs_the_timing_uses(capsys):
+    from mamba_parallel.ops.mamba3 import triton_impl
+
+    ab_mamba3.first_runs({"this checkout": triton_impl.mamba3_chunk_scan}, [[1, 37, 2, 8, 16, 1]], "fp32", "cpu")
+    assert "b1 L37 h2 p8 n16, this checkout: first fwd+bwd" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only host makes the compile process fail")
+def test_a_failed_compile_process_is_named_with_its_output_and_the_timing_goes_on(capsys):
+    a = argparse.Namespace(dtype="fp32", base=[], shape=[[1, 37, 2, 8, 16, 1]], launch=[], peer=False)
+    ab_mamba3.compile_in_parallel(a, ["this checkout"], 2)
+    out = capsys.readouterr().out
+    assert "this checkout: its compile process failed (1)" in out and "1 sides compiled in parallel" in out

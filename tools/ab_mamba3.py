@@ -4,7 +4,8 @@ side's kernels.
 
     python tools/ab_mamba3.py prepare REV [--dest build/ab_base]     where git is: REV's package, renamed
     python tools/ab_mamba3.py time [--base build/ab_base ...] [--shape B L H P N R ...] [--dtype bf16] [--reps 20]
-                                   [--launch ENTRY:warps=W,stages=S,KEY=V ...] [--peer] [--profile]     on a GPU
+                                   [--launch ENTRY:warps=W,stages=S,KEY=V ...] [--peer] [--profile]
+                                   [--compile-jobs N]     on a GPU
 
 ``prepare`` writes git REV's package under --dest, renamed to ``mamba_parallel_<short sha>`` (its imports too), so
 several revisions and this checkout import side by side; only what the scan imports is kept (the package's
@@ -14,6 +15,9 @@ several revisions and this checkout import side by side; only what the scan impo
 ``--launch`` (repeatable) adds this checkout once more with one launch candidate in place of a tuner entry's list
 (e.g. ``chunk_bwd_dqk:warps=4,stages=1,BJ=32``): a candidate is timed alone, without editing the table. ``--peer``
 adds mamba_ssm's Mamba-3 scan (SISO shapes), called as its layer calls it, so the same run gives the ratio.
+On a cold Triton cache the first fwd+bwd of each side compiles and tunes for tens of seconds (mamba_ssm's about 30
+s a shape), one kernel after another; ``--compile-jobs N`` runs every side's first fwd+bwd in a process of its own,
+N at a time, before the timed process starts on a warm cache.
 """
 
 from __future__ import annotations
@@ -162,16 +166,74 @@ def sides_for(bases, launches=(), peer: bool = False) -> dict:
     return sides
 
 
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _sides_at(all_sides: dict, shape) -> dict:
+    """The sides that run at a shape: the peer's MIMO kernels need TileLang, so MIMO shapes run ours only."""
+    return {n: s for n, s in all_sides.items() if shape[5] == 1 or not (isinstance(s, Side) and s.raw)}
+
+
+def first_runs(all_sides: dict, shapes, dtype_name: str, device: str = "cuda") -> None:
+    """Each side's first fwd+bwd at every shape: what compiles and tunes its kernels (Triton's cache keeps them)."""
+    import torch
+
+    from mamba_parallel.bench.bench_mamba3 import case_name, scan_inputs
+
+    for shape in shapes:
+        inputs = scan_inputs(*shape, _dtype(dtype_name), device)
+        dy = torch.randn(*shape[:4], device=device, dtype=_dtype(dtype_name))
+        for name, op in _sides_at(all_sides, shape).items():
+            start = time.perf_counter()
+            _run(op, inputs, dy)
+            print(f"  {case_name(shape)}, {name}: first fwd+bwd {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def child_argv(a, name: str) -> list:
+    """The command that runs only side ``name``'s first fwd+bwd, with the timed run's sides and shapes."""
+    argv = [sys.executable, os.path.abspath(__file__), "time", "--dtype", a.dtype, "--only", name]
+    for base in a.base:
+        argv += ["--base", base]
+    for shape in a.shape or []:
+        argv += ["--shape", *map(str, shape)]
+    for text in a.launch:
+        argv += ["--launch", text]
+    return argv + (["--peer"] if a.peer else [])
+
+
+def compile_in_parallel(a, names, jobs: int) -> None:
+    """One process per side, ``jobs`` at a time, runs its first fwd+bwd: compiles are CPU-bound and one after
+    another inside a process, so on a many-core host this fills the shared Triton cache several times faster, and
+    the timed process then loads the binaries. A side whose process fails is compiled by the timed process."""
+    start, pending, running = time.perf_counter(), list(names), []
+    while pending or running:
+        while pending and len(running) < jobs:
+            name = pending.pop(0)
+            running.append((name, subprocess.Popen(child_argv(a, name), stdout=subprocess.PIPE,
+                                                   stderr=subprocess.STDOUT, text=True)))
+        name, proc = running.pop(0)
+        out = proc.communicate()[0]
+        if proc.returncode:
+            tail = "\n    ".join(out.strip().splitlines()[-5:])
+            print(f"  {name}: its compile process failed ({proc.returncode}):\n    {tail}", flush=True)
+    print(f"ab_mamba3: {len(names)} sides compiled in parallel in {time.perf_counter() - start:.0f} s", flush=True)
+
+
 def time_all(all_sides: dict, shapes, dtype_name: str, reps: int, warmup: int, profile: bool) -> None:
     import torch
 
     from mamba_parallel.bench.bench_mamba3 import case_name, scan_inputs
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    dtype = _dtype(dtype_name)
     print(f"ab_mamba3: {torch.cuda.get_device_name()}, {dtype_name}, median of {reps} alternating fwd+bwd")
     for shape in shapes:
-        # the peer's MIMO kernels need TileLang: MIMO shapes time ours only
-        sides = {n: s for n, s in all_sides.items() if shape[5] == 1 or not (isinstance(s, Side) and s.raw)}
+        sides = _sides_at(all_sides, shape)
         inputs = scan_inputs(*shape, dtype, "cuda")
         gen = torch.Generator(device="cuda").manual_seed(1)
         b, L, h, p = shape[:4]
@@ -227,20 +289,33 @@ def main(argv=None) -> int:
                    help="a prepared folder; repeatable (none: this checkout and its --launch / --peer sides)")
     t.add_argument("--shape", nargs=6, type=int, action="append", metavar=("B", "L", "H", "P", "N", "R"),
                    help="repeatable; R = 1: SISO (default: 8 4096 32 64 128 1 and its MIMO rank 4)")
-    t.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    t.add_argument("--dtype", default="bf16", choices=DTYPES)
     t.add_argument("--reps", type=int, default=20)
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--launch", action="append", default=[], metavar="ENTRY:warps=W,stages=S,KEY=V",
                    help="repeatable: this checkout again with one launch candidate for a tuner entry")
     t.add_argument("--peer", action="store_true", help="also mamba_ssm's scan (SISO shapes; needs mamba_ssm)")
     t.add_argument("--profile", action="store_true", help="also each side's CUDA time by kernel")
+    t.add_argument("--compile-jobs", type=int, default=0, metavar="N",
+                   help="first compile every side in its own process, N at a time (a cold cache on a many-core "
+                        "host), then time; 0: each side compiles in the timed process")
+    t.add_argument("--only", metavar="SIDE", help=argparse.SUPPRESS)  # a --compile-jobs process: one side's first run
     a = ap.parse_args(argv)
     if a.cmd == "prepare":
         prepare(a.rev, a.dest)
-    else:
-        shapes = a.shape or [[8, 4096, 32, 64, 128, 1], [8, 4096, 32, 64, 128, 4]]
-        sides = sides_for(a.base, a.launch, a.peer)
-        time_all(sides, shapes, a.dtype, a.reps, a.warmup, a.profile)
+        return 0
+    shapes = a.shape or [[8, 4096, 32, 64, 128, 1], [8, 4096, 32, 64, 128, 4]]
+    sides = sides_for(a.base, a.launch, a.peer)
+    if a.only is not None:
+        if a.only not in sides:
+            raise SystemExit(f"ab_mamba3: --only {a.only!r}: no such side (these are: {', '.join(sides)})")
+        first_runs({a.only: sides[a.only]}, shapes, a.dtype)
+        return 0
+    if a.compile_jobs < 0:
+        raise SystemExit(f"ab_mamba3: --compile-jobs {a.compile_jobs}: must be 0 or more")
+    if a.compile_jobs:
+        compile_in_parallel(a, list(sides), a.compile_jobs)
+    time_all(sides, shapes, a.dtype, a.reps, a.warmup, a.profile)
     return 0
 
 
