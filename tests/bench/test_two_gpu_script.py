@@ -197,8 +197,9 @@ def test_peer_part_runs_the_peer_in_ddp_beside_ours(tmp_path):
 def test_tp_part_reports_collectives_and_their_overlap(tmp_path):
     part = _tiny("tp", tmp_path)
     rows = {r["layout"]: r for r in json.loads((part / "scaling.json").read_text())["rows"]}
+    # a failed layout's row and log say why (as text: pytest cuts the repr of any other message to a line)
     assert rows["1gpu"]["status"] == "ok" and rows["tp2"]["status"] == "ok" and rows["tp2"]["speedup"] > 0, \
-        (rows, (part / "log.txt").read_text()[-3000:])  # a failed layout's row and log say why
+        f"rows: {json.dumps(rows)[:3000]}\nlog:\n{(part / 'log.txt').read_text()[-3000:]}"
     prof = json.loads((part / "profile-tiny-mamba2.json").read_text())
     assert len(prof["collectives"]) == 2  # both ranks' traces
     for summary in prof["collectives"]:
@@ -213,7 +214,8 @@ def test_pp_part_folds_the_measured_bubble_into_the_scaling_table(tmp_path):
     part = _tiny("pp", tmp_path)
     rows = {r["layout"]: r for r in json.loads((part / "scaling.json").read_text())["rows"]}
     pp = rows["pp2-gpipe"]
-    assert pp["status"] == "ok" and pp["schedule"] == "gpipe" and pp["gpus"] == 2 and pp["speedup"] > 0
+    assert pp["status"] == "ok" and pp["schedule"] == "gpipe" and pp["gpus"] == 2 and pp["speedup"] > 0, \
+        f"rows: {json.dumps(rows)[:3000]}\nlog:\n{(part / 'log.txt').read_text()[-3000:]}"
     assert 0 <= pp["bubble_mean"] <= pp["bubble_max"] <= 1 and pp["microbatches"] == 2
     assert pp["bubble_theory"] == pytest.approx(1 / 3, abs=1e-4)  # (p - 1) / (m + p - 1), p = m = 2
     assert "| tiny-mamba2 | pp2-gpipe | gpipe | 2 |" in (part / "scaling.md").read_text()
