@@ -166,33 +166,39 @@ def sides_for(bases, launches=(), peer: bool = False) -> dict:
     return sides
 
 
-DTYPES = ("bf16", "fp16", "fp32")
-
-
-def _dtype(name: str):
-    import torch
-
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
-
-
 def _sides_at(all_sides: dict, shape) -> dict:
     """The sides that run at a shape: the peer's MIMO kernels need TileLang, so MIMO shapes run ours only."""
     return {n: s for n, s in all_sides.items() if shape[5] == 1 or not (isinstance(s, Side) and s.raw)}
 
 
-def first_runs(all_sides: dict, shapes, dtype_name: str, device: str = "cuda") -> None:
-    """Each side's first fwd+bwd at every shape: what compiles and tunes its kernels (Triton's cache keeps them)."""
+def _inputs(shape, dtype_name: str, device: str):
+    """The benchmark's scan inputs at a shape and a seeded output gradient dy -> (inputs, dy)."""
     import torch
 
-    from mamba_parallel.bench.bench_mamba3 import case_name, scan_inputs
+    from mamba_parallel.bench.bench_mamba3 import scan_inputs
+    from mamba_parallel.bench.timing import DTYPES
 
+    gen = torch.Generator(device=device).manual_seed(1)
+    dy = torch.randn(*shape[:4], device=device, dtype=DTYPES[dtype_name], generator=gen)
+    return scan_inputs(*shape, DTYPES[dtype_name], device), dy
+
+
+def _first_runs(sides: dict, shape, inputs, dy) -> dict:
+    """Each side's first fwd+bwd (it compiles and tunes), timed and said as it ends -> name: (y, grads)."""
+    from mamba_parallel.bench.bench_mamba3 import case_name
+
+    results = {}
+    for name, op in sides.items():
+        start = time.perf_counter()
+        results[name] = _run(op, inputs, dy)
+        print(f"  {case_name(shape)}, {name}: first fwd+bwd {time.perf_counter() - start:.1f} s", flush=True)
+    return results
+
+
+def first_runs(all_sides: dict, shapes, dtype_name: str, device: str = "cuda") -> None:
+    """Each side's first fwd+bwd at every shape: what compiles and tunes its kernels (Triton's cache keeps them)."""
     for shape in shapes:
-        inputs = scan_inputs(*shape, _dtype(dtype_name), device)
-        dy = torch.randn(*shape[:4], device=device, dtype=_dtype(dtype_name))
-        for name, op in _sides_at(all_sides, shape).items():
-            start = time.perf_counter()
-            _run(op, inputs, dy)
-            print(f"  {case_name(shape)}, {name}: first fwd+bwd {time.perf_counter() - start:.1f} s", flush=True)
+        _first_runs(_sides_at(all_sides, shape), shape, *_inputs(shape, dtype_name, device))
 
 
 def child_argv(a, name: str) -> list:
@@ -228,21 +234,13 @@ def compile_in_parallel(a, names, jobs: int) -> None:
 def time_all(all_sides: dict, shapes, dtype_name: str, reps: int, warmup: int, profile: bool) -> None:
     import torch
 
-    from mamba_parallel.bench.bench_mamba3 import case_name, scan_inputs
+    from mamba_parallel.bench.bench_mamba3 import case_name
 
-    dtype = _dtype(dtype_name)
     print(f"ab_mamba3: {torch.cuda.get_device_name()}, {dtype_name}, median of {reps} alternating fwd+bwd")
     for shape in shapes:
         sides = _sides_at(all_sides, shape)
-        inputs = scan_inputs(*shape, dtype, "cuda")
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        b, L, h, p = shape[:4]
-        dy = torch.randn(b, L, h, p, device="cuda", dtype=dtype, generator=gen)
-        results = {}
-        for name, op in sides.items():  # the first call compiles and tunes: said as it ends, so a slow one shows
-            start = time.perf_counter()
-            results[name] = _run(op, inputs, dy)
-            print(f"  {case_name(shape)}, {name}: first fwd+bwd {time.perf_counter() - start:.1f} s", flush=True)
+        inputs, dy = _inputs(shape, dtype_name, "cuda")
+        results = _first_runs(sides, shape, inputs, dy)  # said as each ends, so a slow compile shows
         for _ in range(warmup):
             for op in sides.values():
                 _run(op, inputs, dy)
@@ -289,7 +287,7 @@ def main(argv=None) -> int:
                    help="a prepared folder; repeatable (none: this checkout and its --launch / --peer sides)")
     t.add_argument("--shape", nargs=6, type=int, action="append", metavar=("B", "L", "H", "P", "N", "R"),
                    help="repeatable; R = 1: SISO (default: 8 4096 32 64 128 1 and its MIMO rank 4)")
-    t.add_argument("--dtype", default="bf16", choices=DTYPES)
+    t.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     t.add_argument("--reps", type=int, default=20)
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--launch", action="append", default=[], metavar="ENTRY:warps=W,stages=S,KEY=V",
