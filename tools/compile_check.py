@@ -288,7 +288,9 @@ class Recorder:
 
         def recording_call(tuner, kernel, name, dtype=None):
             # the GPU candidates of this launch (they depend on the tuner entry and the operand dtype)
-            tag = {"name": name, "gpu": [_config(c) for c in tuner.candidates(name, dtype)]}
+            # and the interpreter config's block names: a GPU candidate without one of them takes the kernel's default
+            tag = {"name": name, "gpu": [_config(c) for c in tuner.candidates(name, dtype)],
+                   "interp": sorted(tuner.table[name][1].kwargs)}
             return _Tagged(call(tuner, kernel, name, dtype), rec, tag)
 
         tuning.Tuner.__call__ = recording_call
@@ -386,6 +388,8 @@ def compile_one(launch, config, arch):
     args = dict(launch["args"])
     options = dict(launch["options"])
     if config is not None:
+        for k in (launch.get("tuned") or {}).get("interp", ()):
+            args.pop(k, None)
         args.update({k: {"value": v} for k, v in config["kwargs"].items()})
         options.update(num_warps=config["num_warps"], num_stages=config["num_stages"])
         if config.get("maxnreg"):

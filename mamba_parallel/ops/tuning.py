@@ -129,6 +129,11 @@ class Tuner:
         wide = dtype is not None and dtype.itemsize >= 4 and len(entry) > 3
         return entry[3] if wide else entry[0]
 
+    def launches(self, name: str, dtype: torch.dtype | None = None) -> list:
+        """Every config a launch of ``name`` may run with here: the interpreter's, else the GPU candidates (for
+        sizing buffers with a slot per program of any of them)."""
+        return [self.table[name][1]] if interpret_mode() else self.candidates(name, dtype)
+
     def __call__(self, kernel, name: str, dtype: torch.dtype | None = None):
         autotune = autotune_enabled()
         gpu = self.candidates(name, dtype)

@@ -399,10 +399,13 @@ def test_backward_writes_every_turn_slot_whatever_block_ran_before(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **k: orig_empty(*a, **k).fill_(float("nan"))
                         if k.get("dtype", torch.get_default_dtype()).is_floating_point else orig_empty(*a, **k))
     entry = list(tuned.table["dstates"])
-    entry[1] = _c(1, 1, BLOCK_P=32)  # two blocks of headdim 64: the slots of blocks 3 and 4 (of 16 columns) unused
+    entry[1] = _c(1, 1, BLOCK_P=32)  # two blocks of headdim 64: slots 3 and 4 (of 16 columns) not its own
     monkeypatch.setattr(tuned, "table", {**tuned.table, "dstates": tuple(entry)})
     monkeypatch.setattr(tuned, "_cache", {})
-    args = make_inputs(1, 37, 1, 64, 16, init=False)
+    launches = tuned.launches  # as if a GPU candidate of 16 columns could have run before: four slots
+    monkeypatch.setattr(tuned, "launches", lambda name, dtype=None: [entry[1], _c(1, 1, BLOCK_P=16)]
+                        if name == "dstates" else launches(name, dtype))
+    args = make_inputs(1, 37, 1, 64, 32, a=6, init=False)
     check_against_reference(args, dict(chunk_size=16), torch.float32)
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mamba_parallel.ops.mamba3.triton_common import (load_halves, load_rank_rows, per_rank, per_token, per_token_vec,
-                                                      rows, store_halves, token_scalars)
+from mamba_parallel.ops.mamba3.triton_common import (load_halves, load_pairs_below, load_rank_rows, per_rank,
+                                                      per_token, per_token_vec, rows, store_halves, token_scalars)
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def dstates_kernel(DY, Z, YPRE, MZ, MO, DT, AA, TRAP, QT, CINIT, CFINAL, DFIN, D
         if HAS_TURN:  # the sequence goes on: H leaving this chunk is the state entering the next one
             on = (offs_j * 0 + cf) == -2
             nxt = HS + ((b * H + h) * NC + tl.minimum(c + 1, NC - 1)) * P * N
-            s1, s2 = load_halves(nxt, prow, pm & ((offs_p * 0 + cf) == -2), 0, NH, BH, HALVED)
+            s1, s2 = load_pairs_below(nxt, prow, pm & ((offs_p * 0 + cf) == -2), 0, NH, NA, BH, HALVED)  # turning
             turn = TURN + ((b * H + h) * NC + c) * NPB * NA + offs_j
             tl.store(turn + pp * NA, tl.where(on, tl.sum(dH2 * s1 - dH1 * s2, 0), 0.0), mask=am)
             if pp == tl.num_programs(1) - 1:  # the slots past this launch's blocks (an autotuner's trial launch

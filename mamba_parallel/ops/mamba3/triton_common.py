@@ -73,14 +73,20 @@ def load_halves(ptr, off, valid, j0, NH, BJ: tl.constexpr, HALVED: tl.constexpr)
     """Both halves (rows, BJ), fp32, of pairs j0 .. j0 + BJ in the rows at ``off`` (rows,) of a tensor whose n axis
     is contiguous. Whole rows are read at once: interleaved pairs are split after the load (a load per half would
     read every other element, one at a time)."""
+    return load_pairs_below(ptr, off, valid, j0, NH, NH, BJ, HALVED)
+
+
+@triton.jit
+def load_pairs_below(ptr, off, valid, j0, NH, NJ, BJ: tl.constexpr, HALVED: tl.constexpr):
+    """load_halves reading only the pairs below NJ (<= NH; the others zero): e.g. the turning ones."""
     offs = j0 + tl.arange(0, BJ)
     if HALVED:
-        m = valid[:, None] & (offs < NH)[None, :]
+        m = valid[:, None] & (offs < NJ)[None, :]
         v1 = tl.load(ptr + off[:, None] + offs[None, :], mask=m, other=0.0)
         v2 = tl.load(ptr + off[:, None] + NH + offs[None, :], mask=m, other=0.0)
         return v1.to(tl.float32), v2.to(tl.float32)
     cols = 2 * j0 + tl.arange(0, 2 * BJ)
-    v = tl.load(ptr + off[:, None] + cols[None, :], mask=valid[:, None] & (cols < 2 * NH)[None, :], other=0.0)
+    v = tl.load(ptr + off[:, None] + cols[None, :], mask=valid[:, None] & (cols < 2 * NJ)[None, :], other=0.0)
     v1, v2 = tl.split(tl.reshape(v.to(tl.float32), (v.shape[0], BJ, 2)))
     return v1, v2
 
@@ -145,7 +151,11 @@ _CONFIGS = {
     "scan_fwd": ([_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=64), _c(8, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=32)],
                  _c(1, 1, BLOCK_P=16), ["P", "BN", "T", "R", "HAS_Z", "HAS_MO", "KEEP_YPRE", "KEEP_STATES"],
                  [_c(8, 1, BLOCK_P=32), _c(4, 1, BLOCK_P=32), _c(8, 1, BLOCK_P=64), _c(4, 1, BLOCK_P=64)]),
-    "dstates": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64), _c(2, 2, BLOCK_P=32)],
+    # the reverse sweep: all 64 headdim columns at 4 warps won on an H100 (bf16 fwd+bwd, one process: 4.93 ms at
+    # b8 L4096 h32, 9.24 at b4 L8192 h64), against 8 warps 5.23 / 9.77 and 32 columns 5.38 / 10.04. Splitting
+    # d_state's pairs over programs lost at every shape (blocks of 32 pairs 5.16 / 9.64: each block redoes the
+    # gate's backward and reads dy again); 2 warps spill 256 bytes
+    "dstates": ([_c(4, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(8, 2, BLOCK_P=64)],
                 _c(1, 1, BLOCK_P=16), ["P", "BH", "T", "R", "HAS_Z"],
                 [_c(8, 2, BLOCK_P=64), _c(4, 2, BLOCK_P=32), _c(4, 2, BLOCK_P=64)]),
     # the per-chunk backward holds ~20 chunk-sized tiles; n taken 2 BJ columns at a time (BJ pairs' worth, at most all)

@@ -164,19 +164,20 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     row_t = ypres if ypres is not None else dys  # per-row layout: ypre (kept with a gate or a fold), else dy
     dx = torch.empty(rows, Lk, H, P, device=dev, dtype=x.dtype)  # per token, contiguous: dy's layout when folded
     tok_strides = strides(dx)
-    npb = triton.cdiv(P, 16)  # a slot for every headdim block of any candidate (BLOCK_P >= 16)
+    npb = max(triton.cdiv(P, c.kwargs["BLOCK_P"]) for c in tuned.launches("dstates", x.dtype))  # a slot per block
     turn = torch.empty(rows, H, lay.nchunks, npb, NA, device=dev, dtype=f32)  # <dH, J H> at every chunk's end
     dz = torch.empty_like(dx) if z is not None else None
     # SISO with a gate: the reverse sweep takes the gate's backward once and leaves dy after it (and dz) per token,
     # so the two per-chunk launches read one tensor where each read dy, z and y before the gate
     dyg = torch.empty_like(dx) if z is not None and R == 1 and not fold else None
     kernel = tuned(dstates_kernel, "dstates", x.dtype)
+    BH = block(N // 2)
     grid = lambda meta: (rows * H, triton.cdiv(P, meta["BLOCK_P"]))  # noqa: E731
     kst = _kt_strides(KT)
     kernel[grid](dys, zs, ypres, mimo_z, mimo_o, dts, As, traps, QT, lay.init, lay.final, dfin,
                  dHS, dinit, HS, turn, dyg, dz, Lk, lay.nchunks, H, P, N // 2, NA, npb,
                  *strides(dts, 3), *kst, *row_strides(row_t), *tok_strides,
-                 *strides(zs), T=T, R=R, BH=block(N // 2), HALVED=halved, HAS_Z=z is not None,
+                 *strides(zs), T=T, R=R, BH=BH, HALVED=halved, HAS_Z=z is not None,
                  HAS_MZ=mimo_z is not None, HAS_MO=fold, HAS_DFIN=dfin is not None, HAS_DINIT=dinit is not None,
                  HAS_TURN=True, STORE_DYG=dyg is not None, PREC=dot_precision(x.dtype))
 
@@ -195,9 +196,7 @@ def _backward(ctx, dy, dfin_angle, dfin_ssm):
     # one per column block); each leaves its share of the decay's gradient in slots of da that token_bwd sums
     parts = ((1, "chunk_bwd_dx"), (2, "chunk_bwd_dqk")) if R == 1 else ((1, "chunk_bwd_mimo_dx"),
                                                                          (2, "chunk_bwd_mimo_dqk"))
-    BH = block(N // 2)
-    nda = 1 + max(_column_blocks(c.kwargs, BH) for c in tuned.candidates(parts[1][1], x.dtype)
-                  + [tuned.table[parts[1][1]][1]])
+    nda = 1 + max(_column_blocks(c.kwargs, BH) for c in tuned.launches(parts[1][1], x.dtype))
     da = torch.empty(nda, *dts.shape, device=dev, dtype=f32)
     grid = lambda meta: (rows * H, lay.nchunks, _column_blocks(meta, BH) if meta["PART"] == 2 else 1)  # noqa: E731
     for part, name in parts:
