@@ -6,7 +6,8 @@ Reads every result JSON under ``--results`` (``<date>-<device>/<bench>.json``, a
 the newest run of each benchmark (by its timestamp) and fills the rows it did not measure from earlier runs on the
 same device with the same settings (a table split over several device calls), and writes one section per
 benchmark: the command, device, commit and versions of each run it draws on, its settings, the side-by-side table,
-its checks and its ratio plot. The PNGs need
+its checks and its ratio plot; then, as tables of their own, the cases only runs on another device or with other
+settings measured. The PNGs need
 matplotlib (the ``bench`` extra); without it the report says so and still writes the tables.
 """
 
@@ -48,43 +49,66 @@ def _comparable(a: dict, b: dict) -> bool:
     return a["meta"].get("device") == b["meta"].get("device") and settings(a) == settings(b)
 
 
+def _merge(objs: list[dict]) -> dict:
+    """Comparable runs of one benchmark, newest first -> the newest run's rows, completed by the earlier ones: a row
+    the newest run did not measure (absent, or skipped: ours is None) is taken from the newest earlier run that
+    measured it. Each row stays one run's same-process measurement; ``runs`` lists the metadata of every run the
+    table draws on."""
+    base = objs[0]
+    rows = [dict(r) for r in base["rows"]]
+    index = {(r["case"], r["metric"]): i for i, r in enumerate(rows)}
+    checks = list((base.get("checks") or {}).get("step1_loss") or [])
+    runs = [base["meta"]]
+    for older in objs[1:]:
+        used = False
+        for r in older["rows"]:
+            key = (r["case"], r["metric"])
+            if r.get("ours") is None or (key in index and rows[index[key]].get("ours") is not None):
+                continue
+            if key in index:
+                rows[index[key]] = dict(r)
+            else:
+                index[key] = len(rows)
+                rows.append(dict(r))
+            used = True
+        if used:
+            runs.append(older["meta"])
+            have = {c.get("preset") for c in checks}
+            checks += [c for c in (older.get("checks") or {}).get("step1_loss") or [] if c.get("preset") not in have]
+    merged = {**base, "rows": rows, "runs": runs}
+    if checks:
+        merged["checks"] = {**(base.get("checks") or {}), "step1_loss": checks}
+    return merged
+
+
 def combine(results: list[tuple[Path, dict]]) -> dict[str, dict]:
-    """Per benchmark, the newest run's rows, completed by earlier comparable runs: a row the newest run did not
-    measure (absent, or skipped: ours is None) is taken from the newest earlier run that measured it. Each row
-    stays one run's same-process measurement; ``runs`` lists the metadata of every run a table draws on."""
+    """Per benchmark, one table from the newest run and the earlier runs comparable with it (same device, same
+    settings; see _merge). Runs on another device or with other settings are never mixed into it: the newest of
+    them that measured cases no table before shows gives a table of those cases under ``earlier`` (e.g. the
+    Mamba-3 presets trained on one GPU, the Mamba-2 ones on another), newest first."""
     by_bench: dict[str, list[dict]] = {}
     for _, obj in results:
         by_bench.setdefault(obj["bench"], []).append(obj)
     out = {}
     for bench, objs in by_bench.items():
-        objs.sort(key=lambda o: o["meta"].get("timestamp", ""), reverse=True)
-        base = objs[0]
-        rows = [dict(r) for r in base["rows"]]
-        index = {(r["case"], r["metric"]): i for i, r in enumerate(rows)}
-        checks = list((base.get("checks") or {}).get("step1_loss") or [])
-        runs = [base["meta"]]
-        for older in objs[1:]:
-            if not _comparable(base, older):
+        left = sorted(objs, key=lambda o: o["meta"].get("timestamp", ""), reverse=True)
+        tables, shown = [], set()
+        while left:
+            group = [o for o in left if _comparable(left[0], o)]
+            left = [o for o in left if not _comparable(left[0], o)]
+            merged = _merge(group)
+            rows = [r for r in merged["rows"] if (r["case"], r["metric"]) not in shown
+                    and (not tables or r.get("ours") is not None)]
+            if tables and not rows:
                 continue
-            used = False
-            for r in older["rows"]:
-                key = (r["case"], r["metric"])
-                if r.get("ours") is None or (key in index and rows[index[key]].get("ours") is not None):
-                    continue
-                if key in index:
-                    rows[index[key]] = dict(r)
-                else:
-                    index[key] = len(rows)
-                    rows.append(dict(r))
-                used = True
-            if used:
-                runs.append(older["meta"])
-                have = {c.get("preset") for c in checks}
-                checks += [c for c in (older.get("checks") or {}).get("step1_loss") or [] if c.get("preset") not in have]
-        merged = {**base, "rows": rows, "runs": runs}
-        if checks:
-            merged["checks"] = {**(base.get("checks") or {}), "step1_loss": checks}
-        out[bench] = merged
+            cases = {r["case"] for r in rows}
+            checks = [c for c in (merged.get("checks") or {}).get("step1_loss") or []
+                      if not tables or any(str(case).startswith(str(c.get("preset"))) for case in cases)]
+            merged = {**merged, "rows": rows, **({"checks": {**merged["checks"], "step1_loss": checks}}
+                                                 if "checks" in merged else {})}
+            shown |= {(r["case"], r["metric"]) for r in rows}
+            tables.append(merged)
+        out[bench] = {**tables[0], "earlier": tables[1:]}
     return dict(sorted(out.items(), key=lambda kv: (ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER), kv[0])))
 
 
@@ -162,6 +186,20 @@ def plot_ratios(obj: dict, path: Path) -> Path | None:
     return path
 
 
+def _table(obj: dict) -> list[str]:
+    """A table's provenance, settings, rows, noise and checks."""
+    runs = obj.get("runs") or [obj["meta"]]
+    if len(runs) > 1:
+        lines = [f"Rows from {len(runs)} runs on the same device and settings (each row one run's "
+                 "same-process measurement):", ""] + [f"- {_provenance(m)}" for m in runs] + [""]
+    else:
+        lines = [_provenance(runs[0]) + ".", ""]
+    settings = {k: v for k, v in (obj.get("settings") or {}).items() if k != "sides"}
+    if settings:
+        lines += ["Settings: " + "; ".join(f"{k} {v}" for k, v in settings.items()) + ".", ""]
+    return lines + [format_table(obj["rows"], obj.get("side_names")), ""] + _noise(obj["rows"]) + _checks(obj)
+
+
 def build_report(found: dict[str, dict], out: Path, plots: Path | None, results_label: str) -> str:
     lines = ["# Performance", "",
              f"Generated by `mamba-parallel bench report` from the newest runs of each benchmark under "
@@ -176,23 +214,13 @@ def build_report(found: dict[str, dict], out: Path, plots: Path | None, results_
     if plots is not None and not _have_matplotlib():
         lines += ["(The ratio plots need matplotlib: `pip install mamba-parallel[bench]`.)", ""]
     for bench, obj in found.items():
-        runs = obj.get("runs") or [obj["meta"]]
-        lines += [f"## {obj.get('title', bench)}", ""]
-        if len(runs) > 1:
-            lines += [f"Rows from {len(runs)} runs on the same device and settings (each row one run's "
-                      "same-process measurement):", ""] + [f"- {_provenance(m)}" for m in runs] + [""]
-        else:
-            lines += [_provenance(runs[0]) + ".", ""]
-        settings = {k: v for k, v in (obj.get("settings") or {}).items() if k != "sides"}
-        if settings:
-            lines += ["Settings: " + "; ".join(f"{k} {v}" for k, v in settings.items()) + ".", ""]
-        lines += [format_table(obj["rows"], obj.get("side_names")), ""]
-        lines += _noise(obj["rows"])
-        lines += _checks(obj)
+        lines += [f"## {obj.get('title', bench)}", ""] + _table(obj)
         if plots is not None and _have_matplotlib():
             png = plot_ratios(obj, plots / f"{bench}.png")
             if png is not None:
                 lines += [f"![{bench} ratios]({os.path.relpath(png, out.parent)})", ""]
+        for older in obj.get("earlier") or []:
+            lines += [f"### {obj.get('title', bench)}: cases measured only in earlier runs", ""] + _table(older)
     return "\n".join(lines)
 
 

@@ -356,8 +356,9 @@ def test_a_table_split_over_runs_is_combined_and_no_run_overwrites_another(tmp_p
                                                      {"ours": "skipped: not asked"}),
                                             make_row("big", "tokens/s", "tokens/s", "higher", {"ours": 2.0, "peer": 1.0})],
                     {"seq_len": 2048})
-    other = result("2026-01-01T09:00:00", [make_row("extra", "tokens/s", "tokens/s", "higher", {"ours": 9.0})],
-                   {"seq_len": 512})  # other settings: never mixed in
+    other = result("2026-01-01T09:00:00", [make_row("extra", "tokens/s", "tokens/s", "higher", {"ours": 9.0}),
+                                           make_row("small", "tokens/s", "tokens/s", "higher", {"ours": 7.0})],
+                   {"seq_len": 512})  # other settings: never mixed in; its case the newer runs lack, a table below
     root = tmp_path / "results"
     paths = [write_result(r, root) for r in (first, second, other)]
     assert len({p.name for p in paths}) == 3 and all(p.is_file() for p in paths)
@@ -367,7 +368,9 @@ def test_a_table_split_over_runs_is_combined_and_no_run_overwrites_another(tmp_p
     text = out.read_text()
     assert "| small | tokens/s | 3.00 | 1.00 | 3.00x |" in text and "| big | tokens/s | 2.00 | 1.00 | 2.00x |" in text
     assert "Rows from 2 runs" in text and "run at 2026-01-01T10:00:00" in text and "run at 2026-01-01T11:00:00" in text
-    assert "extra" not in text and "skipped" not in text
+    main, below = text.split("cases measured only in earlier runs")
+    assert "extra" not in main and "skipped" not in text and "7.00" not in text
+    assert "| extra | tokens/s | 9.00 |" in below and "run at 2026-01-01T09:00:00" in below and "seq_len 512" in below
 
 
 def test_report_keeps_the_newest_run_of_each_benchmark(tmp_path):
