@@ -115,7 +115,8 @@ def combine(results: list[tuple[Path, dict]]) -> dict[str, dict]:
 def _provenance(meta: dict) -> str:
     versions = [f"torch {meta.get('torch')}", f"Triton {meta.get('triton')}"]
     versions += [f"{k} {v}" for k, v in (meta.get("peer") or {}).items() if v]
-    commit = (meta.get("git_commit") or "unknown")[:12]
+    sha, plus, dirty = (meta.get("git_commit") or "unknown").partition("+")
+    commit = sha[:12] + plus + dirty  # "+dirty": the tree had changes the commit does not hold
     return (f"`{meta.get('command')}` on {meta.get('device')}, {meta.get('timestamp')}, commit {commit}; "
             + ", ".join(versions))
 

@@ -375,7 +375,8 @@ def test_a_table_split_over_runs_is_combined_and_no_run_overwrites_another(tmp_p
 
 def test_report_keeps_the_newest_run_of_each_benchmark(tmp_path):
     def result(bench, stamp, value):
-        return {"bench": bench, "title": bench, "meta": {"timestamp": stamp, "device": "GPU", "command": "c"},
+        return {"bench": bench, "title": bench, "meta": {"timestamp": stamp, "device": "GPU", "command": "c",
+                                                         "git_commit": "0123456789abcdef0123+dirty"},
                 "rows": [make_row("case", "fwd", "ms", "lower", {"ours": value, "peer": 2.0})]}
 
     for day, value in (("2026-01-01", 4.0), ("2026-02-01", 1.0)):
@@ -387,6 +388,7 @@ def test_report_keeps_the_newest_run_of_each_benchmark(tmp_path):
     assert report.main(["--results", str(tmp_path / "results"), "--out", str(out), "--no-plots"]) == 0
     text = out.read_text()
     assert "| case | fwd (ms) | 1.00 | 2.00 | 2.00x |" in text and "4.00" not in text
+    assert "commit 0123456789ab+dirty;" in text  # a run of uncommitted changes says so
     empty = tmp_path / "empty"
     empty.mkdir()
     report.main(["--results", str(empty), "--out", str(out)])
