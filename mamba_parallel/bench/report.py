@@ -97,16 +97,16 @@ def combine(results: list[tuple[Path, dict]]) -> dict[str, dict]:
             group = [o for o in left if _comparable(left[0], o)]
             left = [o for o in left if not _comparable(left[0], o)]
             merged = _merge(group)
-            rows = [r for r in merged["rows"] if (r["case"], r["metric"]) not in shown
-                    and (not tables or r.get("ours") is not None)]
-            if tables and not rows:
-                continue
-            cases = {r["case"] for r in rows}
-            checks = [c for c in (merged.get("checks") or {}).get("step1_loss") or []
-                      if not tables or any(str(case).startswith(str(c.get("preset"))) for case in cases)]
-            merged = {**merged, "rows": rows, **({"checks": {**merged["checks"], "step1_loss": checks}}
-                                                 if "checks" in merged else {})}
-            shown |= {(r["case"], r["metric"]) for r in rows}
+            if tables:  # a later table: only the measured cases no table before shows, and their presets' checks
+                merged["rows"] = [r for r in merged["rows"]
+                                  if (r["case"], r["metric"]) not in shown and r.get("ours") is not None]
+                if not merged["rows"]:
+                    continue
+                if "checks" in merged:
+                    presets = {r.get("preset") for r in merged["rows"]}
+                    merged["checks"] = {**merged["checks"], "step1_loss": [
+                        c for c in merged["checks"]["step1_loss"] if c.get("preset") in presets]}
+            shown |= {(r["case"], r["metric"]) for r in merged["rows"]}
             tables.append(merged)
         out[bench] = {**tables[0], "earlier": tables[1:]}
     return dict(sorted(out.items(), key=lambda kv: (ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER), kv[0])))

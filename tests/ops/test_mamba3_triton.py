@@ -389,15 +389,20 @@ def test_gpu_launches_fit_a_smaller_device(autotune, monkeypatch, nan_poison):
     assert any(n > limit for n in needs) and any(n <= limit for n in needs), needs
 
 
-def test_backward_writes_every_turn_slot_whatever_block_ran_before(monkeypatch):
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Fresh floating torch.empty allocations are NaN (on any device): a slot no program writes fails the test."""
+    orig_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: orig_empty(*a, **k).fill_(float("nan"))
+                        if k.get("dtype", torch.get_default_dtype()).is_floating_point else orig_empty(*a, **k))
+
+
+def test_backward_writes_every_turn_slot_whatever_block_ran_before(monkeypatch, nan_empty):
     """The dstates kernel keeps one slot per headdim block and the caller sums them all: with wider blocks than an
     earlier launch (an autotuner's trial) the slots past them must be zeroed, not left to the trial. Fresh
     allocations are NaN here, so a slot no program writes fails the gradients."""
     from mamba_parallel.ops.mamba3.triton_common import _c, tuned
 
-    orig_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: orig_empty(*a, **k).fill_(float("nan"))
-                        if k.get("dtype", torch.get_default_dtype()).is_floating_point else orig_empty(*a, **k))
     entry = list(tuned.table["dstates"])
     entry[1] = _c(1, 1, BLOCK_P=32)  # two blocks of headdim 64: slots 3 and 4 (of 16 columns) not its own
     monkeypatch.setattr(tuned, "table", {**tuned.table, "dstates": tuple(entry)})
@@ -410,20 +415,20 @@ def test_backward_writes_every_turn_slot_whatever_block_ran_before(monkeypatch):
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
-def test_backward_sums_only_the_decay_slots_its_launch_wrote(split, monkeypatch):
+def test_backward_sums_only_the_decay_slots_its_launch_wrote(split, monkeypatch, nan_empty):
     """chunk_bwd's dq / dk part leaves its share of the decay's gradient in one slot per program: one slot when a
     program walks every column block, one per block when split. Two blocks of 16 pairs here (d_state 64), fresh
-    allocations NaN: a slot neither written nor zeroed fails the gradients. The other form is a candidate, so the
-    slots are counted for the split one."""
+    allocations NaN: a slot neither written nor zeroed fails the gradients. The other form could have run before,
+    so the slots are counted for the split one."""
     from mamba_parallel.ops.mamba3.triton_common import _c, tuned
 
-    orig_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: orig_empty(*a, **k).fill_(float("nan"))
-                        if k.get("dtype", torch.get_default_dtype()).is_floating_point else orig_empty(*a, **k))
     entry = list(tuned.table["chunk_bwd_dqk"])
-    entry[1], entry[3] = _c(1, 1, BJ=16, SPLIT=split), [_c(1, 1, BJ=16, SPLIT=not split)]
+    entry[1] = _c(1, 1, BJ=16, SPLIT=split)
     monkeypatch.setattr(tuned, "table", {**tuned.table, "chunk_bwd_dqk": tuple(entry)})
     monkeypatch.setattr(tuned, "_cache", {})
+    launches = tuned.launches
+    monkeypatch.setattr(tuned, "launches", lambda name, dtype=None: [entry[1], _c(1, 1, BJ=16, SPLIT=not split)]
+                        if name == "chunk_bwd_dqk" else launches(name, dtype))
     args = make_inputs(1, 37, 1, 64, 64, init=False)
     check_against_reference(args, dict(chunk_size=16), torch.float32)
 
