@@ -217,17 +217,17 @@ def compile_in_parallel(a, names, jobs: int) -> None:
     """One process per side, ``jobs`` at a time, runs its first fwd+bwd: compiles are CPU-bound and one after
     another inside a process, so on a many-core host this fills the shared Triton cache several times faster, and
     the timed process then loads the binaries. A side whose process fails is compiled by the timed process."""
-    start, pending, running = time.perf_counter(), list(names), []
-    while pending or running:
-        while pending and len(running) < jobs:
-            name = pending.pop(0)
-            running.append((name, subprocess.Popen(child_argv(a, name), stdout=subprocess.PIPE,
-                                                   stderr=subprocess.STDOUT, text=True)))
-        name, proc = running.pop(0)
-        out = proc.communicate()[0]
-        if proc.returncode:
-            tail = "\n    ".join(out.strip().splitlines()[-5:])
-            print(f"  {name}: its compile process failed ({proc.returncode}):\n    {tail}", flush=True)
+    from concurrent.futures import ThreadPoolExecutor
+
+    def compile_side(name):
+        return subprocess.run(child_argv(a, name), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(jobs) as pool:  # threads only wait: each side compiles in its own process
+        for name, proc in zip(names, pool.map(compile_side, names)):
+            if proc.returncode:
+                tail = "\n    ".join(proc.stdout.strip().splitlines()[-5:])
+                print(f"  {name}: its compile process failed ({proc.returncode}):\n    {tail}", flush=True)
     print(f"ab_mamba3: {len(names)} sides compiled in parallel in {time.perf_counter() - start:.0f} s", flush=True)
 
 
