@@ -160,9 +160,15 @@ def path_kernels(path: str, b=8, d=4096, L=4096, n=16, sm_count=132):
                  FAST_EXP=True)
     bf, f32 = "*bf16", "*fp32"
     fwd_ptrs = dict(u_ptr=bf, dt_ptr=bf, z_ptr=bf, B_ptr=f32, C_ptr=f32, A_ptr=f32, D_ptr=f32, dtb_ptr=f32,
-                    h0_ptr=bf, sid_ptr="*i32", y_ptr=bf, ypre_ptr=bf, hlast_ptr=f32, st_ptr=f32, _pad_ptr=f32)
-    bwd_ptrs = dict(fwd_ptrs, ckpt_ptr=f32, dy_ptr=bf, dlast_ptr=f32, du_ptr=bf, ddt_ptr=bf, dz_ptr=bf, dB_ptr=f32,
-                    dC_ptr=f32, dA_ptr=f32, dD_ptr=f32, ddtb_ptr=f32, dh0_ptr=f32, adj_ptr=f32)
+                    h0_ptr=bf, sid_ptr="*i32", y_ptr=bf, _pad_ptr=bf, hlast_ptr=f32, st_ptr=f32, carry_ptr=f32)
+    bwd_ptrs = dict(fwd_ptrs, ckpt_ptr=f32, gated_ptr=bf, dy_ptr=bf, dlast_ptr=f32, dout_ptr=bf, du_ptr=bf,
+                    ddt_ptr=bf, dz_ptr=bf, dB_ptr=f32, dC_ptr=f32, dA_ptr=f32, dD_ptr=f32, ddtb_ptr=f32, dh0_ptr=f32,
+                    adj_ptr=f32, scr_ptr=f32)
+    # the backward as the Mamba-1 training node runs it: y's gradient token-major, the gated output's gradient,
+    # dz and the gate's output as views of token-major (b, L, .) buffers (z and dz: halves of in_proj's output and
+    # its gradient)
+    gate_strides = dict(sdo_b=L * d, sdo_d=1, sdo_l=d, sdz_b=2 * L * d, sdz_d=1, sdz_l=2 * d, sg_b=L * d, sg_d=1,
+                        sg_l=d)
 
     def tile(run):
         meta = dict(BD=run.block_d, P=run.vectors, V=run.vec, UNROLL=run.unroll, STAGES=run.stages)
@@ -170,10 +176,10 @@ def path_kernels(path: str, b=8, d=4096, L=4096, n=16, sm_count=132):
             meta["maxnreg"] = run.maxnreg
         return meta
 
-    fwd_meta = dict(tile(fw), R=fw.rows, LANES=fw.row_layout, CKPT=True, SAVE_YPRE=True, **flags)
+    fwd_meta = dict(tile(fw), R=fw.rows, LANES=fw.row_layout, CKPT=True, **flags)
     if fw.unrolled_states:
         fwd_meta.update(NS=fw.unrolled_states, PREFETCH=fw.prefetch)
-    bwd_meta = dict(tile(bw), LANE_SUM=bw.row_layout, HAS_DLAST=False, **flags)
+    bwd_meta = dict(tile(bw), LANE_SUM=bw.row_layout, HAS_DLAST=False, GATED=True, DY_GATED=True, **flags)
     if bw.row_layout:
         bwd_meta.update(LP=bw.vectors.bit_length() - 1, LV=bw.vec.bit_length() - 1)
     nblk = d // 32 if bw.row_layout else d // bw.block_d
@@ -181,8 +187,8 @@ def path_kernels(path: str, b=8, d=4096, L=4096, n=16, sm_count=132):
     fwd = (dict(fwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nslots=nchunks, _pad_n=nchunks,
                 **strides),
            fwd_meta, fw.num_warps, fw.chunk * per_iter)
-    bwd = (dict(bwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nblk=nblk, _pad_n=nchunks,
-                **strides),
+    bwd = (dict(bwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nblk=nblk, ngroups=nchunks,
+                **dict(strides, sz_b=2 * L * d, sz_d=1, sz_l=2 * d), **gate_strides),
            bwd_meta, bw.num_warps, bw.chunk * bw.unroll)
     return [(f"{fw.path}-fwd", selective_scan_fwd_kernel, *fwd), (f"{bw.path}-bwd", selective_scan_bwd_kernel, *bwd)]
 

@@ -6,8 +6,9 @@ In fp64 on the CPU. The backward that restarts each 16-token chunk from a bf16-r
 of the same recurrence with every chunk's entering state shifted by its rounding error, the adjoint untouched;
 this builds exactly that (a straight-through shift at each chunk start) and prints relative-norm errors of the
 gradients against the exact ones, next to the errors that rounding u, delta, B, C and the output gradient to bf16
-causes (what a bf16 autocast step lives with anyway). Inputs follow Mamba-1's initialisation: A = -[1..n],
-delta = softplus(x + dt bias) with dt log-uniform in [1e-3, 0.1].
+causes (what a bf16 autocast step lives with anyway), and the error of y before the gate as the backward rebuilds
+it from those checkpoints for dz (against a bf16 copy of y, what keeping it would cost). Inputs follow Mamba-1's
+initialisation: A = -[1..n], delta = softplus(x + dt bias) with dt log-uniform in [1e-3, 0.1].
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ def main(argv=None) -> None:
             got = gradients(inputs, bias, dy, **kw)
             errs = [((g - e).norm() / e.norm()).item() for g, e in zip(got, exact)]
             print(f"{scale:>8g} {label:>34} " + " ".join(f"{e:9.1e}" for e in errs))
+        # dz's factor: y before the gate, rebuilt by the backward from the rounded checkpoints (nothing of it is
+        # kept), against the copy rounded to bf16 that a forward would keep
+        y = scan(*inputs[:1], F.softplus(inputs[1] + bias[:, None]), *inputs[2:])
+        rebuilt = scan(*inputs[:1], F.softplus(inputs[1] + bias[:, None]), *inputs[2:], chunk=args.chunk)
+        err = lambda t: ((t - y).norm() / y.norm()).item()  # noqa: E731
+        print(f"{scale:>8g} {'y rebuilt from the checkpoints':>34} {err(rebuilt):9.1e} "
+              f"(y kept as bf16: {err(y.to(torch.bfloat16).double()):.1e})")
 
 
 if __name__ == "__main__":

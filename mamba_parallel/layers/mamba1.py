@@ -359,15 +359,16 @@ class Mamba(nn.Module):
 #   (kept for the backward: the scan would otherwise convert them again there), A = -exp(A_log) is built
 #   state-major once (the kernels' layout); delta (d_inner values per token) is not kept: the backward runs its
 #   small matmul again, and with recompute "conv" the conv too; with "states" the scan keeps one checkpoint per
-#   SCAN_CHECKPOINT_EVERY chunks;
+#   SCAN_CHECKPOINT_EVERY chunks; the scan's output y is not kept either: the scan's backward rebuilds it from
+#   the states it recomputes anyway and runs the gate's backward itself;
 # - out_proj (optional): its input, the gate's output, lives only inside the forward; the backward forms its input
-#   gradient first (d_gated = dout @ W), the gate's backward kernel also writes the gate's output again, and
-#   out_proj's weight gradient follows (dout^T @ gated: nn.Linear's GEMMs); its weight is kept as given (an fp32
-#   parameter is cast again in the backward, as the forward casts it);
+#   gradient first (d_gated = dout @ W), the scan's backward also writes the gate's output again, and out_proj's
+#   weight gradient follows (dout^T @ gated: nn.Linear's GEMMs); its weight is kept as given (an fp32 parameter is
+#   cast again in the backward, as the forward casts it);
 # - backward: one buffer receives x_proj's output gradient (ddt_low from the dt matmul, dB / dC straight from the
 #   scan's finishing kernel), x's two gradients meet in one matmul (du + W^T dx_dbl, accumulated in place), the
 #   scan's finishing kernel returns d(A_log) directly, and the conv writes dx into the x half of in_proj's output
-#   gradient, whose z half the gate's backward fills.
+#   gradient, whose z half the scan's backward fills.
 # Same numerics as the reference on the Triton path: the same kernels in the same dtypes (weights cast to the
 # activations' dtype, as autocast does; the weight gradients of the two token-major matmuls are summed over the
 # batch in fp32 instead of in the activation dtype). The node reads the sub-modules' weights directly: their
@@ -449,14 +450,16 @@ class _Mamba1Inner(torch.autograd.Function):
         D32, dtb32 = D.float(), dt_b.float()
         sid = seq_idx.to(torch.int32) if seq_idx is not None else None
         path = scan.scan_path(xc, dt, None, A, B4)
-        y, _, ckpt, _ = scan.scan_forward(xc, dt, A, B4, C4, D32, None, dtb32, None, sid, True, False, b, True, path,
-                                          checkpoint_every=checkpoint_every, checkpoint_dtype=checkpoint_dtype)
+        y, _, ckpt = scan.scan_forward(xc, dt, A, B4, C4, D32, None, dtb32, None, sid, True, False, b, True, path,
+                                       checkpoint_every=checkpoint_every, checkpoint_dtype=checkpoint_dtype)
         out = layout._gate_fwd(y, z)  # (b, L, d) contiguous: out_proj's input
+        del y  # not kept: the scan's backward rebuilds it from the checkpoints
         if out_w is not None:  # out_proj as nn.Linear computes it (out_dtype: autocast's); its input is not kept
             out = linear_in(out, out_w, out_b, out_dtype)
-        # dt is rebuilt in the backward (one small matmul), xc too with recompute_conv (one conv)
+        # dt is rebuilt in the backward (one small matmul), xc too with recompute_conv (one conv), y and the gate's
+        # output inside the scan's backward
         ctx.save_for_backward(xz, conv_w, conv_b, wx, wdt, None if recompute_conv else xc, x_dbl, B4, C4, A, D32,
-                              dtb32, sid, ckpt, y, seq_idx, rstd, out_w)
+                              dtb32, sid, ckpt, seq_idx, rstd, out_w)
         ctx.meta = (d, r, n, path, D.dtype, dt_b.dtype, A_log.dtype, out_dtype,
                     out_b.dtype if out_b is not None else None, checkpoint_every)
         return out
@@ -465,36 +468,39 @@ class _Mamba1Inner(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         conv, scan, layout = _kernels()
-        xz, conv_w, conv_b, wx, wdt, xc, x_dbl, B4, C4, A, D32, dtb32, sid, ckpt, y, seq_idx, rstd, out_w = \
+        xz, conv_w, conv_b, wx, wdt, xc, x_dbl, B4, C4, A, D32, dtb32, sid, ckpt, seq_idx, rstd, out_w = \
             ctx.saved_tensors
         d, r, n, path, d_dtype, dtb_dtype, alog_dtype, out_dtype, outb_dtype, checkpoint_every = ctx.meta
         need = ctx.needs_input_grad
         b = xz.shape[0]
         x, z = _xz_views(xz, d)
         dxz = torch.empty_like(xz)  # in_proj's output gradient: the gate fills the z half, the conv the x half
-        dout_w = dout_b = None
+        dout_w = dout_b = gated = None
         if out_w is None:
-            dy = layout._gate_bwd(dout, y, z, dxz[..., d:].transpose(1, 2), None)
-        else:  # through out_proj first; the gate's backward writes its input again for the weight gradient
+            dgated = dout
+        else:  # through out_proj first; the scan's backward writes its input again for the weight gradient
             dres = dout.reshape(-1, dout.shape[-1])
-            dgated = dres.mm(out_w.to(out_dtype)).to(y.dtype).view(b, -1, d)
+            dgated = dres.mm(out_w.to(out_dtype)).to(xz.dtype).view(b, -1, d)
             gated = torch.empty_like(dgated) if need[8] else None
-            dy = layout._gate_bwd(dgated, y, z, dxz[..., d:].transpose(1, 2), gated)
-            del dgated
-            if gated is not None:
-                dout_w = dres.t().mm(gated.view(-1, d).to(out_dtype)).to(out_w.dtype)
-            del gated
             if need[9]:
                 dout_b = dres.sum(0).to(outb_dtype)
         if xc is None:
             xc = _conv_token_major(conv, x, conv_w[:, 0, :], conv_b, seq_idx)
         dt = _delta(wdt, x_dbl, r)  # the forward's values (the same matmul)
         dx_dbl = torch.empty_like(x_dbl)  # x_proj's output gradient: [ddt_low | dB | dC]
+        # y's gradient dgated * silu(z) token-major, as the scan streams it; the rest of the gate inside the
+        # scan's backward, from the y it rebuilds: dz into in_proj's output gradient, y * silu(z) into gated
+        dgated = dgated.transpose(1, 2)
+        dy = layout._gate_into(dgated, z, torch.empty(z.shape, device=z.device, dtype=xz.dtype))
         du, ddt, dA_log, _, _, dD, _, ddtb, _ = scan.scan_backward(
-            xc, dt, A, B4, C4, D32, None, dtb32, None, sid, ckpt, xc.new_empty((0,)), dy, None, True, False, path,
+            xc, dt, A, B4, C4, D32, z, dtb32, None, sid, ckpt, dy, None, True, False, path,
             dB_out=dx_dbl[:, r:r + n].unsqueeze(1), dC_out=dx_dbl[:, r + n:].unsqueeze(1), dA_scale=A,
-            checkpoint_every=checkpoint_every)
-        del dy, dt  # activation-sized: free before the next ones are made (peak memory of the largest models)
+            checkpoint_every=checkpoint_every, dz_out=dxz[..., d:].transpose(1, 2),
+            gated_out=gated.transpose(1, 2) if gated is not None else None, dgated=dgated)
+        del dy, dgated, dt  # activation-sized: free them before the next ones are made (the largest models' peak)
+        if gated is not None:
+            dout_w = dres.t().mm(gated.view(-1, d).to(out_dtype)).to(out_w.dtype)
+        del gated
         torch.bmm(_expand(wdt.t(), b), ddt, out=dx_dbl[:, :r])
         dwdt = torch.bmm(ddt, x_dbl[:, :r].transpose(1, 2)).sum(0, dtype=torch.float32)  # (d, r)
         if rstd is not None:  # through the norms: the gradient of x_proj's raw output

@@ -241,14 +241,14 @@ def test_fused_keeps_no_delta_and_rebuilds_the_conv_on_request(monkeypatch):
     for g, r in zip(grads["conv,dt"], grads[""]):
         assert torch.equal(g, r)
     assert saved[""] - saved["conv,dt"] == 4 * b * L * m.d_inner  # the conv output
-    # against the modular layer: no delta, no out_proj input, no exp(A_log) output (fp32 here: B / C need no fp32
-    # copy)
-    assert modular - saved[""] == 4 * (2 * b * L * m.d_inner + m.d_inner * m.d_state)
+    # against the modular layer: no delta, no scan output y, no out_proj input, no exp(A_log) output (fp32 here:
+    # B / C need no fp32 copy)
+    assert modular - saved[""] == 4 * (3 * b * L * m.d_inner + m.d_inner * m.d_state)
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_out_proj_in_the_node_is_exact(bias, monkeypatch):
-    """out_proj inside the node (its input written again by the gate's backward) gives the values of the node
+    """out_proj inside the node (its input written again by the scan's backward) gives the values of the node
     followed by out_proj as a module (a forward hook keeps it outside), bit for bit, and keeps b * L * d_inner
     values less; a frozen out_proj gets no gradient."""
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")

@@ -82,11 +82,10 @@ def _mamba1_fused_expected(m, b, L, recompute: str):
     nchunks = _scan_checkpoints(L, recompute)
     per_token = (m.d_model                # in_proj input
                  + 2 * di                 # in_proj output xz (the conv input and z are views)
-                 + (r + 2 * n)            # x_proj output x_dbl (dt_low, B, C: views)
-                 + di)                    # scan output y (the gate's input)
+                 + (r + 2 * n))           # x_proj output x_dbl (dt_low, B, C: views)
     if "conv" not in recompute:
         per_token += di                   # conv output, token-major
-    # no delta (rebuilt by its matmul), no gate output (out_proj is in the node: rebuilt by the gate's backward)
+    # no delta (rebuilt by its matmul), no scan output y and no gate output (the scan's backward rebuilds both)
     return F32 * (b * L * per_token
                   + b * nchunks * n * di  # scan state checkpoints, one per chunk ("states": per 8 chunks)
                   + di * n)               # A = -exp(A_log), state-major

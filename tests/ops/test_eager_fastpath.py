@@ -205,7 +205,7 @@ def test_layout_kernels(monkeypatch, op_calls):
         assert dst._version > v
         dz = torch.empty(b, d, L)
         out = m1k.gate_fwd(y, z)
-        dy = m1k.gate_bwd(dout, y, z, dz, None)
+        dy = m1k.gate_bwd(dout, y, z, dz)
         assert (op_calls == []) == (flag == "1"), op_calls
         got[flag] = (dst.clone(), out, dy, dz)
     assert torch.equal(got["1"][0], y)
@@ -246,13 +246,13 @@ def test_layers_match_the_op_path(monkeypatch, op_calls, kind, mode):
 # ------------------------------------------------------------------------------ unused gradients, saved tensors
 
 def test_unused_output_gradients_are_none(monkeypatch):
-    """Only y reaches the loss: on the fast path the scan's backward gets None for last_state (and checkpoints,
-    ypre) and calls the backward op with dlast=None; the custom op hands it allocated zeros."""
+    """Only y reaches the loss: on the fast path the scan's backward gets None for last_state (and the
+    checkpoints) and calls the backward op with dlast=None; the custom op hands it allocated zeros."""
     seen = []
     real = eager(scan.selective_scan_bwd)
 
     def spy(*args):
-        seen.append(args[13])  # dlast
+        seen.append(args[12])  # dlast
         return real(*args)
 
     monkeypatch.setattr(scan.selective_scan_bwd, ef._ATTR, spy)

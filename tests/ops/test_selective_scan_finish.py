@@ -123,9 +123,8 @@ def _scan_args(b=2, d=8, L=19, n=4, g=None, dtype=torch.float32, seed=0):
 def _backward_both(args, dy, **outs):
     """(_scan_bwd's gradients, scan_backward's with the given outputs) after one forward that saved checkpoints."""
     u, delta, A, B, C, D, z, dtb, h0 = args
-    _, _, ckpt, ypre = scan_forward(u, delta, A, B, C, D, z, dtb, h0, None, True, False, u.shape[0], True,
-                                    "generic")
-    common = (u, delta, A, B, C, D, z, dtb, h0, None, ckpt, ypre, dy, None, True, False, "generic")
+    _, _, ckpt = scan_forward(u, delta, A, B, C, D, z, dtb, h0, None, True, False, u.shape[0], True, "generic")
+    common = (u, delta, A, B, C, D, z, dtb, h0, None, ckpt, dy, None, True, False, "generic")
     return _scan_bwd(*common), scan_backward(*common, **outs)
 
 
@@ -148,6 +147,38 @@ def test_scan_backward_writes_into_caller_outputs(dtype, g):
         assert torch.equal(ours[i], ref[i]), i
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_scan_backward_gate_into_caller_outputs(dtype):
+    """The fused layer's way: z and the gated output's gradient as channel-contiguous views of (b, L, .) buffers,
+    y's gradient dgated * silu(z) formed before (token-major), dz written into the z half of a token-major buffer
+    and the gate's output y * silu(z), rebuilt from the states, into another; every gradient as with the gate
+    applied inside the kernel."""
+    from mamba_parallel.ops.layout.triton_impl import _gate_into
+
+    b, d, L, n = 2, 8, 19, 4
+    args, dout = _scan_args(b, d, L, n, None, dtype)
+    u, delta, A, B, C, D, z, dtb, h0 = args
+    ref, _ = _backward_both(args, dout)
+    xz = torch.empty(b, L, 2 * d, dtype=dtype)
+    xz[..., d:] = z.transpose(1, 2)
+    targs = list(args)
+    targs[6] = zt = xz[..., d:].transpose(1, 2)
+    dgated = dout.transpose(1, 2).contiguous().transpose(1, 2)
+    dy = _gate_into(dgated, zt, torch.empty(b, d, L, dtype=dtype))
+    dxz = torch.full((b, L, 2 * d), SENTINEL, dtype=dtype)
+    gated = torch.full((b, L, d), SENTINEL, dtype=dtype)
+    _, _, ckpt = scan_forward(*targs, None, True, False, b, True, "generic")
+    ours = scan_backward(*targs, None, ckpt, dy, None, True, False, "generic", dz_out=dxz[..., d:].transpose(1, 2),
+                         gated_out=gated.transpose(1, 2), dgated=dgated)
+    assert ours[6].numel() == 0
+    assert torch.equal(dxz[..., d:].transpose(1, 2), ref[6])  # from the same rebuilt y and the same inputs
+    assert (dxz[..., :d] == SENTINEL).all()
+    y = scan_forward(*targs, None, True, False, b, False, "generic")[0]  # gated: y * silu(z)
+    assert_close(gated.transpose(1, 2), y, dtype)
+    for i in (0, 1, 2, 3, 4, 5, 7, 8):  # through y's gradient, rounded to the inputs' dtype here
+        assert_close(ours[i], ref[i], dtype, grad=True, name=str(i))
+
+
 def test_scan_backward_fp32_grouped_bc():
     """B / C converted once by the caller (fp32 (b, 1, n, L)) give the gradients of the fp16 (b, n, L) views,
     dB / dC written into fp16 slices of the caller's buffer."""
@@ -168,6 +199,11 @@ def test_scan_backward_rejects_misshapen_outputs():
     args, dy = _scan_args()
     with pytest.raises(ValueError, match="dC_out"):
         _backward_both(args, dy, dC_out=torch.empty(2, 4, 18))
+    with pytest.raises(ValueError, match="gated_out"):
+        _backward_both(args, dy, gated_out=torch.empty(2, 8, 18))
+    args[6] = None
+    with pytest.raises(ValueError, match="need z"):
+        _backward_both(args, dy, dgated=dy)
 
 
 @pytest.mark.gpu

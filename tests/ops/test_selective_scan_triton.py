@@ -306,10 +306,10 @@ def test_checkpoint_every_keeps_every_kth_state(path):
             kw["initial_state"], None, True, False, 2)
     run = resolved(kw, path)
     assert run == path
-    y1, last1, ck1, _ = triton_impl.scan_forward(*args, True, run)
+    y1, last1, ck1 = triton_impl.scan_forward(*args, True, run)
     assert ck1.shape == (2, 6, 4, d)
     for K in (2, 4, 64):
-        y, last, ck, _ = triton_impl.scan_forward(*args, True, run, checkpoint_every=K)
+        y, last, ck = triton_impl.scan_forward(*args, True, run, checkpoint_every=K)
         assert ck.shape == (2, -(-6 // K), 4, d)
         assert torch.equal(ck, ck1[:, ::K]) and torch.equal(y, y1) and torch.equal(last, last1)
 
@@ -324,9 +324,9 @@ def test_scan_into_is_scan_forward(with_init, mode):
     B4, C4 = kw["B"].unsqueeze(1), kw["C"].unsqueeze(1)
     h0 = kw.get("initial_state")
     sid = kw.get("seq_idx")
-    y, last, ck, ypre = triton_impl.scan_forward(u, delta, A, B4, C4, D, None, dtb, h0, sid, True, False, 2, False,
+    y, last, ck = triton_impl.scan_forward(u, delta, A, B4, C4, D, None, dtb, h0, sid, True, False, 2, False,
                                                  triton_impl.scan_path(u, delta, None, A, B4))
-    assert ck.numel() == 0 and ypre.numel() == 0
+    assert ck.numel() == 0
     run = triton_impl.forward_launch(u, delta, A, B4)
     y2, fresh = triton_impl.scan_into(run, u, delta, A, B4, C4, D, dtb, h0, sid, None)
     assert torch.equal(y2, y) and torch.equal(fresh, last)
@@ -353,9 +353,9 @@ def test_checkpoint_every_backward_needs_the_forwards():
     kw = make_inputs(L=45, full=False, with_init=False)
     args = (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], None, None, None, None, None, False, False, 2)
     run = resolved(kw, None)
-    _, _, ck, ypre = triton_impl.scan_forward(*args, True, run, checkpoint_every=4)
+    _, _, ck = triton_impl.scan_forward(*args, True, run, checkpoint_every=4)
     with pytest.raises(RuntimeError, match="one kept per 2"):
-        triton_impl.scan_backward(*args[:10], ck, ypre, torch.ones_like(kw["u"]), None, False, False, run,
+        triton_impl.scan_backward(*args[:10], ck, torch.ones_like(kw["u"]), None, False, False, run,
                                   checkpoint_every=2)
 
 
@@ -371,7 +371,8 @@ def test_checkpoint_every_custom_op_registration():
 # ------------------------------------------------------------------------------- CPU: bf16 checkpoints
 
 # what the backward reads only through the adjoint (not the rebuilt states): bit-equal whatever the checkpoints
-ADJOINT_ONLY = ("y", "last_state", "du", "dB", "dD", "dz", "dinitial_state")
+# (dz is not: it comes from y before the gate, rebuilt from the states)
+ADJOINT_ONLY = ("y", "last_state", "du", "dB", "dD", "dinitial_state")
 
 
 def ours_with(kw, path, checkpoint_dtype):
@@ -390,7 +391,7 @@ def ours_with(kw, path, checkpoint_dtype):
 
 def check_bf16_checkpoints(kw, path, tol):
     """bf16 checkpoints against fp32 ones: the forward and the adjoint-only gradients bit for bit, ddelta, dA,
-    dC and d delta_bias within ``tol`` (relative norm) and not equal (the rounded states were read)."""
+    dC, dz and d delta_bias within ``tol`` (relative norm) and not equal (the rounded states were read)."""
     a, c = ours_with(kw, path, torch.float32), ours_with(kw, path, torch.bfloat16)
     moved = []
     for name in a:
@@ -422,8 +423,8 @@ def test_bf16_checkpoints_kept():
     kw = make_inputs(d=8, L=45, n=4)
     args = (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], kw["D"], kw["z"], kw["delta_bias"],
             kw["initial_state"], None, True, False, 2, True, resolved(kw, None))
-    _, _, ck32, _ = triton_impl.scan_forward(*args)
-    _, _, ck16, _ = triton_impl.scan_forward(*args, checkpoint_dtype=torch.bfloat16)
+    _, _, ck32 = triton_impl.scan_forward(*args)
+    _, _, ck16 = triton_impl.scan_forward(*args, checkpoint_dtype=torch.bfloat16)
     assert ck16.dtype == torch.bfloat16 and ck16.shape == ck32.shape == (2, 6, 4, 8)
     assert torch.equal(ck16[:, 0].float(), ck32[:, 0].to(torch.bfloat16).float())  # the initial state
     assert (ck16.float() - ck32).abs().max() <= ck32.abs().max() * 2 ** -7  # one bf16 step (truncated here)
@@ -441,9 +442,9 @@ def test_bf16_checkpoints_are_checked():
     kw = make_inputs(L=45, full=False, with_init=False)
     args = (kw["u"], kw["delta"], kw["A"], kw["B"], kw["C"], None, None, None, None, None, False, False, 2)
     run = resolved(kw, None)
-    _, _, ck, ypre = triton_impl.scan_forward(*args, True, run, checkpoint_dtype=torch.bfloat16)
+    _, _, ck = triton_impl.scan_forward(*args, True, run, checkpoint_dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="fp32 unless one per chunk"):
-        triton_impl.scan_backward(*args[:10], ck[:, ::2], ypre, torch.ones_like(kw["u"]), None, False, False, run,
+        triton_impl.scan_backward(*args[:10], ck[:, ::2], torch.ones_like(kw["u"]), None, False, False, run,
                                   checkpoint_every=2)
 
 
@@ -459,12 +460,17 @@ def test_checkpoint_precision_tool(capsys):
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     tool.main(["--length", "40", "--channels", "4", "--states", "4", "--chunk", "8"])
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if "bf16" in line]
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if "bf16 checkpoints" in line or "bf16 activations" in line]
     assert len(rows) == 4
     for ck, act in zip(rows[0::2], rows[1::2]):
         ck_err, act_err = [float(v) for v in ck[-5:]], [float(v) for v in act[-5:]]
         assert ck_err[0] == ck_err[3] == 0.0  # du, dB
         assert all(0 < ck_err[i] < act_err[i] for i in (1, 2, 4))  # ddelta, dA, dC
+    rebuilt = [line.split() for line in lines if "rebuilt" in line]
+    assert len(rebuilt) == 2
+    for row in rebuilt:  # y rebuilt for dz: no further from y than a bf16 copy of it
+        assert 0 < float(row[-6]) <= float(row[-1].rstrip(")"))
 
 
 def test_bf16_checkpoints_custom_op_registration():

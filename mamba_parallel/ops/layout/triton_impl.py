@@ -4,12 +4,10 @@ The kernels take every tensor through its strides and tile (BD channels, BL toke
 store along whichever axis has unit stride and transposes the tile through shared memory, so a layout change costs
 one read and one write. Launchers are ``torch.library`` custom ops (``*_op``) so torch.compile treats them as
 opaque; ``copy_``, ``gate_fwd`` and ``gate_bwd`` call them through the eager fast path (ops/eager_fastpath.py).
-``_gate_fwd`` / ``_gate_bwd`` are the raw launchers (no autograd) that Mamba's fused training path calls.
+``_gate_fwd`` / ``_gate_into`` are the raw launchers (no autograd) that Mamba's fused training path calls.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import triton
@@ -50,12 +48,9 @@ def gate_fwd_kernel(y_ptr, z_ptr, out_ptr, d, L, sy_b, sy_d, sy_l, sz_b, sz_d, s
 
 
 @triton.jit
-def gate_bwd_kernel(do_ptr, y_ptr, z_ptr, dy_ptr, dz_ptr, out_ptr, d, L, sdo_b, sdo_d, sdo_l, sy_b, sy_d, sy_l,
-                    sz_b, sz_d, sz_l, sdy_b, sdy_d, sdy_l, sdz_b, sdz_d, sdz_l, so_b, so_d, so_l,
-                    STORE_OUT: tl.constexpr, BD: tl.constexpr, BL: tl.constexpr):
-    """Gradients of out = y * silu(z): dy = dout * silu(z), dz = dout * y * silu'(z); all (b, d, L) strided.
-    STORE_OUT: also writes out itself (the forward's values: the same fp32 product), for a following matmul's
-    weight gradient."""
+def gate_bwd_kernel(do_ptr, y_ptr, z_ptr, dy_ptr, dz_ptr, d, L, sdo_b, sdo_d, sdo_l, sy_b, sy_d, sy_l,
+                    sz_b, sz_d, sz_l, sdy_b, sdy_d, sdy_l, sdz_b, sdz_d, sdz_l, BD: tl.constexpr, BL: tl.constexpr):
+    """Gradients of out = y * silu(z): dy = dout * silu(z), dz = dout * y * silu'(z); all (b, d, L) strided."""
     pid_b = tl.program_id(2).to(tl.int64)
     dd, ll, m = _tile(tl.program_id(0), tl.program_id(1), d, L, BD, BL)
     g = tl.load(do_ptr + pid_b * sdo_b + dd * sdo_d + ll * sdo_l, mask=m, other=0.0).to(tl.float32)
@@ -65,9 +60,6 @@ def gate_bwd_kernel(do_ptr, y_ptr, z_ptr, dy_ptr, dz_ptr, out_ptr, d, L, sdo_b, 
     tl.store(dy_ptr + pid_b * sdy_b + dd * sdy_d + ll * sdy_l, (g * z * sig).to(dy_ptr.dtype.element_ty), mask=m)
     dz = g * y * sig * (1.0 + z * (1.0 - sig))
     tl.store(dz_ptr + pid_b * sdz_b + dd * sdz_d + ll * sdz_l, dz.to(dz_ptr.dtype.element_ty), mask=m)
-    if STORE_OUT:
-        tl.store(out_ptr + pid_b * so_b + dd * so_d + ll * so_l, (y * z * sig).to(out_ptr.dtype.element_ty),
-                 mask=m)
 
 
 def _grid_and_tile(t: torch.Tensor):
@@ -97,14 +89,19 @@ def _(src, dst):
     return None
 
 
+def _gate_into(y: torch.Tensor, z: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out <- y * silu(z), all (b, d, L) with any strides (cast to out's dtype); returns out."""
+    if out.numel():
+        grid, meta = _grid_and_tile(y)
+        gate_fwd_kernel[grid](y, z, out, y.shape[1], y.shape[2], *y.stride(), *z.stride(), *out.stride(), **meta)
+    return out
+
+
 def _gate_fwd(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """y, z (b, d, L) any strides -> y * silu(z) as a contiguous (b, L, d) in y.dtype (out_proj's input)."""
     b, d, L = y.shape
     out = torch.empty((b, L, d), device=y.device, dtype=y.dtype)
-    if out.numel():
-        ot = out.transpose(1, 2)
-        grid, meta = _grid_and_tile(y)
-        gate_fwd_kernel[grid](y, z, ot, d, L, *y.stride(), *z.stride(), *ot.stride(), **meta)
+    _gate_into(y, z, out.transpose(1, 2))
     return out
 
 
@@ -118,29 +115,24 @@ def _(y, z):
     return y.new_empty((b, L, d))
 
 
-def _gate_bwd(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor, dz: torch.Tensor,
-              out: Optional[torch.Tensor]) -> torch.Tensor:
-    """dout (b, L, d) any strides; y, z (b, d, L); writes dz (b, d, L) (any strides, e.g. the z half of in_proj's
-    output gradient) and returns dy (b, d, L) contiguous in y.dtype (the scan's output gradient). ``out`` (b, L, d)
-    any strides, or None: also receives y * silu(z), the forward's output (Mamba's fused node: out_proj's input,
-    not kept from the forward)."""
+def _gate_bwd(dout: torch.Tensor, y: torch.Tensor, z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
+    """dout (b, L, d) any strides; y, z (b, d, L); writes dz (b, d, L) (any strides) and returns dy (b, d, L)
+    contiguous in y.dtype."""
     dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
     if dy.numel():
         dot = dout.transpose(1, 2)
-        ot = out.transpose(1, 2) if out is not None else None
         grid, meta = _grid_and_tile(y)
-        gate_bwd_kernel[grid](dot, y, z, dy, dz, ot, y.shape[1], y.shape[2], *dot.stride(), *y.stride(), *z.stride(),
-                              *dy.stride(), *dz.stride(), *(ot.stride() if ot is not None else (0, 0, 0)),
-                              STORE_OUT=ot is not None, **meta)
+        gate_bwd_kernel[grid](dot, y, z, dy, dz, y.shape[1], y.shape[2], *dot.stride(), *y.stride(), *z.stride(),
+                              *dy.stride(), *dz.stride(), **meta)
     return dy
 
 
-gate_bwd_op = torch.library.custom_op("mamba_parallel::silu_gate_bwd", mutates_args=("dz", "out"))(_gate_bwd)
+gate_bwd_op = torch.library.custom_op("mamba_parallel::silu_gate_bwd", mutates_args=("dz",))(_gate_bwd)
 gate_bwd = fastpath(gate_bwd_op, _gate_bwd)
 
 
 @gate_bwd_op.register_fake
-def _(dout, y, z, dz, out):
+def _(dout, y, z, dz):
     return torch.empty_like(y, memory_format=torch.contiguous_format)
 
 
@@ -174,7 +166,7 @@ class _SiluGate(torch.autograd.Function):
         y, z = ctx.saved_tensors
         want_dz = ctx.needs_input_grad[1]
         dz = ctx.z_slot.get() if want_dz and ctx.z_slot is not None else torch.empty_like(z)
-        dy = gate_bwd(dout, y, z, dz, None)
+        dy = gate_bwd(dout, y, z, dz)
         return dy, dz if want_dz else None
 
 

@@ -79,24 +79,33 @@ def _rebuild_group(u_ptr, dt_ptr, B_base, A_ptr, h0_ptr, sid_ptr, ckpt_ptr, scr_
 
 @triton.jit
 def selective_scan_bwd_kernel(
-    u_ptr, dt_ptr, z_ptr, B_ptr, C_ptr, A_ptr, D_ptr, dtb_ptr, h0_ptr, sid_ptr, ckpt_ptr, ypre_ptr, dy_ptr,
-    dlast_ptr,
+    u_ptr, dt_ptr, z_ptr, B_ptr, C_ptr, A_ptr, D_ptr, dtb_ptr, h0_ptr, sid_ptr, ckpt_ptr, gated_ptr, dy_ptr,
+    dlast_ptr, dout_ptr,
     du_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, ddtb_ptr, dh0_ptr, adj_ptr, scr_ptr,
     L, dim, dstate, d_per_group, nchunks, nblk, ngroups,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
     sB_b, sB_g, sB_n, sB_l, sC_b, sC_g, sC_n, sC_l, ssid_b,
+    sdo_b, sdo_d, sdo_l, sdz_b, sdz_d, sdz_l, sg_b, sg_d, sg_l,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_SID: tl.constexpr, VARLEN: tl.constexpr, HAS_DLAST: tl.constexpr,
     FAST_EXP: tl.constexpr, BD: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
     LANE_SUM: tl.constexpr = False, LP: tl.constexpr = 0, LV: tl.constexpr = 0, UNROLL: tl.constexpr = 1,
-    STAGES: tl.constexpr = 1, EMU: tl.constexpr = False, CK: tl.constexpr = 1,
+    STAGES: tl.constexpr = 1, EMU: tl.constexpr = False, CK: tl.constexpr = 1, GATED: tl.constexpr = False,
+    DY_GATED: tl.constexpr = False,
 ):
     """One program: channels [pid * BD, +BD) of sequence pid_b, chunks of P * V tokens walked in reverse.
 
     A (n, d) and ckpt (b, nchunks, n, d) (states entering each chunk; fp32, or bf16 with CK == 1) are
-    state-major, as the forward's; ypre (b, d, L): y before the z gate; dy (b, d, L) contiguous; dlast like hlast,
-    but (b, n, d) unless VARLEN.
-    Writes du, ddt, dz (b, d, L); dB, dC partials (b, nblk, n, L) fp32; dA (b, n, d) (accumulated: zeros from
+    state-major, as the forward's; dy (b, d, L) contiguous: the output's gradient (with HAS_Z the gated output's,
+    unless DY_GATED); dlast like hlast, but (b, n, d) unless VARLEN.
+    HAS_Z: y before the gate is rebuilt from the recomputed states (C h summed over the state loop, + D u), so the
+    forward keeps no copy of it; dz (b, d, L, any strides) comes from it and the gated output's gradient dout (any
+    strides: dy itself unless DY_GATED), and with GATED the gated output y * silu(z) goes to gated (b, d, L, any
+    strides): a fused layer's out_proj input for its weight gradient. DY_GATED: dy is y's gradient already (dout *
+    silu(z)), so z and dout are read only after the state loop: a load of a channel-contiguous view before it (a
+    layer's z and dout) makes Triton give up the row-per-thread layout (sm_90: 2 KB of spills, 5x the
+    instructions), where stores and loads after the loop cost nothing of it.
+    Writes du, ddt (b, d, L) contiguous; dB, dC partials (b, nblk, n, L) fp32; dA (b, n, d) (accumulated: zeros from
     the host), dD (b, d), ddtb (b, d) fp32 per-sequence partials; dh0 like h0. adj (b, 2, n, d) fp32 zeros:
     ping-pong slots for g = a dh at a chunk's first token.
     LANE_SUM (the row-per-thread layout only; P = 2^LP, V = 2^LV): dB / dC partials per warp of 32 channels
@@ -157,12 +166,11 @@ def selective_scan_bwd_kernel(
         dtu = dt * u
         out_b = pid_b * dim * L  # the (b, d, L) contiguous buffers
         dy = load_tile(dy_ptr + out_b, c0, L, 1, t0, L, P, BD, V, 1)
-        if HAS_Z:
-            zv = load_tile(z_ptr + pid_b * sz_b, c0, sz_d, sz_l, t0, L, P, BD, V, 1)
-            yp = load_tile(ypre_ptr + out_b, c0, L, 1, t0, L, P, BD, V, 1)
-            sig = tl.sigmoid(zv)
-            store_tile(dz_ptr + out_b, dy * yp * sig * (1.0 + zv * (1.0 - sig)), c0, L, 1, t0, L, P, BD, V, 1)
-            dy = dy * zv * sig
+        if HAS_Z:  # y's gradient through the gate (dz waits for y, rebuilt in the state loop)
+            if not DY_GATED:
+                zv = load_tile(z_ptr + pid_b * sz_b, c0, sz_d, sz_l, t0, L, P, BD, V, 1)
+                dy = dy * zv * tl.sigmoid(zv)
+            y_acc = tl.zeros([P, BD, V], dtype=tl.float32)
         if HAS_D:
             dD_acc += tl.sum(tl.sum(dy * u, axis=2), axis=0)
         if CK > 1:
@@ -200,6 +208,8 @@ def selective_scan_bwd_kernel(
                 else:
                     am = a
                 hs = scan_forward(am, hx, tl.load(ck + n * dim).to(tl.float32), v_idx, p_idx, P, V, LANE_SUM)
+                if HAS_Z:
+                    y_acc += hs * C_n
                 cx = dy * C_n
                 if HAS_DLAST:
                     if VARLEN:
@@ -233,6 +243,16 @@ def selective_scan_bwd_kernel(
                         tl.store(dh0_ptr + s_cur * dn + drow + n, a * dh, mask=start)
                     elif c == 0:
                         tl.store(dh0_ptr + pid_b * dn + d_off + n, g_first)
+        if HAS_Z:  # the gate's gradient from the rebuilt y; z and dout read again (not held through the loop)
+            if HAS_D:
+                y_acc += Dv * u
+            zv = load_tile(z_ptr + pid_b * sz_b, c0, sz_d, sz_l, t0, L, P, BD, V, 1)
+            dout = load_tile(dout_ptr + pid_b * sdo_b, c0, sdo_d, sdo_l, t0, L, P, BD, V, 1)
+            sig = tl.sigmoid(zv)
+            store_tile(dz_ptr + pid_b * sdz_b, dout * y_acc * sig * (1.0 + zv * (1.0 - sig)), c0, sdz_d, sdz_l,
+                       t0, L, P, BD, V, 1)
+            if GATED:
+                store_tile(gated_ptr + pid_b * sg_b, y_acc * zv * sig, c0, sg_d, sg_l, t0, L, P, BD, V, 1)
         du = dhB * dt
         if HAS_D:
             du += Dv * dy

@@ -30,12 +30,12 @@ from mamba_parallel.ops.selective_scan.triton_tiles import (_at, _put, delta_til
 @triton.jit
 def selective_scan_fwd_kernel(
     u_ptr, dt_ptr, z_ptr, B_ptr, C_ptr, A_ptr, D_ptr, dtb_ptr, h0_ptr, sid_ptr,
-    y_ptr, ypre_ptr, hlast_ptr, st_ptr, carry_ptr,
+    y_ptr, _pad_ptr, hlast_ptr, st_ptr, carry_ptr,
     L, dim, dstate, d_per_group, nchunks, nslots, _pad_n,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
     sB_b, sB_g, sB_n, sB_l, sC_b, sC_g, sC_n, sC_l, ssid_b,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_H0: tl.constexpr, HAS_SID: tl.constexpr, VARLEN: tl.constexpr, SAVE_YPRE: tl.constexpr,
+    HAS_H0: tl.constexpr, HAS_SID: tl.constexpr, VARLEN: tl.constexpr,
     FAST_EXP: tl.constexpr, BD: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
     R: tl.constexpr = 1, LANES: tl.constexpr = False, UNROLL: tl.constexpr = 1, STAGES: tl.constexpr = 1,
     EMU: tl.constexpr = False, NS: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, CKPT: tl.constexpr = True,
@@ -48,7 +48,9 @@ def selective_scan_fwd_kernel(
 
     A (n, d) and st (b, nslots, n, d) fp32 are state-major, so that a warp's accesses to one state are one
     coalesced 128-byte access; slot c % nslots holds the state entering chunk c (slot 0 filled by the host).
-    Writes y (b, d, L) contiguous, ypre (y before the z gate) when SAVE_YPRE, hlast (b or nseq, d, n) fp32.
+    Writes y (b, d, L) contiguous, hlast (b or nseq, d, n) fp32 (the backward rebuilds y before the z gate from
+    the checkpoints: nothing else is kept). _pad_ptr (the host passes y) is never read: with carry_ptr / _pad_n
+    it keeps the timed argument list.
     carry_ptr / _pad_n: unused with CK == 1 (the host passes st and nchunks); they keep the argument list whose
     code was timed: at the unrolled forward's 168-register cap ptxas allocates by it (without them: 24 B of spills
     on sm_90). CK > 1 (with CKPT): st (b, nslots = cdiv(nchunks, CK), n, d) keeps only the state entering every
@@ -191,8 +193,6 @@ def selective_scan_fwd_kernel(
         if HAS_D:
             y += Dv * u
         if HAS_Z:
-            if SAVE_YPRE:
-                store_tile(ypre_ptr + pid_b * dim * L, y, pid_d * BD, L, 1, t0, L, P, BD * R, V, R)
             zv = load_tile(z_ptr + pid_b * sz_b, pid_d * BD, sz_d, sz_l, t0, L, P, BD * R, V, R)
             y *= zv * tl.sigmoid(zv)
         store_tile(y_ptr + pid_b * dim * L, y, pid_d * BD, L, 1, t0, L, P, BD * R, V, R)

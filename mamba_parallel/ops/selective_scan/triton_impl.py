@@ -117,18 +117,17 @@ def scan_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch
                  initial_state: torch.Tensor | None, sid: torch.Tensor | None, delta_softplus: bool,
                  varlen: bool, nstates: int, save_ckpt: bool, path: str, checkpoint_every: int = 1,
                  checkpoint_dtype: torch.dtype = torch.float32,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """u, delta, z (b, d, L); A (d, n); B, C (b, [g,] n, L); sid (b, L) int32 -> y (b, d, L),
     last_state (nstates, d, n) fp32, checkpoints (b, cdiv(nchunks, checkpoint_every), n, d) (state-major: the
-    states entering chunks 0, K, 2K, ..; empty unless save_ckpt), ypre (b, d, L) = y before the z gate (empty
-    unless save_ckpt and z is given). path: launch.FORWARD_PATHS; checkpoint_every K: a power of two (pass the
+    states entering chunks 0, K, 2K, ..; empty unless save_ckpt: with z, the backward also rebuilds y before the
+    gate from them). path: launch.FORWARD_PATHS; checkpoint_every K: a power of two (pass the
     same to ``scan_backward``). checkpoint_dtype: fp32, or bf16 where K is 1 (the forward itself still carries
     its state in fp32; only the backward restarts each chunk from the rounded state)."""
     run = _plan(u, delta, z, A, B, varlen, path).fwd
-    y, hlast, ckpt, ypre = _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus,
-                                    varlen, nstates, save_ckpt, checkpoint_every, checkpoint_dtype, None)
-    return (y, hlast, ckpt if ckpt is not None else u.new_empty((0,), dtype=torch.float32),
-            ypre if ypre is not None else u.new_empty((0,)))
+    y, hlast, ckpt = _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus,
+                              varlen, nstates, save_ckpt, checkpoint_every, checkpoint_dtype, None)
+    return y, hlast, ckpt if ckpt is not None else u.new_empty((0,), dtype=torch.float32)
 
 
 def forward_launch(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> launch.Launch:
@@ -148,15 +147,15 @@ def scan_into(run: launch.Launch, u: torch.Tensor, delta: torch.Tensor, A: torch
     may also be ``initial_state`` (the kernel reads the initial state from its own copy, made before it runs). An
     fp32 contiguous one is the kernel's own output; any other gets the fp32 state rounded into it by one copy."""
     direct = last if last is None or (last.dtype == torch.float32 and last.is_contiguous()) else None
-    y, hlast, _, _ = _forward(run, u, delta, A, B, C, D, None, delta_bias, initial_state, sid, True, False,
-                              u.shape[0], False, 1, torch.float32, direct)
+    y, hlast, _ = _forward(run, u, delta, A, B, C, D, None, delta_bias, initial_state, sid, True, False,
+                           u.shape[0], False, 1, torch.float32, direct)
     return y, (hlast if direct is last else last.copy_(hlast))
 
 
 def _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates,
              save_ckpt, checkpoint_every, checkpoint_dtype, last):
-    """``scan_forward``'s body for the launch ``run``; ``last``: the last state's buffer or None. Checkpoints and
-    ypre come back as None where not made."""
+    """``scan_forward``'s body for the launch ``run``; ``last``: the last state's buffer or None. The checkpoints
+    come back as None where not made."""
     b, d, L = u.shape
     n = A.shape[1]
     nchunks = _cdiv(L, run.chunk)
@@ -192,8 +191,6 @@ def _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta
         carry[:, 0] = states[:, 0]
     else:
         carry = torch.empty((b, 2, n, d), device=dev, dtype=f32) if ck > 1 else states  # between the checkpoints
-    save_ypre = save_ckpt and z is not None
-    ypre = torch.empty((b, d, L), device=dev, dtype=u.dtype) if save_ypre else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     zz = z if z is not None else u
     opt = lambda t: t if t is not None else y  # noqa: E731  (pointer placeholder for an absent tensor)
@@ -201,14 +198,14 @@ def _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta
     if run.unrolled_states:
         meta.update(NS=run.unrolled_states, PREFETCH=run.prefetch)
     selective_scan_fwd_kernel[(d // run.block_d, b)](
-        u, delta, zz, B4, C4, A.t().contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), y, opt(ypre), hlast,
+        u, delta, zz, B4, C4, A.t().contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), y, y, hlast,
         states, carry, L, d, n, d // B4.shape[1], nchunks, nslots, nchunks, *_strides(u, delta, zz, B4, C4, sid),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
-        HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, SAVE_YPRE=save_ypre,
+        HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen,
         FAST_EXP=gpu_compiled(u), R=run.rows, LANES=run.row_layout, CKPT=save_ckpt, CK=ck, CKPT_APART=apart, **meta,
     )
     ckpt = (carry if apart else states) if save_ckpt else None
-    return y, hlast, ckpt, ypre
+    return y, hlast, ckpt
 
 
 selective_scan_fwd = torch.library.custom_op("mamba_parallel::selective_scan_fwd", mutates_args=())(scan_forward)
@@ -223,16 +220,16 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, v
     apart = _checkpoints_apart(save_ckpt, launch.checkpoint_group(checkpoint_every, nchunks), checkpoint_dtype)
     return (u.new_empty((b, d, L)), u.new_empty((nstates, d, n), dtype=torch.float32),
             u.new_empty((b, triton.cdiv(nchunks, checkpoint_every), n, d) if save_ckpt else (0,),
-                        dtype=checkpoint_dtype if apart else torch.float32),
-            u.new_empty((b, d, L) if save_ckpt and z is not None else (0,)))
+                        dtype=checkpoint_dtype if apart else torch.float32))
 
 
 def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                   D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
                   initial_state: torch.Tensor | None, sid: torch.Tensor | None, ckpt: torch.Tensor,
-                  ypre: torch.Tensor, dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool,
-                  varlen: bool, path: str, dB_out: torch.Tensor | None = None, dC_out: torch.Tensor | None = None,
-                  dA_scale: torch.Tensor | None = None, checkpoint_every: int = 1) -> list[torch.Tensor]:
+                  dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool, varlen: bool, path: str,
+                  dB_out: torch.Tensor | None = None, dC_out: torch.Tensor | None = None,
+                  dA_scale: torch.Tensor | None = None, checkpoint_every: int = 1, dz_out: torch.Tensor | None = None,
+                  gated_out: torch.Tensor | None = None, dgated: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Gradients [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state] in the inputs' dtypes and
     shapes; an absent optional input gets an empty tensor. path: the forward's. B / C: (b, [g,] n, L) of any dtype
     (e.g. the layer's bf16 views, or fp32 (b, g, n, L) tensors a caller converted once for the forward: no copy
@@ -241,7 +238,13 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     the returned dA is dA * dA_scale (A = -exp(A_log) with dA_scale = A gives d A_log). checkpoint_every: the
     forward's; with K > 1 the states entering the chunks between checkpoints are rebuilt into a (b, K, n, d) fp32
     scratch (each program its own channels' slots) before each group of K chunks is walked in reverse. ckpt: the
-    forward's checkpoints, fp32 or (K = 1) bf16."""
+    forward's checkpoints, fp32 or (K = 1) bf16. With z, dy is the gated output's gradient and y before the gate
+    is rebuilt from the recomputed states, unless ``dgated`` (u-shaped, any strides) is given: then that is the
+    gated output's gradient and dy is already y's (dgated * silu(z)), which keeps channel-contiguous views of z and
+    dgated (a layer's (b, L, .) buffers) out of the kernel's state loop. dz_out (u-shaped, any strides, z's
+    dtype, e.g. the z half of in_proj's output gradient): dz is written there (an empty placeholder in the list);
+    gated_out (u-shaped, any strides): also receives y * silu(z), the forward's output (a fused layer's out_proj
+    input)."""
     b, d, L = u.shape
     n = A.shape[1]
     run = _plan(u, delta, z, A, B, varlen, path).bwd
@@ -252,7 +255,10 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
         raise RuntimeError(f"selective_scan_bwd: checkpoints {tuple(ckpt.shape)} {ckpt.dtype} do not match chunks "
                            f"of {run.chunk} tokens, one kept per {checkpoint_every} (path {path!r}; fp32 unless one "
                            "per chunk): pass the forward's path, checkpoint_every and tensors")
-    for name, out, like in (("dB_out", dB_out, B), ("dC_out", dC_out, C)):
+    if (dz_out is not None or gated_out is not None or dgated is not None) and z is None:
+        raise ValueError("selective_scan_bwd: dz_out / gated_out / dgated need z (the gate)")
+    for name, out, like in (("dB_out", dB_out, B), ("dC_out", dC_out, C), ("dz_out", dz_out, u),
+                            ("gated_out", gated_out, u), ("dgated", dgated, u)):
         if out is not None and out.shape != like.shape:
             raise ValueError(f"selective_scan_bwd: {name} {tuple(out.shape)} must have B / C's shape "
                              f"{tuple(like.shape)}")
@@ -262,9 +268,10 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     nblk = d // 32 if run.row_layout else d // bd  # dB / dC partials: per warp or per program
     dev, f32 = u.device, torch.float32
     dy = dy.contiguous()
+    dout = dgated if dgated is not None else dy  # the gated output's gradient, for dz
     du = torch.empty((b, d, L), device=dev, dtype=u.dtype)
     ddt = torch.empty((b, d, L), device=dev, dtype=delta.dtype)
-    dz = torch.empty((b, d, L), device=dev, dtype=z.dtype) if z is not None else None
+    dz = dz_out if dz_out is not None or z is None else torch.empty((b, d, L), device=dev, dtype=z.dtype)
     dBp = torch.empty((b, nblk, n, L), device=dev, dtype=f32)
     dCp = torch.empty((b, nblk, n, L), device=dev, dtype=f32)
     dA = torch.zeros((b, n, d), device=dev, dtype=f32)
@@ -284,8 +291,6 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
         dh0 = dl.float().clone() if dl is not None else torch.zeros(h0.shape, device=dev, dtype=f32)
     else:
         dh0 = torch.empty(h0.shape, device=dev, dtype=f32)
-    if z is not None and ypre.shape != u.shape:
-        raise RuntimeError("selective_scan_bwd: needs y before the gate (ypre) from the forward")
     zz = z if z is not None else u
     opt = lambda t: t if t is not None else du  # noqa: E731  (pointer placeholder for an absent tensor)
     meta = _tile_meta(run)
@@ -293,12 +298,14 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
         meta.update(LP=run.vectors.bit_length() - 1, LV=run.vec.bit_length() - 1)
     selective_scan_bwd_kernel[(d // bd, b)](
         u, delta, zz, B4, C4, A.t().contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), ckpt,
-        ypre if z is not None else du, dy, opt(dl),
+        opt(gated_out), dy, opt(dl), dout,
         du, ddt, opt(dz), dBp, dCp, dA, opt(dD), opt(ddtb), opt(dh0), adj, scratch,
         L, d, n, d // G, nchunks, nblk, ngroups if ck > 1 else nchunks, *_strides(u, delta, zz, B4, C4, sid),
+        *dout.stride(), *opt(dz).stride(), *opt(gated_out).stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, HAS_DLAST=dl is not None,
-        FAST_EXP=gpu_compiled(u), LANE_SUM=run.row_layout, CK=ck, **meta,
+        FAST_EXP=gpu_compiled(u), LANE_SUM=run.row_layout, CK=ck, GATED=gated_out is not None,
+        DY_GATED=dgated is not None, **meta,
     )
     empty = lambda: u.new_empty((0,))  # noqa: E731  (distinct tensors: custom-op outputs may not alias)
     dB = torch.empty(B.shape, device=dev, dtype=B.dtype) if dB_out is None else dB_out
@@ -310,7 +317,7 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     finish_bwd(dBp, dCp, dA, dD, ddtb, G, _as4d(dB), _as4d(dC), dA_out, dD_out, ddtb_out, dA_scale=dA_scale)
     return [du, ddt, dA_out, dB if dB_out is None else empty(), dC if dC_out is None else empty(),
             dD_out if dD_out is not None else empty(),
-            dz if dz is not None else empty(),
+            dz if dz is not None and dz_out is None else empty(),
             ddtb_out if ddtb_out is not None else empty(),
             dh0.to(initial_state.dtype) if dh0 is not None else empty()]
 
@@ -318,10 +325,10 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
 def _scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
               D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
               initial_state: torch.Tensor | None, sid: torch.Tensor | None, ckpt: torch.Tensor,
-              ypre: torch.Tensor, dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool,
-              varlen: bool, path: str, checkpoint_every: int = 1) -> list[torch.Tensor]:
+              dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool, varlen: bool, path: str,
+              checkpoint_every: int = 1) -> list[torch.Tensor]:
     """The custom op's body: ``scan_backward`` with fresh outputs for every gradient."""
-    return scan_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, dlast,
+    return scan_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, dy, dlast,
                          delta_softplus, varlen, path, checkpoint_every=checkpoint_every)
 
 
@@ -330,7 +337,7 @@ fastpath(selective_scan_bwd, _scan_bwd)
 
 
 @selective_scan_bwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, dlast, delta_softplus, varlen,
+def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, dy, dlast, delta_softplus, varlen,
       path, checkpoint_every=1):
     like = lambda t: torch.empty_like(t) if t is not None else u.new_empty((0,))  # noqa: E731
     return [torch.empty_like(u), torch.empty_like(delta), torch.empty_like(A), torch.empty_like(B),
@@ -340,17 +347,17 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy, d
 def _setup_context(ctx, inputs, output):
     (u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates, save_ckpt, path,
      checkpoint_every, _checkpoint_dtype) = inputs
-    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, output[2], output[3])
+    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, output[2])
     ctx.delta_softplus, ctx.varlen, ctx.path, ctx.checkpoint_every = delta_softplus, varlen, path, checkpoint_every
 
 
-def _backward(ctx, dy, dlast, _dckpt, _dypre):
-    u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre = ctx.saved_tensors
+def _backward(ctx, dy, dlast, _dckpt):
+    u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt = ctx.saved_tensors
     if ckpt.numel() == 0:
         raise RuntimeError("selective_scan: backward through a forward that ran without grad enabled")
     if dy is None:  # only last_state reached the loss
         dy = torch.zeros_like(u)
-    grads = eager(selective_scan_bwd)(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, ypre, dy,
+    grads = eager(selective_scan_bwd)(u, delta, A, B, C, D, z, delta_bias, initial_state, sid, ckpt, dy,
                                       dlast, ctx.delta_softplus, ctx.varlen, ctx.path, ctx.checkpoint_every)
     du, ddt, dA, dB, dC, dD, dz, ddtb, dh0 = grads
     none_if_absent = lambda g, t: g if t is not None else None  # noqa: E731
@@ -387,7 +394,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     save_ckpt = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if checkpoint_dtype is None:
         checkpoint_dtype = default_checkpoint_dtype(u, checkpoint_every)
-    y, last, _, _ = eager(selective_scan_fwd)(u, delta, A, B, C, D, z, delta_bias, initial_state, sid,
+    y, last, _ = eager(selective_scan_fwd)(u, delta, A, B, C, D, z, delta_bias, initial_state, sid,
                                               delta_softplus, varlen, nstates, save_ckpt, path, checkpoint_every,
                                               checkpoint_dtype)
     return (y, last) if return_last_state else y
