@@ -232,27 +232,38 @@ def _selective_scan_workloads(rec, which):
     scan.selective_scan_bwd_kernel = Recorded(saved["selective_scan_bwd_kernel"])
     scan.finish_bwd = lambda *args, **kwargs: None
 
-    def run(b, dtype, path=None, n=16, every=1, ckpt_dtype=None, mode=None, d=4096, L=2048):
+    def run(b, dtype, path=None, n=16, every=1, ckpt_dtype=None, mode=None, d=4096, L=2048, layer=False):
+        """layer: as the Mamba-1 training node runs the scan (its forward without z; its backward with z and the
+        gated output's gradient as channel-contiguous views, dz and the gate's output written through them)."""
         g = torch.Generator().manual_seed(0)
         u, dt, z = (torch.randn(b, d, L, generator=g).to(dtype) for _ in range(3))
+        if layer:
+            z = torch.randn(b, L, 2 * d, generator=g).to(dtype)[..., d:].transpose(1, 2)
         A, B, C = -torch.rand(d, n), torch.randn(b, 1, n, L), torch.randn(b, 1, n, L)
         sid, varlen, nstates = None, mode == "cu_seqlens", b
         if mode is not None:  # restarts / packed sequences: a per-token sequence id
             sid = (torch.arange(L) * 3 // L).to(torch.int32).expand(b, L).contiguous()
             nstates = 3 if varlen else b
-        path = scan.scan_path(u, dt, z, A, B, varlen, path)
+        zf = None if layer else z  # the layer's forward gates outside the scan
+        path = scan.scan_path(u, dt, zf, A, B, varlen, path)
         ckpt_dtype = ckpt_dtype or scan.default_checkpoint_dtype(u, every)
-        y, _, ck, ypre = scan.scan_forward(u, dt, A, B, C, torch.randn(d), z, torch.randn(d), None, sid, True, varlen,
-                                           nstates, True, path, checkpoint_every=every, checkpoint_dtype=ckpt_dtype)
-        scan.scan_backward(u, dt, A, B, C, torch.randn(d), z, torch.randn(d), None, sid, ck, ypre, torch.randn_like(u),
-                           None, True, varlen, path, checkpoint_every=every)
-        return f"selective scan b{b} n{n} {path} {dtype} K{every} {ckpt_dtype} {mode or ''}".rstrip()
+        y, _, ck = scan.scan_forward(u, dt, A, B, C, torch.randn(d), zf, torch.randn(d), None, sid, True, varlen,
+                                     nstates, True, path, checkpoint_every=every, checkpoint_dtype=ckpt_dtype)
+        gate = {}
+        if layer:
+            tm = lambda: torch.empty(b, L, d, dtype=dtype).transpose(1, 2)  # noqa: E731
+            gate = dict(dgated=tm(), dz_out=torch.empty(b, L, 2 * d, dtype=dtype)[..., d:].transpose(1, 2),
+                        gated_out=tm())
+        scan.scan_backward(u, dt, A, B, C, torch.randn(d), z, torch.randn(d), None, sid, ck, torch.randn_like(u),
+                           None, True, varlen, path, checkpoint_every=every, **gate)
+        return f"selective scan b{b} n{n} {path} {dtype} K{every} {ckpt_dtype} {mode or ''}{' layer' * layer}".rstrip()
 
     try:
         if "tiles" in which:
             for b in (2, 8):
                 yield run(b, torch.bfloat16)
                 yield run(b, torch.bfloat16, every=8)
+                yield run(b, torch.bfloat16, layer=True)
         if "variants" in which:
             for path in launch.FORWARD_PATHS:
                 for ckpt_dtype in (torch.float32, torch.bfloat16):

@@ -84,8 +84,10 @@ def test_compile_check_plans_the_selective_scan_for_a_gpu():
     run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "compile_check.py"), "--ops", "selective_scan",
                           "--workloads", "tiles", "--kernels", "selective_scan_fwd", "--ptx-hash"],
                          capture_output=True, text=True, env=env, timeout=900)
-    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("selective_scan_fwd_kernel bfloat16")]
-    assert run.returncode == 0 and len(lines) == 4, run.stdout + run.stderr
+    fwd = [ln for ln in run.stdout.splitlines() if ln.startswith("selective_scan_fwd_kernel bfloat16")]
+    assert run.returncode == 0 and len(fwd) == 6, run.stdout + run.stderr
+    assert sum("HAS_Z=False" in ln for ln in fwd) == 2, fwd  # the Mamba-1 layer's forward (its gate outside)
+    lines = [ln for ln in fwd if "HAS_Z=True" in ln]
     assert sum("NS=16" in ln and "CK=1 CKPT_APART=True" in ln for ln in lines) == 1, lines  # batch 2: two rows
     assert sum("CK=8 CKPT_APART=False" in ln for ln in lines) == 2, lines
     hashes = [ln.rsplit("ptx ", 1)[1] for ln in lines]
