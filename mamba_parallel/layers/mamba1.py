@@ -474,7 +474,7 @@ class _Mamba1Inner(torch.autograd.Function):
         need = ctx.needs_input_grad
         b = xz.shape[0]
         x, z = _xz_views(xz, d)
-        dxz = torch.empty_like(xz)  # in_proj's output gradient: the gate fills the z half, the conv the x half
+        dxz = torch.empty_like(xz)  # in_proj's output gradient: the scan fills the z half, the conv the x half
         dout_w = dout_b = gated = None
         if out_w is None:
             dgated = dout
