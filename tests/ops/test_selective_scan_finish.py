@@ -120,6 +120,14 @@ def _scan_args(b=2, d=8, L=19, n=4, g=None, dtype=torch.float32, seed=0):
     return args, rnd(b, d, L)
 
 
+def _forward_for(args, path):
+    """The custom op's leading arguments (inputs, sid, checkpoints) after a forward on ``path`` that saved
+    checkpoints."""
+    u, delta, A, B, C, D, z, dtb, h0 = args
+    _, _, ckpt = scan_forward(u, delta, A, B, C, D, z, dtb, h0, None, True, False, u.shape[0], True, path)
+    return (u, delta, A, B, C, D, z, dtb, h0, None, ckpt)
+
+
 def _backward_both(args, dy, **outs):
     """(_scan_bwd's gradients, scan_backward's with the given outputs) after one forward that saved checkpoints."""
     u, delta, A, B, C, D, z, dtb, h0 = args
@@ -147,18 +155,21 @@ def test_scan_backward_writes_into_caller_outputs(dtype, g):
         assert torch.equal(ours[i], ref[i]), i
 
 
+@pytest.mark.parametrize("path", ["generic", "row_per_thread"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_scan_backward_gate_into_caller_outputs(dtype):
+def test_scan_backward_gate_into_caller_outputs(dtype, path, monkeypatch):
     """The fused layer's way: z and the gated output's gradient as channel-contiguous views of (b, L, .) buffers,
     y's gradient dgated * silu(z) formed before (token-major), dz written into the z half of a token-major buffer
     and the gate's output y * silu(z), rebuilt from the states, into another; every gradient as with the gate
-    applied inside the kernel."""
+    applied inside the kernel. The channel-contiguous z must not cost the row-per-thread backward its layout (the
+    plan is the forward's, without z); L = 32: two chunks of the interpreter's tiles, as the layout needs."""
     from mamba_parallel.ops.layout.triton_impl import _gate_into
+    from mamba_parallel.ops.selective_scan import launch
 
-    b, d, L, n = 2, 8, 19, 4
+    b, d, L, n = 2, 32, 32, 4
     args, dout = _scan_args(b, d, L, n, None, dtype)
     u, delta, A, B, C, D, z, dtb, h0 = args
-    ref, _ = _backward_both(args, dout)
+    ref = _scan_bwd(*_forward_for(args, path), dout, None, True, False, path)
     xz = torch.empty(b, L, 2 * d, dtype=dtype)
     xz[..., d:] = z.transpose(1, 2)
     targs = list(args)
@@ -167,13 +178,16 @@ def test_scan_backward_gate_into_caller_outputs(dtype):
     dy = _gate_into(dgated, zt, torch.empty(b, d, L, dtype=dtype))
     dxz = torch.full((b, L, 2 * d), SENTINEL, dtype=dtype)
     gated = torch.full((b, L, d), SENTINEL, dtype=dtype)
-    _, _, ckpt = scan_forward(*targs, None, True, False, b, True, "generic")
-    ours = scan_backward(*targs, None, ckpt, dy, None, True, False, "generic", dz_out=dxz[..., d:].transpose(1, 2),
+    _, _, ckpt = scan_forward(*targs[:6], None, *targs[7:], None, True, False, b, True, path)
+    plans, real_plan = [], triton_impl._plan
+    monkeypatch.setattr(triton_impl, "_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
+    ours = scan_backward(*targs, None, ckpt, dy, None, True, False, path, dz_out=dxz[..., d:].transpose(1, 2),
                          gated_out=gated.transpose(1, 2), dgated=dgated)
+    assert (plans[0].bwd.path == launch.ROW_PER_THREAD) == (path == "row_per_thread")
     assert ours[6].numel() == 0
     assert torch.equal(dxz[..., d:].transpose(1, 2), ref[6])  # from the same rebuilt y and the same inputs
     assert (dxz[..., :d] == SENTINEL).all()
-    y = scan_forward(*targs, None, True, False, b, False, "generic")[0]  # gated: y * silu(z)
+    y = scan_forward(*args, None, True, False, b, False, path)[0]  # gated: y * silu(z)
     assert_close(gated.transpose(1, 2), y, dtype)
     for i in (0, 1, 2, 3, 4, 5, 7, 8):  # through y's gradient, rounded to the inputs' dtype here
         assert_close(ours[i], ref[i], dtype, grad=True, name=str(i))

@@ -247,7 +247,9 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     input)."""
     b, d, L = u.shape
     n = A.shape[1]
-    run = _plan(u, delta, z, A, B, varlen, path).bwd
+    # with dgated, z is read only after the state loop, where its layout costs the kernel nothing: the plan (its
+    # row-per-thread layout, which needs token-major rows) is the forward's, which ran without z
+    run = _plan(u, delta, None if dgated is not None else z, A, B, varlen, path).bwd
     nchunks = _cdiv(L, run.chunk)
     ck = launch.checkpoint_group(checkpoint_every, nchunks)
     ngroups = _cdiv(nchunks, ck)
