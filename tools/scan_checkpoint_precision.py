@@ -75,8 +75,8 @@ def main(argv=None) -> None:
             print(f"{scale:>8g} {label:>34} " + " ".join(f"{e:9.1e}" for e in errs))
         # dz's factor: y before the gate, rebuilt by the backward from the rounded checkpoints (nothing of it is
         # kept), against the copy rounded to bf16 that a forward would keep
-        y = scan(*inputs[:1], F.softplus(inputs[1] + bias[:, None]), *inputs[2:])
-        rebuilt = scan(*inputs[:1], F.softplus(inputs[1] + bias[:, None]), *inputs[2:], chunk=args.chunk)
+        u, delta, A, B, C = inputs[0], F.softplus(inputs[1] + bias[:, None]), *inputs[2:]
+        y, rebuilt = scan(u, delta, A, B, C), scan(u, delta, A, B, C, chunk=args.chunk)
         err = lambda t: ((t - y).norm() / y.norm()).item()  # noqa: E731
         print(f"{scale:>8g} {'y rebuilt from the checkpoints':>34} {err(rebuilt):9.1e} "
               f"(y kept as bf16: {err(y.to(torch.bfloat16).double()):.1e})")

@@ -491,7 +491,7 @@ class _Mamba1Inner(torch.autograd.Function):
         # y's gradient dgated * silu(z) token-major, as the scan streams it; the rest of the gate inside the
         # scan's backward, from the y it rebuilds: dz into in_proj's output gradient, y * silu(z) into gated
         dgated = dgated.transpose(1, 2)
-        dy = layout._gate_into(dgated, z, torch.empty(z.shape, device=z.device, dtype=xz.dtype))
+        dy = layout._gate_into(dgated, z, xz.new_empty(z.shape))
         du, ddt, dA_log, _, _, dD, _, ddtb, _ = scan.scan_backward(
             xc, dt, A, B4, C4, D32, z, dtb32, None, sid, ckpt, dy, None, True, False, path,
             dB_out=dx_dbl[:, r:r + n].unsqueeze(1), dC_out=dx_dbl[:, r + n:].unsqueeze(1), dA_scale=A,

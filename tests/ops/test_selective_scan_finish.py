@@ -130,9 +130,7 @@ def _forward_for(args, path):
 
 def _backward_both(args, dy, **outs):
     """(_scan_bwd's gradients, scan_backward's with the given outputs) after one forward that saved checkpoints."""
-    u, delta, A, B, C, D, z, dtb, h0 = args
-    _, _, ckpt = scan_forward(u, delta, A, B, C, D, z, dtb, h0, None, True, False, u.shape[0], True, "generic")
-    common = (u, delta, A, B, C, D, z, dtb, h0, None, ckpt, dy, None, True, False, "generic")
+    common = (*_forward_for(args, "generic"), dy, None, True, False, "generic")
     return _scan_bwd(*common), scan_backward(*common, **outs)
 
 

@@ -262,8 +262,8 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     for name, out, like in (("dB_out", dB_out, B), ("dC_out", dC_out, C), ("dz_out", dz_out, u),
                             ("gated_out", gated_out, u), ("dgated", dgated, u)):
         if out is not None and out.shape != like.shape:
-            raise ValueError(f"selective_scan_bwd: {name} {tuple(out.shape)} must have B / C's shape "
-                             f"{tuple(like.shape)}")
+            raise ValueError(f"selective_scan_bwd: {name} {tuple(out.shape)} must have the shape {tuple(like.shape)} "
+                             f"({'B / C' if name[1] in 'BC' else 'u'}'s)")
     B4, C4 = _bc32(B), _bc32(C)
     G = B4.shape[1]
     bd = run.block_d
