@@ -226,10 +226,11 @@ def _selective_scan_workloads(rec, which):
             return lambda *args, **kwargs: rec.launches.append(dict(rec.describe(self.fn, args, kwargs), tuned=None))
 
     saved = {k: getattr(scan, k) for k in ("gpu_compiled", "_sms", "selective_scan_fwd_kernel",
-                                           "selective_scan_bwd_kernel", "finish_bwd")}
+                                           "selective_scan_bwd_kernel", "adjoint_carry_kernel", "finish_bwd")}
     scan.gpu_compiled, scan._sms = (lambda u: True), (lambda u: 132)
     scan.selective_scan_fwd_kernel = Recorded(saved["selective_scan_fwd_kernel"])
     scan.selective_scan_bwd_kernel = Recorded(saved["selective_scan_bwd_kernel"])
+    scan.adjoint_carry_kernel = Recorded(saved["adjoint_carry_kernel"])
     scan.finish_bwd = lambda *args, **kwargs: None
 
     def run(b, dtype, path=None, n=16, every=1, ckpt_dtype=None, mode=None, d=4096, L=2048, layer=False):

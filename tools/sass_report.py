@@ -163,7 +163,7 @@ def path_kernels(path: str, b=8, d=4096, L=4096, n=16, sm_count=132):
                     h0_ptr=bf, sid_ptr="*i32", y_ptr=bf, _pad_ptr=bf, hlast_ptr=f32, st_ptr=f32, carry_ptr=f32)
     bwd_ptrs = dict(fwd_ptrs, ckpt_ptr=f32, gated_ptr=bf, dy_ptr=bf, dlast_ptr=f32, dout_ptr=bf, du_ptr=bf,
                     ddt_ptr=bf, dz_ptr=bf, dB_ptr=f32, dC_ptr=f32, dA_ptr=f32, dD_ptr=f32, ddtb_ptr=f32, dh0_ptr=f32,
-                    adj_ptr=f32, scr_ptr=f32)
+                    adj_ptr=f32, scr_ptr=f32, gl_ptr=f32, ds_ptr=f32)
     # the backward as the Mamba-1 training node runs it: y's gradient token-major, the gated output's gradient,
     # dz and the gate's output as views of token-major (b, L, .) buffers (z and dz: halves of in_proj's output and
     # its gradient)
@@ -188,6 +188,7 @@ def path_kernels(path: str, b=8, d=4096, L=4096, n=16, sm_count=132):
                 **strides),
            fwd_meta, fw.num_warps, fw.chunk * per_iter)
     bwd = (dict(bwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nblk=nblk, ngroups=nchunks,
+                seg_chunks=nchunks, nseg=1,
                 **dict(strides, sz_b=2 * L * d, sz_d=1, sz_l=2 * d), **gate_strides),
            bwd_meta, bw.num_warps, bw.chunk * bw.unroll)
     return [(f"{fw.path}-fwd", selective_scan_fwd_kernel, *fwd), (f"{bw.path}-bwd", selective_scan_bwd_kernel, *bwd)]

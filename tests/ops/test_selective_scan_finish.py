@@ -78,6 +78,22 @@ def test_finish_matches_torch(dtype, G, b, options):
     assert (untouched == SENTINEL).all()
 
 
+def test_finish_sums_parts_past_the_batch():
+    """dA / dD / d delta_bias partials with more rows than sequences (the backward's b x segments) are summed
+    over all of them; dB / dC keep their per-sequence rows."""
+    b, G, n, L, d = 2, 1, 4, 19, 8
+    p = _parts(b, 3, n, L, d)
+    gen = torch.Generator().manual_seed(2)
+    p.update(dA_part=torch.randn(5 * b, n, d, generator=gen), dD_part=torch.randn(5 * b, d, generator=gen),
+             ddtb_part=torch.randn(5 * b, d, generator=gen))
+    o = _strided_outputs(b, G, n, L, d, 2, torch.float32)
+    _run_finish(p, o, G, False, True, True)
+    _check_out(o["dB"], p["dBp"].sum(1, keepdim=True), "dB")
+    _check_out(o["dA"], p["dA_part"].sum(0).t(), "dA")
+    _check_out(o["dD"], p["dD_part"].sum(0), "dD")
+    _check_out(o["ddtb"], p["ddtb_part"].sum(0), "ddtb")
+
+
 def test_finish_is_deterministic():
     p = _parts(3, 4, 4, 19, 8, seed=1)
     outs = []
@@ -189,6 +205,26 @@ def test_scan_backward_gate_into_caller_outputs(dtype, path, monkeypatch):
     assert_close(gated.transpose(1, 2), y, dtype)
     for i in (0, 1, 2, 3, 4, 5, 7, 8):  # through y's gradient, rounded to the inputs' dtype here
         assert_close(ours[i], ref[i], dtype, grad=True, name=str(i))
+
+
+@pytest.mark.parametrize("path,K", [("generic", 1), ("generic", 2), ("row_per_thread", 2)])
+def test_scan_backward_segments(path, K):
+    """The sequence walked in segments (each from the carry of the later ones, triton_bwd_carry.py): every
+    gradient, d(last state) and d(initial state) included, as the walk in one piece gives them, for segment
+    counts that split 5 chunks evenly, unevenly and into single chunks (K = 2: whole groups of 2 chunks)."""
+    b, d, L, n = 2, 32, 37, 4
+    args, dy = _scan_args(b, d, L, n)
+    dlast = torch.randn(b, d, n, generator=torch.Generator().manual_seed(1))
+    u, delta, A, B, C, D, z, dtb, h0 = args
+    _, _, ckpt = scan_forward(*args, None, True, False, b, True, path, K)
+    run = lambda segments: scan_backward(*args, None, ckpt, dy, dlast, True, False, path,  # noqa: E731
+                                         checkpoint_every=K, segments=segments)
+    whole = run(1)
+    for segments in (2, 3, 9):
+        for i, (g, ref) in enumerate(zip(run(segments), whole)):
+            torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{segments} segments, {i}: {m}")
+    with pytest.raises(ValueError, match="segments=0"):
+        run(0)
 
 
 def test_scan_backward_fp32_grouped_bc():

@@ -90,3 +90,32 @@ def test_interpreter_tiles():
             p.fwd.emulate) == (TWO, 2, 16, 4, 0, None, True)
     assert (p.bwd.path, p.bwd.block_d, p.bwd.stages, p.bwd.emulate) == (RPT, 32, 3, True)
     assert launch.plan(shape(2, 32, 19, row_layout=False), None, RPT).fwd.path == GEN
+
+
+@pytest.mark.parametrize("b,d,L,segments", [
+    (8, 1536, 2048, 8),   # mamba-130m's training step: 0.36 waves of one-piece programs
+    (8, 2048, 2048, 2),   # mamba-370m: 0.48 waves, two segments make one
+    (8, 4096, 2048, 1),   # mamba-1.4b: 0.97 waves already
+    (8, 5120, 2048, 4),   # mamba-2.8b: 1.2 waves, four segments make 4.8
+    (8, 4096, 4096, 1),
+    (4, 5120, 8192, 3),
+    (1, 768, 100, 1),     # 7 chunks: shorter than one segment's minimum
+])
+def test_backward_segments_by_waves(b, d, L, segments):
+    """The backward's segment count: what the wave model of launch.py picks for the training and benchmark
+    shapes on 132 SMs (16-token chunks)."""
+    nchunks = -(-L // 16)
+    assert -(-nchunks // launch.backward_segment_chunks(b, d, nchunks, 1, H200_SMS)) == segments
+
+
+def test_backward_segments_whole_groups():
+    """Segments hold whole checkpoint groups (the last may be short), never more segments than groups; the
+    interpreter takes two so that every CPU test crosses a segment; a count below one is refused."""
+    assert launch.backward_segment_chunks(8, 1536, 128, 8, H200_SMS) == 16  # 8 segments of 2 groups of 8
+    assert launch.backward_segment_chunks(8, 1536, 128, 16, H200_SMS, segments=3) == 48  # 3 groups each, 2 last
+    assert launch.backward_segment_chunks(2, 8, 5, 4, None) == 4  # 2 groups: one each
+    assert launch.backward_segment_chunks(2, 8, 5, 1, None) == 3
+    assert launch.backward_segment_chunks(2, 8, 5, 8, None) == 8  # one group: one segment
+    assert launch.backward_segment_chunks(2, 8, 5, 1, None, segments=99) == 1
+    with pytest.raises(ValueError, match="segments=0"):
+        launch.backward_segment_chunks(2, 8, 5, 1, None, segments=0)

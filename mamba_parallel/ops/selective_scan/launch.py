@@ -26,6 +26,7 @@ The default takes two rows per channel where one row per channel would give each
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -168,6 +169,40 @@ def _backward(s: ScanShape, interp: bool, row_layout: bool) -> Launch:
     return Launch(path=ROW_PER_THREAD if lanes else GENERIC, rows=1, row_layout=lanes, block_d=block_d, num_warps=1,
                   chunk=chunk, vec=vec, unroll=_halved_to_divide(2, s.n) if lanes else 1, stages=3 if lanes else 1,
                   unrolled_states=0, prefetch=0, maxnreg=None, emulate=interp and lanes)
+
+
+# The backward's walk in sequence segments (triton_bwd.py, triton_bwd_carry.py), one program per 32 channels and
+# segment. Its programs are latency-bound and run in waves of BWD_WARPS_PER_SM resident warps (255 registers a
+# thread), so s segments take ~ceil(waves(s)) / s of the one-piece walk's wave time, plus the carry pass over
+# (s - 1) / s of the tokens, which costs BWD_CARRY_COST of a full wave's walk, and BWD_SEGMENT_COST per segment
+# (each program's setup, the later segments' carries summed). Fit on an H100, bf16, n 16 (A/B of
+# the backward alone): b8 d1536 L2048 4.13 -> 2.42 ms (11 segments), b8 d2048 4.22 -> 2.99 (2), b8 d5120 9.89 ->
+# 7.42 (4), b4 d5120 L8192 19.3 -> 15.0 (8); b8 d4096 (0.97 waves) stays one piece (two: +6 %).
+BWD_WARPS_PER_SM = 8
+BWD_CARRY_COST = 0.12
+BWD_SEGMENT_COST = 0.005
+BWD_MAX_SEGMENTS = 16
+BWD_MIN_SEGMENT_CHUNKS = 8
+
+
+def _segments_for(batch: int, d: int, nchunks: int, sm_count: int) -> int:
+    waves = -(-batch * d // 32) / (BWD_WARPS_PER_SM * sm_count)  # of the one-piece walk
+    cost = lambda s: math.ceil(waves * s - 1e-9) / s + BWD_CARRY_COST * (s - 1) / s + BWD_SEGMENT_COST * s  # noqa: E731
+    return min(range(1, max(1, min(BWD_MAX_SEGMENTS, nchunks // BWD_MIN_SEGMENT_CHUNKS)) + 1), key=cost)
+
+
+def backward_segment_chunks(batch: int, d: int, nchunks: int, ck: int, sm_count: int | None,
+                            segments: int | None = None) -> int:
+    """Chunks per segment of the backward's walk: a multiple of ``ck`` (the checkpoint group), so that a segment
+    rebuilds only its own groups; ``nchunks`` rounded up to one: a single segment. ``segments``: the count wanted
+    (tests, benchmarks); None: the fewest wave-time by the model above (two in the interpreter, so that tests
+    cross a segment)."""
+    groups = -(-nchunks // ck)
+    if segments is None:
+        segments = 2 if sm_count is None else _segments_for(batch, d, nchunks, sm_count)
+    elif segments < 1:
+        raise ValueError(f"selective_scan: segments={segments} must be at least 1")
+    return ck * -(-groups // max(1, min(segments, groups)))
 
 
 def default_request(batch: int, d: int, n: int, varlen: bool, sm_count: int | None) -> str:

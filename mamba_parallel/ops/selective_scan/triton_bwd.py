@@ -13,6 +13,10 @@ With checkpoints every CK chunks (CK > 1) the program first runs the forward rec
 (from the group's checkpoint, into a small scratch of its own, (CK, n, BD) fp32 that stays in L2) and then walks
 the group's chunks in reverse as above, reading the rebuilt states: CK times fewer checkpoints kept between the
 passes for one more forward scan (without y) in the backward.
+
+Segments (SEG_CHUNKS chunks each, a multiple of CK; a third grid axis): each program walks one segment of its
+channels' sequence, starting from the carry the later segments feed in (triton_bwd_carry.py), so a short grid of
+channels still fills the GPU. Partial sums over tokens (dA, dD, d delta_bias) are then per sequence and segment.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mamba_parallel.ops.selective_scan.triton_bwd_carry import segment_carry
 from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, segment_flags
 from mamba_parallel.ops.selective_scan.triton_lanes import rows_lane, warp_channel_sum
 from mamba_parallel.ops.selective_scan.triton_tiles import (delta_tile, first_token, last_token, load_tile,
@@ -81,8 +86,8 @@ def _rebuild_group(u_ptr, dt_ptr, B_base, A_ptr, h0_ptr, sid_ptr, ckpt_ptr, scr_
 def selective_scan_bwd_kernel(
     u_ptr, dt_ptr, z_ptr, B_ptr, C_ptr, A_ptr, D_ptr, dtb_ptr, h0_ptr, sid_ptr, ckpt_ptr, gated_ptr, dy_ptr,
     dlast_ptr, dout_ptr,
-    du_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, ddtb_ptr, dh0_ptr, adj_ptr, scr_ptr,
-    L, dim, dstate, d_per_group, nchunks, nblk, ngroups,
+    du_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, ddtb_ptr, dh0_ptr, adj_ptr, scr_ptr, gl_ptr, ds_ptr,
+    L, dim, dstate, d_per_group, nchunks, nblk, ngroups, seg_chunks, nseg,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
     sB_b, sB_g, sB_n, sB_l, sC_b, sC_g, sC_n, sC_l, ssid_b,
     sdo_b, sdo_d, sdo_l, sdz_b, sdz_d, sdz_l, sg_b, sg_d, sg_l,
@@ -93,7 +98,8 @@ def selective_scan_bwd_kernel(
     STAGES: tl.constexpr = 1, EMU: tl.constexpr = False, CK: tl.constexpr = 1, GATED: tl.constexpr = False,
     DY_GATED: tl.constexpr = False,
 ):
-    """One program: channels [pid * BD, +BD) of sequence pid_b, chunks of P * V tokens walked in reverse.
+    """One program: channels [pid * BD, +BD) of sequence pid_b, the chunks of P * V tokens of segment pid_s
+    (chunks [pid_s * seg_chunks, +seg_chunks) of nchunks, nseg segments) walked in reverse.
 
     A (n, d) and ckpt (b, nchunks, n, d) (states entering each chunk; fp32, or bf16 with CK == 1) are
     state-major, as the forward's; dy (b, d, L) contiguous: the output's gradient (with HAS_Z the gated output's,
@@ -105,20 +111,23 @@ def selective_scan_bwd_kernel(
     silu(z)), so z and dout are read only after the state loop: a load of a channel-contiguous view before it (a
     layer's z and dout) makes Triton give up the row-per-thread layout (sm_90: 2 KB of spills, 5x the
     instructions), where stores and loads after the loop cost nothing of it.
-    Writes du, ddt (b, d, L) contiguous; dB, dC partials (b, nblk, n, L) fp32; dA (b, n, d) (accumulated: zeros from
-    the host), dD (b, d), ddtb (b, d) fp32 per-sequence partials; dh0 like h0. adj (b, 2, n, d) fp32 zeros:
-    ping-pong slots for g = a dh at a chunk's first token.
+    Writes du, ddt (b, d, L) contiguous; dB, dC partials (b, nblk, n, L) fp32; dA (nseg, b, n, d) (accumulated:
+    zeros from the host), dD (nseg, b, d), ddtb (nseg, b, d) fp32 per-segment partials; dh0 like h0. adj
+    (nseg, b, 2, n, d) fp32: ping-pong slots for g = a dh at a chunk's first token. gl (b, nseg, n, d) / ds
+    (b, nseg, d): the later segments' carries (adjoint_carry_kernel; unread with one segment).
     LANE_SUM (the row-per-thread layout only; P = 2^LP, V = 2^LV): dB / dC partials per warp of 32 channels
     (nblk = d / 32) by lane shuffles (triton_lanes.py) instead of per program by ``tl.reduce``.
     UNROLL states per iteration of the state loop, pipelined over STAGES stages.
     scr_ptr / ngroups: unused with CK == 1 (the host passes adj and nchunks), as the forward's: the argument list
     whose code was timed. CK > 1: ckpt (b, ngroups = cdiv(nchunks, CK), n, d) holds the state entering every
     CK-th chunk; before walking a group's chunks the program rebuilds the states entering them into its own
-    slots of scr (b, CK, n, d) fp32 (``_rebuild_group``), which the walk then reads as checkpoints.
+    slots of scr (nseg, b, CK, n, d) fp32 (``_rebuild_group``), which the walk then reads as checkpoints.
     EMU (tests): the lane paths with the shuffles emulated, so that the interpreter runs them.
     """
     pid = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
+    seg = tl.program_id(2)
+    part = seg * tl.num_programs(1) + pid_b  # this program's row of the per-segment buffers
     rows = tl.arange(0, BD)
     offs_d = pid * BD + rows  # the channel of each row
     p_idx = tl.arange(0, P)[:, None]
@@ -148,9 +157,16 @@ def selective_scan_bwd_kernel(
         part_base = (pid_b * nblk + pid) * dstate * L
     dD_acc = tl.zeros([BD], dtype=tl.float32)
     ddtb_acc = tl.zeros([BD], dtype=tl.float32)
+    c_lo = seg * seg_chunks
+    c_hi = tl.minimum(c_lo + seg_chunks, nchunks)
+    adj_base = adj_ptr + part * 2 * dn
+    scr_base = scr_ptr + seg * tl.num_programs(1) * CK * dn  # _rebuild_group adds pid_b's slots
+    # the carry entering the segment's last chunk, where the walk reads it
+    segment_carry(gl_ptr, ds_ptr, A_ptr, adj_base + (c_hi % 2) * dn, pid_b, seg, nseg, dim, dstate, s_row, FAST_EXP)
+    tl.debug_barrier()
 
-    for ci in range(nchunks):
-        c = nchunks - 1 - ci
+    for ci in range(c_hi - c_lo):
+        c = c_hi - 1 - ci
         t = c * (P * V) + tok
         mt = t < L
         t2 = c * (P * V) + tok2
@@ -176,15 +192,15 @@ def selective_scan_bwd_kernel(
         if CK > 1:
             j = c % CK  # the chunk's place in its group
             if (j == CK - 1) | (c == nchunks - 1):  # the group's last chunk, walked first
-                _rebuild_group(u_ptr, dt_ptr, B_base, A_ptr, h0_ptr, sid_ptr, ckpt_ptr, scr_ptr, pid_b, c0, c - j, j,
+                _rebuild_group(u_ptr, dt_ptr, B_base, A_ptr, h0_ptr, sid_ptr, ckpt_ptr, scr_base, pid_b, c0, c - j, j,
                                L, dim, dstate, ngroups, s_row, drow, bias, su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sB_n,
                                sB_l, ssid_b, v_idx, p_idx, tok, tok2, HAS_DTB, SOFTPLUS, HAS_H0, HAS_SID, VARLEN,
                                FAST_EXP, BD, P, V, LANE_SUM, CK)
-            ck = scr_ptr + (pid_b * CK + j) * dn + s_row
+            ck = scr_base + (pid_b * CK + j) * dn + s_row
         else:
             ck = ckpt_ptr + (pid_b * nchunks + c) * dn + s_row
-        adj_in = adj_ptr + (pid_b * 2 + (c + 1) % 2) * dn + s_row  # g entering from chunk c + 1
-        adj_out = adj_ptr + (pid_b * 2 + c % 2) * dn + s_row
+        adj_in = adj_base + ((c + 1) % 2) * dn + s_row  # g entering from chunk c + 1
+        adj_out = adj_base + (c % 2) * dn + s_row
 
         dhB = tl.zeros([P, BD, V], dtype=tl.float32)   # sum_n dh * B_n
         dhA = tl.zeros([P, BD, V], dtype=tl.float32)   # sum_n dh * a_t h_{t-1} * A_n
@@ -236,7 +252,7 @@ def selective_scan_bwd_kernel(
                 dhB += dh * B_n
                 x = dh * (hs - bx)  # dh_t a_t h_{t-1}
                 dhA += x * A_n
-                dA_n = dA_ptr + pid_b * dn + s_row + n * dim  # accumulated over chunks (zeros from the host)
+                dA_n = dA_ptr + part * dn + s_row + n * dim  # accumulated over chunks (zeros from the host)
                 tl.store(dA_n, tl.load(dA_n) + tl.sum(tl.sum(x * dt, axis=2), axis=0))
                 if HAS_H0:
                     if VARLEN:
@@ -268,6 +284,6 @@ def selective_scan_bwd_kernel(
             tl.debug_barrier()  # the carries, for other layouts
 
     if HAS_D:
-        tl.store(dD_ptr + pid_b * dim + offs_d, dD_acc)
+        tl.store(dD_ptr + part * dim + offs_d, dD_acc)
     if HAS_DTB:
-        tl.store(ddtb_ptr + pid_b * dim + offs_d, ddtb_acc)
+        tl.store(ddtb_ptr + part * dim + offs_d, ddtb_acc)

@@ -1,14 +1,14 @@
 """One launch for the finishing reductions of the Mamba-1 selective-scan backward.
 
 The backward kernel (triton_bwd.py) leaves partial sums: dB / dC per channel block (b, nblk, n, L), dA per sequence
-(b, n, d), dD and d delta_bias per sequence (b, d). Summing them with torch takes ~8 small launches, and a small
+and sequence segment (parts, n, d), dD and d delta_bias likewise (parts, d). Summing them with torch takes ~8 small launches, and a small
 model's training step on an H200 is bound by their host cost (~10-20 us each). Here one 1-D grid does all of it,
 its program ids split into ranges by job:
 
     [0, nbc)              dB: a program sums the nblk / G partial rows of one (b, g, n) row over BT tokens
     [nbc, 2 nbc)          dC: the same
-    [2 nbc, 2 nbc + na)   dA: BA elements of the (n, d) partials summed over b (times dA_scale), stored as (d, n)
-    [2 nbc + na, end)     dD and d delta_bias: BA channels summed over b
+    [2 nbc, 2 nbc + na)   dA: BA elements of the (n, d) partials summed over parts (times dA_scale), stored as (d, n)
+    [2 nbc + na, end)     dD and d delta_bias: BA channels summed over parts
 
 Sums are fp32 in a fixed order (no atomics), so the results are deterministic. Outputs take any strides and dtype
 (cast on store): the caller may pass slices of a bigger buffer, e.g. its x_proj output's gradient.
@@ -54,7 +54,7 @@ def _group_sum(src_ptr, dst_ptr, tile, K, nblk, G, dstate, L, ntok_tiles, s_b, s
 def _dA_sum(part_ptr, scale_ptr, dst_ptr, tile, nb, dim, dstate, sc_d, sc_n, s_d, s_n,
             HAS_SCALE: tl.constexpr, BA: tl.constexpr):
     """dst[c, s] = sum_i part[i, s, c] (* scale[c, s]) for BA elements of the flattened (n, d) partials.
-    part (b, n, d) fp32 contiguous; scale, dst (d, n) with strides sc_*, s_*."""
+    part (nb, n, d) fp32 contiguous; scale, dst (d, n) with strides sc_*, s_*."""
     offs = tile * BA + tl.arange(0, BA)
     m = offs < dim * dstate
     acc = tl.zeros([BA], dtype=tl.float32)
@@ -71,7 +71,7 @@ def _dA_sum(part_ptr, scale_ptr, dst_ptr, tile, nb, dim, dstate, sc_d, sc_n, s_d
 
 @triton.jit
 def _channel_sum(part_ptr, dst_ptr, tile, nb, dim, s_d, BA: tl.constexpr):
-    """dst[c] = sum_i part[i, c] for BA channels; part (b, d) fp32 contiguous, dst (d,) with stride s_d."""
+    """dst[c] = sum_i part[i, c] for BA channels; part (nb, d) fp32 contiguous, dst (d,) with stride s_d."""
     offs = tile * BA + tl.arange(0, BA)
     m = offs < dim
     acc = tl.zeros([BA], dtype=tl.float32)
@@ -118,7 +118,7 @@ def _check_out(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 
 def _pair(name: str, part: torch.Tensor | None, out: torch.Tensor | None, b: int, d: int) -> None:
-    """An optional (b, d) partial and its (d,) output: both given or both None."""
+    """An optional (parts, d) partial and its (d,) output: both given or both None."""
     if (part is None) != (out is None):
         raise ValueError(f"finish_bwd: {name}_part and {name}_out must both be given or both be None")
     if part is not None:
@@ -132,25 +132,27 @@ def finish_bwd(dBp: torch.Tensor, dCp: torch.Tensor, dA_part: torch.Tensor, dD_p
                dA_scale: torch.Tensor | None = None) -> None:
     """Writes, in one kernel launch:
     dB_out (b, G, n, L) = dBp (b, nblk, n, L) summed over each group's nblk / G consecutive partial rows (dC too);
-    dA_out (d, n) = dA_part (b, n, d) summed over b, transposed, times dA_scale (d, n) when given;
-    dD_out, ddtb_out (d,) = dD_part, ddtb_part (b, d) summed over b (skipped where None).
-    Partials are contiguous fp32; outputs any strides and dtype (cast on store); G = groups."""
+    dA_out (d, n) = dA_part (parts, n, d) summed over parts, transposed, times dA_scale (d, n) when given;
+    dD_out, ddtb_out (d,) = dD_part, ddtb_part (parts, d) summed over parts (skipped where None).
+    parts: any count, e.g. b sequences times the backward's segments of each. Partials are contiguous fp32;
+    outputs any strides and dtype (cast on store); G = groups."""
     if dBp.dim() != 4:
         raise ValueError(f"finish_bwd: dBp must be (b, nblk, n, L), got shape {tuple(dBp.shape)}")
     b, nblk, n, L = dBp.shape
     d = dA_part.shape[2] if dA_part.dim() == 3 else -1
+    parts = dA_part.shape[0] if dA_part.dim() == 3 else -1
     if groups < 1 or nblk % groups:
         raise ValueError(f"finish_bwd: groups={groups} must divide the {nblk} partial rows of dBp")
     _check_part("dBp", dBp, (b, nblk, n, L))
     _check_part("dCp", dCp, (b, nblk, n, L))
-    _check_part("dA_part", dA_part, (b, n, d))
+    _check_part("dA_part", dA_part, (parts, n, d))
     for name, t in (("dB_out", dB_out), ("dC_out", dC_out)):
         _check_out(name, t, (b, groups, n, L))
     _check_out("dA_out", dA_out, (d, n))
     if dA_scale is not None:
         _check_out("dA_scale", dA_scale, (d, n))
-    _pair("dD", dD_part, dD_out, b, d)
-    _pair("ddtb", ddtb_part, ddtb_out, b, d)
+    _pair("dD", dD_part, dD_out, parts, d)
+    _pair("ddtb", ddtb_part, ddtb_out, parts, d)
 
     interp = not dBp.is_cuda or interpret_mode()
     tile, ba, kr = (INTERP_TILE, INTERP_BA, INTERP_KR) if interp else (GPU_TILE, GPU_BA, GPU_KR)
@@ -169,7 +171,7 @@ def finish_bwd(dBp: torch.Tensor, dCp: torch.Tensor, dA_part: torch.Tensor, dD_p
     finish_bwd_kernel[(grid,)](
         dBp, dCp, dB_out, dC_out, dA_part, opt(dA_scale), dA_out, opt(dD_part), opt(dD_out), opt(ddtb_part),
         opt(ddtb_out),
-        b, nblk, K, groups, n, L, d, ntok_tiles, nbc, na,
+        parts, nblk, K, groups, n, L, d, ntok_tiles, nbc, na,
         *dB_out.stride(), *dC_out.stride(), st(dA_scale, 0), st(dA_scale, 1), *dA_out.stride(),
         st(dD_out, 0), st(ddtb_out, 0),
         HAS_SCALE=dA_scale is not None, HAS_D=dD_part is not None, HAS_DTB=ddtb_part is not None,

@@ -32,6 +32,7 @@ from mamba_parallel.ops.backend import gpu_compiled
 from mamba_parallel.ops.eager_fastpath import eager, fastpath
 from mamba_parallel.ops.selective_scan import launch
 from mamba_parallel.ops.selective_scan.triton_bwd import selective_scan_bwd_kernel
+from mamba_parallel.ops.selective_scan.triton_bwd_carry import adjoint_carry_kernel
 from mamba_parallel.ops.selective_scan.triton_finish import finish_bwd
 from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kernel
 
@@ -229,7 +230,8 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
                   dy: torch.Tensor, dlast: torch.Tensor | None, delta_softplus: bool, varlen: bool, path: str,
                   dB_out: torch.Tensor | None = None, dC_out: torch.Tensor | None = None,
                   dA_scale: torch.Tensor | None = None, checkpoint_every: int = 1, dz_out: torch.Tensor | None = None,
-                  gated_out: torch.Tensor | None = None, dgated: torch.Tensor | None = None) -> list[torch.Tensor]:
+                  gated_out: torch.Tensor | None = None, dgated: torch.Tensor | None = None,
+                  segments: int | None = None) -> list[torch.Tensor]:
     """Gradients [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state] in the inputs' dtypes and
     shapes; an absent optional input gets an empty tensor. path: the forward's. B / C: (b, [g,] n, L) of any dtype
     (e.g. the layer's bf16 views, or fp32 (b, g, n, L) tensors a caller converted once for the forward: no copy
@@ -244,7 +246,8 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     dgated (a layer's (b, L, .) buffers) out of the kernel's state loop. dz_out (u-shaped, any strides, z's
     dtype, e.g. the z half of in_proj's output gradient): dz is written there (an empty placeholder in the list);
     gated_out (u-shaped, any strides): also receives y * silu(z), the forward's output (a fused layer's out_proj
-    input)."""
+    input). segments: how many parts of the sequence the backward walks at once (None: enough to fill the GPU;
+    one with seq_idx / cu_seqlens, whose restarts the carries between parts do not model)."""
     b, d, L = u.shape
     n = A.shape[1]
     # with dgated, z is read only after the state loop, where its layout costs the kernel nothing: the plan (its
@@ -253,6 +256,9 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     nchunks = _cdiv(L, run.chunk)
     ck = launch.checkpoint_group(checkpoint_every, nchunks)
     ngroups = _cdiv(nchunks, ck)
+    seg_chunks = ngroups * ck if sid is not None else launch.backward_segment_chunks(b, d, nchunks, ck, _sms(u),
+                                                                                      segments)
+    nseg = _cdiv(nchunks, seg_chunks)
     if ckpt.shape != (b, ngroups, n, d) or (ck > 1 and ckpt.dtype != torch.float32):
         raise RuntimeError(f"selective_scan_bwd: checkpoints {tuple(ckpt.shape)} {ckpt.dtype} do not match chunks "
                            f"of {run.chunk} tokens, one kept per {checkpoint_every} (path {path!r}; fp32 unless one "
@@ -276,13 +282,14 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     dz = dz_out if dz_out is not None or z is None else torch.empty((b, d, L), device=dev, dtype=z.dtype)
     dBp = torch.empty((b, nblk, n, L), device=dev, dtype=f32)
     dCp = torch.empty((b, nblk, n, L), device=dev, dtype=f32)
-    dA = torch.zeros((b, n, d), device=dev, dtype=f32)
-    dD = torch.empty((b, d), device=dev, dtype=f32) if D is not None else None
-    ddtb = torch.empty((b, d), device=dev, dtype=f32) if delta_bias is not None else None
-    adj = torch.zeros((b, 2, n, d), device=dev, dtype=f32)  # ping-pong adjoint carries
+    # sums over tokens, per segment and sequence
+    dA = torch.zeros((nseg * b, n, d), device=dev, dtype=f32)
+    dD = torch.empty((nseg * b, d), device=dev, dtype=f32) if D is not None else None
+    ddtb = torch.empty((nseg * b, d), device=dev, dtype=f32) if delta_bias is not None else None
+    adj = torch.empty((nseg, b, 2, n, d), device=dev, dtype=f32)  # ping-pong adjoint carries
     # the states entering a group's chunks, rebuilt from its checkpoint: each program reads back only its own
-    # channels' slots, so (b, ck, n, d) of them stay in L2 while the group is walked
-    scratch = torch.empty((b, ck, n, d), device=dev, dtype=f32) if ck > 1 else adj
+    # channels' slots, so (b, ck, n, d) of them per segment stay in L2 while the group is walked
+    scratch = torch.empty((nseg, b, ck, n, d), device=dev, dtype=f32) if ck > 1 else adj
     h0 = initial_state.contiguous() if initial_state is not None else None
     dl = dlast.contiguous() if dlast is not None else None
     if dl is not None and not varlen:  # read per chunk and state: state-major
@@ -295,14 +302,27 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
         dh0 = torch.empty(h0.shape, device=dev, dtype=f32)
     zz = z if z is not None else u
     opt = lambda t: t if t is not None else du  # noqa: E731  (pointer placeholder for an absent tensor)
+    At = A.t().contiguous()
+    gl, ds = adj, adj  # the later segments' carries: unread with one segment
+    if nseg > 1:
+        gl = torch.empty((b, nseg, n, d), device=dev, dtype=f32)
+        ds = torch.empty((b, nseg, d), device=dev, dtype=f32)
+        gpu = gpu_compiled(u)
+        adjoint_carry_kernel[(d // bd, b, nseg - 1)](
+            delta, opt(delta_bias), zz, dy, C4, At, opt(dl), gl, ds,
+            L, d, n, d // G, seg_chunks * run.chunk, nseg, *delta.stride(), *zz.stride(), *C4.stride(),
+            HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus, GATE_DY=z is not None and dgated is None,
+            HAS_DLAST=dl is not None, FAST_EXP=gpu, BD=bd, NP=triton.next_power_of_2(n), T=16 if gpu else 4,
+            num_warps=4 if gpu else 1)
     meta = _tile_meta(run)
     if run.row_layout:
         meta.update(LP=run.vectors.bit_length() - 1, LV=run.vec.bit_length() - 1)
-    selective_scan_bwd_kernel[(d // bd, b)](
-        u, delta, zz, B4, C4, A.t().contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), ckpt,
+    selective_scan_bwd_kernel[(d // bd, b, nseg)](
+        u, delta, zz, B4, C4, At, opt(D), opt(delta_bias), opt(h0), opt(sid), ckpt,
         opt(gated_out), dy, opt(dl), dout,
-        du, ddt, opt(dz), dBp, dCp, dA, opt(dD), opt(ddtb), opt(dh0), adj, scratch,
-        L, d, n, d // G, nchunks, nblk, ngroups if ck > 1 else nchunks, *_strides(u, delta, zz, B4, C4, sid),
+        du, ddt, opt(dz), dBp, dCp, dA, opt(dD), opt(ddtb), opt(dh0), adj, scratch, gl, ds,
+        L, d, n, d // G, nchunks, nblk, ngroups if ck > 1 else nchunks, seg_chunks, nseg,
+        *_strides(u, delta, zz, B4, C4, sid),
         *dout.stride(), *opt(dz).stride(), *opt(gated_out).stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, HAS_DLAST=dl is not None,

@@ -1,0 +1,93 @@
+"""The adjoint carries that let the Mamba-1 scan's backward walk sequence segments in parallel.
+
+The backward (triton_bwd.py) runs one thread per channel through the sequence in reverse; with few channels (a
+small model: b8 x d1536 is 3 warps per SM) that walk is latency-bound, so it splits the sequence into segments
+walked at once. A segment's walk needs g, the adjoint a_f dh_f at the first token f of the segment after it. g is
+linear in what the later tokens feed in, and with cum_t = delta_f + ... + delta_t (inclusive) over segment k
+
+    g_loc[k] = sum_{t in k} exp(A cum_t) C_t dy_t  (+ exp(A cum_{L-1}) dlast in the last segment)
+    g[k]     = g_loc[k] + exp(A sum_{t in k} delta_t) g[k + 1]
+
+so each segment's g_loc is a sum over its tokens (a cumsum of delta, no recurrence): this pass computes every
+g_loc and delta sum at full parallelism, and each backward program folds the later segments' into its carry
+before its walk (a loop over segments, not tokens). The pass costs one exp per element and state, as the walk.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mamba_parallel.ops.selective_scan.triton_common import LOG2E, exp2, softplus
+
+
+@triton.jit
+def adjoint_carry_kernel(
+    dt_ptr, dtb_ptr, z_ptr, dy_ptr, C_ptr, A_ptr, dlast_ptr, gl_ptr, ds_ptr,
+    L, dim, dstate, d_per_group, seg_len, nseg,
+    sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sC_b, sC_g, sC_n, sC_l,
+    HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr, GATE_DY: tl.constexpr, HAS_DLAST: tl.constexpr,
+    FAST_EXP: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, T: tl.constexpr,
+):
+    """One program: channels [pid * BD, +BD) of sequence pid_b, segment pid_s + 1 (segment 0's is never needed),
+    its tokens [seg * seg_len, +seg_len) in tiles of T.
+
+    dt, z (b, d, L) any strides; dy (b, d, L) contiguous (GATE_DY: the gated output's gradient, times silu(z)
+    here as in the backward); C (b, g, n, L) strides sC_*; A (n, d) state-major; dlast (b, n, d) state-major.
+    Writes gl (b, nseg, n, d) = g_loc and ds (b, nseg, d) = the segment's delta sum, fp32 (slot 0 unwritten)."""
+    pid = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    seg = tl.program_id(2) + 1
+    offs_d = pid * BD + tl.arange(0, BD)
+    nn = tl.arange(0, NP)
+    mn = nn < dstate
+    A2 = tl.load(A_ptr + nn[:, None] * dim + offs_d[None, :], mask=mn[:, None], other=0.0).to(tl.float32) * LOG2E
+    if HAS_DTB:
+        bias = tl.load(dtb_ptr + offs_d).to(tl.float32)[:, None]
+    C_base = C_ptr + pid_b * sC_b + ((pid * BD) // d_per_group) * sC_g
+    acc = tl.zeros([NP, BD], dtype=tl.float32)
+    cum = tl.zeros([BD], dtype=tl.float32)
+    t_lo = seg * seg_len
+    t_hi = tl.minimum(t_lo + seg_len, L)
+    for t0 in range(t_lo, t_hi, T):
+        t = t0 + tl.arange(0, T)
+        mt = (t < t_hi)[None, :]
+        dt = tl.load(dt_ptr + pid_b * sdt_b + offs_d[:, None] * sdt_d + t[None, :] * sdt_l, mask=mt,
+                     other=0.0).to(tl.float32)
+        if HAS_DTB:
+            dt += bias
+        if SOFTPLUS:
+            dt = softplus(dt)
+        dt = tl.where(mt, dt, 0.0)
+        c = tl.cumsum(dt, axis=1) + cum[:, None]  # (BD, T): delta summed from the segment's first token
+        cum += tl.sum(dt, axis=1)
+        dy = tl.load(dy_ptr + (pid_b * dim + offs_d[:, None]) * L + t[None, :], mask=mt, other=0.0).to(tl.float32)
+        if GATE_DY:
+            zv = tl.load(z_ptr + pid_b * sz_b + offs_d[:, None] * sz_d + t[None, :] * sz_l, mask=mt,
+                         other=0.0).to(tl.float32)
+            dy = dy * zv * tl.sigmoid(zv)
+        Cn = tl.load(C_base + nn[:, None] * sC_n + t[None, :] * sC_l, mask=mn[:, None] & mt, other=0.0)
+        w = exp2(A2[:, :, None] * c[None, :, :], FAST_EXP)  # (NP, BD, T)
+        acc += tl.sum(w * (Cn.to(tl.float32)[:, None, :] * dy[None, :, :]), axis=2)
+    if HAS_DLAST:
+        if seg == nseg - 1:  # d(last state) enters at token L - 1, the last segment's last
+            dl = tl.load(dlast_ptr + pid_b * dim * dstate + nn[:, None] * dim + offs_d[None, :], mask=mn[:, None],
+                         other=0.0).to(tl.float32)
+            acc += exp2(A2 * cum[None, :], FAST_EXP) * dl
+    row = pid_b * nseg + seg
+    tl.store(gl_ptr + (row * dstate + nn[:, None]) * dim + offs_d[None, :], acc, mask=mn[:, None])
+    tl.store(ds_ptr + row * dim + offs_d, cum)
+
+
+@triton.jit
+def segment_carry(gl_ptr, ds_ptr, A_ptr, slot_ptr, pid_b, seg, nseg, dim, dstate, s_row, FAST_EXP: tl.constexpr):
+    """g entering segment ``seg`` from the later ones (0 for the last) -> slot_ptr (n, d) state-major, at this
+    program's channels s_row: g = g_loc[k] + exp(A ds[k]) g over k = nseg - 1 .. seg + 1 (adjoint_carry_kernel)."""
+    for n in range(dstate):
+        A_n = tl.load(A_ptr + s_row + n * dim).to(tl.float32) * LOG2E
+        g = tl.zeros(s_row.shape, dtype=tl.float32)
+        for i in range(nseg - 1 - seg):
+            row = pid_b * nseg + nseg - 1 - i
+            decay = exp2(A_n * tl.load(ds_ptr + row * dim + s_row), FAST_EXP)
+            g = tl.load(gl_ptr + (row * dstate + n) * dim + s_row) + decay * g
+        tl.store(slot_ptr + n * dim + s_row, g)
