@@ -175,9 +175,10 @@ def _backward(s: ScanShape, interp: bool, row_layout: bool) -> Launch:
 # segment. Its programs are latency-bound and run in waves of BWD_WARPS_PER_SM resident warps (255 registers a
 # thread), so s segments take ~ceil(waves(s)) / s of the one-piece walk's wave time, plus the carry pass over
 # (s - 1) / s of the tokens, which costs BWD_CARRY_COST of a full wave's walk, and BWD_SEGMENT_COST per segment
-# (each program's setup, the later segments' carries summed). Fit on an H100, bf16, n 16 (A/B of
-# the backward alone): b8 d1536 L2048 4.13 -> 2.42 ms (11 segments), b8 d2048 4.22 -> 2.99 (2), b8 d5120 9.89 ->
-# 7.42 (4), b4 d5120 L8192 19.3 -> 15.0 (8); b8 d4096 (0.97 waves) stays one piece (two: +6 %).
+# (each program's setup, the later segments' carries summed). Fit on an H100, bf16, n 16 (scan_backward alone,
+# B / C as strided bf16 views; docs/kernels/selective_scan.md has the table): b8 d1536 L2048 4.13 -> 2.38 ms (8
+# segments), b8 d2048 4.22 -> 2.99 (2), b8 d5120 9.89 -> 7.42 (4), b4 d5120 L8192 19.3 -> 15.4 (3); b8 d4096
+# (0.97 waves) stays one piece (two: +6 %).
 BWD_WARPS_PER_SM = 8
 BWD_CARRY_COST = 0.12
 BWD_SEGMENT_COST = 0.005

@@ -1,9 +1,9 @@
 """One launch for the finishing reductions of the Mamba-1 selective-scan backward.
 
 The backward kernel (triton_bwd.py) leaves partial sums: dB / dC per channel block (b, nblk, n, L), dA per sequence
-and sequence segment (parts, n, d), dD and d delta_bias likewise (parts, d). Summing them with torch takes ~8 small launches, and a small
-model's training step on an H200 is bound by their host cost (~10-20 us each). Here one 1-D grid does all of it,
-its program ids split into ranges by job:
+and sequence segment (parts, n, d), dD and d delta_bias likewise (parts, d). Summing them with torch takes ~8
+small launches, and a small model's training step on an H200 is bound by their host cost (~10-20 us each). Here
+one 1-D grid does all of it, its program ids split into ranges by job:
 
     [0, nbc)              dB: a program sums the nblk / G partial rows of one (b, g, n) row over BT tokens
     [nbc, 2 nbc)          dC: the same
