@@ -108,6 +108,18 @@ def test_backward_segments_by_waves(b, d, L, segments):
     assert -(-nchunks // launch.backward_segment_chunks(b, d, nchunks, 1, H200_SMS)) == segments
 
 
+def test_backward_segments_do_not_move_with_the_states_recompute():
+    """On a GPU segments are whole units of the ``states`` recompute's checkpoint group, so one checkpoint per
+    chunk and one per group split the walk alike (the recompute stays bit for bit)."""
+    from mamba_parallel.layers.recompute import SCAN_CHECKPOINT_EVERY
+
+    assert launch.BWD_MIN_SEGMENT_CHUNKS % SCAN_CHECKPOINT_EVERY == 0
+    for b, d, L in [(8, 1536, 2048), (8, 5120, 2048), (4, 5120, 8192), (1, 1536, 1000), (2, 768, 300)]:
+        nchunks = -(-L // 16)
+        assert (launch.backward_segment_chunks(b, d, nchunks, 1, H200_SMS)
+                == launch.backward_segment_chunks(b, d, nchunks, SCAN_CHECKPOINT_EVERY, H200_SMS)), (b, d, L)
+
+
 def test_backward_segments_whole_groups():
     """Segments hold whole checkpoint groups (the last may be short), never more segments than groups; the
     interpreter takes two so that every CPU test crosses a segment; a count below one is refused."""

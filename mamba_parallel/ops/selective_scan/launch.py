@@ -194,16 +194,18 @@ def _segments_for(batch: int, d: int, nchunks: int, sm_count: int) -> int:
 
 def backward_segment_chunks(batch: int, d: int, nchunks: int, ck: int, sm_count: int | None,
                             segments: int | None = None) -> int:
-    """Chunks per segment of the backward's walk: a multiple of ``ck`` (the checkpoint group), so that a segment
-    rebuilds only its own groups; ``nchunks`` rounded up to one: a single segment. ``segments``: the count wanted
-    (tests, benchmarks); None: the fewest wave-time by the model above (two in the interpreter, so that tests
-    cross a segment)."""
-    groups = -(-nchunks // ck)
+    """Chunks per segment of the backward's walk, ``nchunks`` or more: a single segment. ``segments``: the count
+    wanted (tests, benchmarks); None: the least wave time by the model above (two in the interpreter, so that
+    tests cross a segment). A segment holds whole checkpoint groups (``ck`` chunks: it rebuilds only its own);
+    on a GPU whole units of BWD_MIN_SEGMENT_CHUNKS too, which is the ``states`` recompute's group, so that
+    recompute moves no segment boundary and its gradients stay bit for bit those without it."""
+    unit = ck if sm_count is None else max(ck, BWD_MIN_SEGMENT_CHUNKS)
+    units = -(-nchunks // unit)
     if segments is None:
         segments = 2 if sm_count is None else _segments_for(batch, d, nchunks, sm_count)
     elif segments < 1:
         raise ValueError(f"selective_scan: segments={segments} must be at least 1")
-    return ck * -(-groups // max(1, min(segments, groups)))
+    return unit * -(-units // max(1, min(segments, units)))
 
 
 def default_request(batch: int, d: int, n: int, varlen: bool, sm_count: int | None) -> str:
