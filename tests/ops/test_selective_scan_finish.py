@@ -207,17 +207,24 @@ def test_scan_backward_gate_into_caller_outputs(dtype, path, monkeypatch):
         assert_close(ours[i], ref[i], dtype, grad=True, name=str(i))
 
 
-@pytest.mark.parametrize("path,K", [("generic", 1), ("generic", 2), ("row_per_thread", 2)])
-def test_scan_backward_segments(path, K):
+@pytest.mark.parametrize("path,K,mode", [("generic", 1, None), ("generic", 2, None), ("row_per_thread", 2, None),
+                                         ("generic", 1, "seq_idx"), ("generic", 2, "cu_seqlens")])
+def test_scan_backward_segments(path, K, mode):
     """The sequence walked in segments (each from the carry of the later ones, triton_bwd_carry.py): every
     gradient, d(last state) and d(initial state) included, as the walk in one piece gives them, for segment
-    counts that split 5 chunks evenly, unevenly and into single chunks (K = 2: whole groups of 2 chunks)."""
-    b, d, L, n = 2, 32, 37, 4
+    counts that split 5 chunks evenly, unevenly and into single chunks (K = 2: whole groups of 2 chunks).
+    Restarts (seq_idx, or packed sequences with their own initial and last states) at a segment's first token
+    (16, with 3 segments of 16 tokens) and inside one (21)."""
+    b, d, L, n = (1 if mode == "cu_seqlens" else 2), 32, 37, 4
     args, dy = _scan_args(b, d, L, n)
-    dlast = torch.randn(b, d, n, generator=torch.Generator().manual_seed(1))
-    u, delta, A, B, C, D, z, dtb, h0 = args
-    _, _, ckpt = scan_forward(*args, None, True, False, b, True, path, K)
-    run = lambda segments: scan_backward(*args, None, ckpt, dy, dlast, True, False, path,  # noqa: E731
+    sid, varlen, nstates = None, mode == "cu_seqlens", b
+    if mode is not None:
+        sid = torch.tensor([0] * 16 + [1] * 5 + [2] * 16, dtype=torch.int32).expand(b, L).contiguous()
+        nstates = 3 if varlen else b
+        args[8] = torch.randn(nstates, d, n, generator=torch.Generator().manual_seed(2))
+    dlast = torch.randn(nstates, d, n, generator=torch.Generator().manual_seed(1))
+    _, _, ckpt = scan_forward(*args, sid, True, varlen, nstates, True, path, K)
+    run = lambda segments: scan_backward(*args, sid, ckpt, dy, dlast, True, varlen, path,  # noqa: E731
                                          checkpoint_every=K, segments=segments)
     whole = run(1)
     for segments in (2, 3, 9):

@@ -87,6 +87,7 @@ def selective_scan_bwd_kernel(
     u_ptr, dt_ptr, z_ptr, B_ptr, C_ptr, A_ptr, D_ptr, dtb_ptr, h0_ptr, sid_ptr, ckpt_ptr, gated_ptr, dy_ptr,
     dlast_ptr, dout_ptr,
     du_ptr, ddt_ptr, dz_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, ddtb_ptr, dh0_ptr, adj_ptr, scr_ptr, gl_ptr, ds_ptr,
+    rs_ptr,
     L, dim, dstate, d_per_group, nchunks, nblk, ngroups, seg_chunks, nseg,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
     sB_b, sB_g, sB_n, sB_l, sC_b, sC_g, sC_n, sC_l, ssid_b,
@@ -114,7 +115,8 @@ def selective_scan_bwd_kernel(
     Writes du, ddt (b, d, L) contiguous; dB, dC partials (b, nblk, n, L) fp32; dA (nseg, b, n, d) (accumulated:
     zeros from the host), dD (nseg, b, d), ddtb (nseg, b, d) fp32 per-segment partials; dh0 like h0. adj
     (nseg, b, 2, n, d) fp32: ping-pong slots for g = a dh at a chunk's first token. gl (b, nseg, n, d) / ds
-    (b, nseg, d): the later segments' carries (adjoint_carry_kernel; unread with one segment).
+    (b, nseg, d) / rs (b, nseg) int32 with HAS_SID: the later segments' carries (adjoint_carry_kernel; unread with
+    one segment).
     LANE_SUM (the row-per-thread layout only; P = 2^LP, V = 2^LV): dB / dC partials per warp of 32 channels
     (nblk = d / 32) by lane shuffles (triton_lanes.py) instead of per program by ``tl.reduce``.
     UNROLL states per iteration of the state loop, pipelined over STAGES stages.
@@ -162,7 +164,8 @@ def selective_scan_bwd_kernel(
     adj_base = adj_ptr + part * 2 * dn
     scr_base = scr_ptr + seg * tl.num_programs(1) * CK * dn  # _rebuild_group adds pid_b's slots
     # the carry entering the segment's last chunk, where the walk reads it
-    segment_carry(gl_ptr, ds_ptr, A_ptr, adj_base + (c_hi % 2) * dn, pid_b, seg, nseg, dim, dstate, s_row, FAST_EXP)
+    segment_carry(gl_ptr, ds_ptr, rs_ptr, A_ptr, adj_base + (c_hi % 2) * dn, pid_b, seg, nseg, dim, dstate, s_row,
+                  HAS_SID, FAST_EXP)
     tl.debug_barrier()
 
     for ci in range(c_hi - c_lo):

@@ -246,8 +246,7 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     dgated (a layer's (b, L, .) buffers) out of the kernel's state loop. dz_out (u-shaped, any strides, z's
     dtype, e.g. the z half of in_proj's output gradient): dz is written there (an empty placeholder in the list);
     gated_out (u-shaped, any strides): also receives y * silu(z), the forward's output (a fused layer's out_proj
-    input). segments: how many parts of the sequence the backward walks at once (None: enough to fill the GPU;
-    one with seq_idx / cu_seqlens, whose restarts the carries between parts do not model)."""
+    input). segments: how many parts of the sequence the backward walks at once (None: what fills the GPU)."""
     b, d, L = u.shape
     n = A.shape[1]
     # with dgated, z is read only after the state loop, where its layout costs the kernel nothing: the plan (its
@@ -256,8 +255,7 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     nchunks = _cdiv(L, run.chunk)
     ck = launch.checkpoint_group(checkpoint_every, nchunks)
     ngroups = _cdiv(nchunks, ck)
-    seg_chunks = ngroups * ck if sid is not None else launch.backward_segment_chunks(b, d, nchunks, ck, _sms(u),
-                                                                                      segments)
+    seg_chunks = launch.backward_segment_chunks(b, d, nchunks, ck, _sms(u), segments)
     nseg = _cdiv(nchunks, seg_chunks)
     if ckpt.shape != (b, ngroups, n, d) or (ck > 1 and ckpt.dtype != torch.float32):
         raise RuntimeError(f"selective_scan_bwd: checkpoints {tuple(ckpt.shape)} {ckpt.dtype} do not match chunks "
@@ -303,24 +301,27 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     zz = z if z is not None else u
     opt = lambda t: t if t is not None else du  # noqa: E731  (pointer placeholder for an absent tensor)
     At = A.t().contiguous()
-    gl, ds = adj, adj  # the later segments' carries: unread with one segment
+    gl, ds, rs = adj, adj, adj  # the later segments' carries: unread with one segment
     if nseg > 1:
         gl = torch.empty((b, nseg, n, d), device=dev, dtype=f32)
         ds = torch.empty((b, nseg, d), device=dev, dtype=f32)
-        gpu = gpu_compiled(u)
+        if sid is not None:
+            rs = torch.empty((b, nseg), device=dev, dtype=torch.int32)
+        gpu, n_p = gpu_compiled(u), triton.next_power_of_2(n)
         adjoint_carry_kernel[(d // bd, b, nseg - 1)](
-            delta, opt(delta_bias), zz, dy, C4, At, opt(dl), gl, ds,
+            delta, opt(delta_bias), zz, dy, C4, At, opt(dl), opt(sid), gl, ds, rs,
             L, d, n, d // G, seg_chunks * run.chunk, nseg, *delta.stride(), *zz.stride(), *C4.stride(),
+            sid.stride(0) if sid is not None else 0,
             HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus, GATE_DY=z is not None and dgated is None,
-            HAS_DLAST=dl is not None, FAST_EXP=gpu, BD=bd, NP=triton.next_power_of_2(n), T=16 if gpu else 4,
-            num_warps=4 if gpu else 1)
+            HAS_DLAST=dl is not None, HAS_SID=sid is not None, VARLEN=varlen, FAST_EXP=gpu, BD=bd,
+            NP=n_p, T=max(4, 256 // n_p) if gpu else 4, num_warps=4 if gpu else 1)  # (n, 32, T) tiles: no spills
     meta = _tile_meta(run)
     if run.row_layout:
         meta.update(LP=run.vectors.bit_length() - 1, LV=run.vec.bit_length() - 1)
     selective_scan_bwd_kernel[(d // bd, b, nseg)](
         u, delta, zz, B4, C4, At, opt(D), opt(delta_bias), opt(h0), opt(sid), ckpt,
         opt(gated_out), dy, opt(dl), dout,
-        du, ddt, opt(dz), dBp, dCp, dA, opt(dD), opt(ddtb), opt(dh0), adj, scratch, gl, ds,
+        du, ddt, opt(dz), dBp, dCp, dA, opt(dD), opt(ddtb), opt(dh0), adj, scratch, gl, ds, rs,
         L, d, n, d // G, nchunks, nblk, ngroups if ck > 1 else nchunks, seg_chunks, nseg,
         *_strides(u, delta, zz, B4, C4, sid),
         *dout.stride(), *opt(dz).stride(), *opt(gated_out).stride(),
