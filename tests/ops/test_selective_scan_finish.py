@@ -215,7 +215,7 @@ def test_scan_backward_segments(path, K, mode):
     counts that split 5 chunks evenly, unevenly and into single chunks (K = 2: whole groups of 2 chunks).
     Restarts (seq_idx, or packed sequences with their own initial and last states) at a segment's first token
     (16, with 3 segments of 16 tokens) and inside one (21)."""
-    b, d, L, n = (1 if mode == "cu_seqlens" else 2), 32, 37, 4
+    b, d, L, n = (1 if mode == "cu_seqlens" else 2), 32 if path == "row_per_thread" else 8, 37, 4
     args, dy = _scan_args(b, d, L, n)
     sid, varlen, nstates = None, mode == "cu_seqlens", b
     if mode is not None:
