@@ -42,7 +42,10 @@ _RULES: tuple[tuple[str, str], ...] = (
             r"_dx_kernel|_gate_bwd_kernel|"
             r"_chunk_cumsum_\w*kernel|_chunk_state_(fwd|bwd|varlen)\w*kernel|_chunk_scan_\w*kernel|"
             r"_state_passing_\w*kernel|_bmm_chunk_\w*kernel)|mamba2_step_kernel|ssd"),
-    ("selective_scan", r"selective_scan|mamba1_step_kernel"),
+    # with the Mamba-1 scan: its backward's carry pass and finishing sums, and the gate around it (gate_fwd /
+    # gate_bwd: mamba_ssm's scan kernels gate inside), so that both sides' scans are compared whole
+    ("selective_scan", r"selective_scan|mamba1_step_kernel|adjoint_carry_kernel|finish_bwd_kernel|"
+                       r"(?<!_)gate_(fwd|bwd)_kernel"),
     ("conv", r"conv1d|causal_conv"),
     ("norm", r"norm_(fwd|bwd)|rms_norm|layer_norm|layernorm|rmsnorm"),
     ("cross_entropy", r"ce_chunk_kernel|cross_entropy|linearce|log_softmax|nll_loss|softmax"),

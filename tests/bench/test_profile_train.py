@@ -6,7 +6,10 @@ import pytest
 
 from mamba_parallel.bench import profile_train
 from mamba_parallel.bench.profile_train import CATEGORIES, categorize, summarize
+from mamba_parallel.ops.layout.triton_impl import gate_fwd_kernel
 from mamba_parallel.ops.selective_scan.triton_bwd import selective_scan_bwd_kernel
+from mamba_parallel.ops.selective_scan.triton_bwd_carry import adjoint_carry_kernel
+from mamba_parallel.ops.selective_scan.triton_finish import finish_bwd_kernel
 from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kernel
 
 
@@ -17,6 +20,9 @@ from mamba_parallel.ops.selective_scan.triton_fwd import selective_scan_fwd_kern
     ("_scan_fwd_kernel", "ssd"), ("_dt_bwd_kernel", "ssd"), ("_intra_kernel", "ssd"), ("_chunk_states_kernel", "ssd"),
     (selective_scan_fwd_kernel.fn.__name__, "selective_scan"),  # the Mamba-1 scan kernels as they are named now
     (selective_scan_bwd_kernel.fn.__name__, "selective_scan"),
+    # its backward's carry pass and finishing sums, and the Mamba-1 gate that mamba_ssm's scan does inside
+    (adjoint_carry_kernel.fn.__name__, "selective_scan"), (finish_bwd_kernel.fn.__name__, "selective_scan"),
+    (gate_fwd_kernel.fn.__name__, "selective_scan"), ("_gate_bwd_kernel", "ssd"),
     ("conv1d_fwd_kernel", "conv"), ("conv1d_bwd_kernel", "conv"),
     ("norm_fwd_kernel", "norm"), ("norm_bwd_dx_kernel", "norm"),
     # the peer's (mamba_ssm + causal-conv1d) kernels, so that its step's table is by the same categories
