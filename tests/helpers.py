@@ -46,6 +46,15 @@ class CountingLM:
         return CausalLMOutput(logits=F.one_hot(nxt, self.config.vocab_size + 4).float())  # 4 padding logits
 
 
+def one_scan_segment(monkeypatch) -> None:
+    """From here on the selective scan's backward walks each sequence in one piece. Segments sum the later parts'
+    carries in another order, so runs compared bit for bit must share the segmentation, and the interpreter's
+    segments follow each run's checkpoint groups (a GPU's are whole units of 8 chunks either way)."""
+    from mamba_parallel.ops.selective_scan import launch
+
+    monkeypatch.setattr(launch, "backward_segment_chunks", lambda b, d, nchunks, *_a, **_k: nchunks)
+
+
 def saved_bytes(module, fn):
     """Runs fn() recording what autograd keeps -> (fn's result, bytes of the distinct non-parameter storages)."""
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}

@@ -320,7 +320,7 @@ def _run(a: argparse.Namespace, cfg, recompute: str) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if "LOCAL_RANK" in os.environ:  # a torchrun worker whose results are out
+    if dist.is_torchelastic_launched():  # a torchrun worker whose results are out
         # Interpreter teardown can abort a gloo rank ("terminate called without an active exception": a worker
         # thread still joinable at exit), which would fail the run after its results are written: skip it.
         sys.stdout.flush()

@@ -8,7 +8,7 @@ the doc's table.
 
 import pytest
 import torch
-from helpers import saved_bytes
+from helpers import one_scan_segment, saved_bytes
 
 from mamba_parallel import ops
 from mamba_parallel.layers.mamba1 import Mamba
@@ -141,10 +141,7 @@ def test_recompute_is_bit_exact_and_drops_what_it_rebuilds(triton_backend, layer
     b, L = (1, 32) if packed else (2, 24)
     if "mamba1" in layer and "states" in items:
         b, L = 1, 72  # 9 chunks: two groups of 8
-        # the interpreter's backward segments hold whole checkpoint groups, so the groups of 8 would move their
-        # boundary (a GPU's segments are whole groups of 8 either way: launch.backward_segment_chunks)
-        from mamba_parallel.ops.selective_scan import launch
-        monkeypatch.setattr(launch, "backward_segment_chunks", lambda b, d, nchunks, *_a, **_k: nchunks)
+        one_scan_segment(monkeypatch)  # the groups of 8 would move the interpreter's segment boundary
     h = torch.randn(b, L, m.d_model)
     kw = {"cu_seqlens": torch.tensor([0, 11, L], dtype=torch.int32)} if packed else {}
     ref_out, ref_dh, ref_grads, ref_saved = _run_with_grads(m, h, **kw)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import assert_close
+from helpers import assert_close, one_scan_segment
 
 from mamba_parallel.ops import use_backend
 from mamba_parallel.ops.selective_scan import launch, naive, triton_impl
@@ -250,12 +250,6 @@ def _grads_equal(a, c):
         assert torch.equal(a[name][0], c[name][0]), name
 
 
-def _one_segment(monkeypatch):
-    """The backward walks each sequence in one piece: segments sum the later parts' carries in another order, so
-    runs compared bit for bit must share the segmentation (which K > 1 rounds to whole groups)."""
-    monkeypatch.setattr(launch, "backward_segment_chunks", lambda b, d, nchunks, *_a, **_k: nchunks)
-
-
 @pytest.mark.parametrize("L,K", [(45, 4), (25, 16)])
 def test_checkpoint_every_all_gradients(K, L, generic, monkeypatch):
     """Chunks of 8 tokens: L = 45 is 6 chunks (the last partial; with K = 4 the last group has 2 of 4 chunks),
@@ -264,7 +258,7 @@ def test_checkpoint_every_all_gradients(K, L, generic, monkeypatch):
     gives (the rebuilt states are the forward's, recomputed)."""
     kw = make_inputs(L=L, n=3 if L == 25 else 4)
     check(run_both(kw, path=generic, checkpoint_every=K), torch.float32)
-    _one_segment(monkeypatch)
+    one_scan_segment(monkeypatch)
     _grads_equal(run_both(kw, path=generic, checkpoint_every=K), run_both(kw, path=generic))
 
 
@@ -280,7 +274,7 @@ def test_checkpoint_every_packed(K, mode, with_init, monkeypatch):
     """Restarts inside rebuilt chunks: seq_idx, and packed sequences with their own initial states."""
     kw = make_inputs(b=1 if mode == "cu_seqlens" else 2, L=43, mode=mode, with_init=with_init)
     check(run_both(kw, checkpoint_every=K), torch.float32)
-    _one_segment(monkeypatch)
+    one_scan_segment(monkeypatch)
     _grads_equal(run_both(kw, checkpoint_every=K), run_both(kw))
 
 
@@ -298,7 +292,7 @@ def test_checkpoint_every_row_paths_emulated(path, mode, monkeypatch):
     kw = make_inputs(d=32, L=35, n=4, mode=mode)
     assert resolved(kw, path) == path
     check(run_both(kw, path=path, checkpoint_every=4), torch.float32)
-    _one_segment(monkeypatch)
+    one_scan_segment(monkeypatch)
     _grads_equal(run_both(kw, path=path, checkpoint_every=4), run_both(kw, path=path))
 
 

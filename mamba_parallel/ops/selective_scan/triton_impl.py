@@ -301,20 +301,9 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     zz = z if z is not None else u
     opt = lambda t: t if t is not None else du  # noqa: E731  (pointer placeholder for an absent tensor)
     At = A.t().contiguous()
-    gl, ds, rs = adj, adj, adj  # the later segments' carries: unread with one segment
-    if nseg > 1:
-        gl = torch.empty((b, nseg, n, d), device=dev, dtype=f32)
-        ds = torch.empty((b, nseg, d), device=dev, dtype=f32)
-        if sid is not None:
-            rs = torch.empty((b, nseg), device=dev, dtype=torch.int32)
-        gpu, n_p = gpu_compiled(u), triton.next_power_of_2(n)
-        adjoint_carry_kernel[(d // bd, b, nseg - 1)](
-            delta, opt(delta_bias), zz, dy, C4, At, opt(dl), opt(sid), gl, ds, rs,
-            L, d, n, d // G, seg_chunks * run.chunk, nseg, *delta.stride(), *zz.stride(), *C4.stride(),
-            sid.stride(0) if sid is not None else 0,
-            HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus, GATE_DY=z is not None and dgated is None,
-            HAS_DLAST=dl is not None, HAS_SID=sid is not None, VARLEN=varlen, FAST_EXP=gpu, BD=bd,
-            NP=n_p, T=max(4, 256 // n_p) if gpu else 4, num_warps=4 if gpu else 1)  # (n, 32, T) tiles: no spills
+    gl, ds, rs = (adj, adj, adj) if nseg == 1 else _segment_carries(
+        delta, delta_bias, z if dgated is None else None, dy, C4, At, dl, sid, delta_softplus, varlen, nseg,
+        seg_chunks * run.chunk, bd)
     meta = _tile_meta(run)
     if run.row_layout:
         meta.update(LP=run.vectors.bit_length() - 1, LV=run.vec.bit_length() - 1)
@@ -343,6 +332,30 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
             dz if dz is not None and dz_out is None else empty(),
             ddtb_out if ddtb_out is not None else empty(),
             dh0.to(initial_state.dtype) if dh0 is not None else empty()]
+
+
+def _segment_carries(delta, delta_bias, gate_z, dy, C4, At, dl, sid, delta_softplus: bool, varlen: bool,
+                     nseg: int, seg_len: int, bd: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The carries the later segments feed each segment's walk (triton_bwd_carry.py) -> gl (b, nseg, n, d), ds
+    (b, nseg, d) fp32 and rs (b, nseg) int32 (with sid; else ds again, unread). gate_z: z when dy is the gated
+    output's gradient (times silu(z) here too), else None."""
+    b, d, L = delta.shape
+    n = At.shape[0]
+    dev, f32 = delta.device, torch.float32
+    gl = torch.empty((b, nseg, n, d), device=dev, dtype=f32)
+    ds = torch.empty((b, nseg, d), device=dev, dtype=f32)
+    rs = torch.empty((b, nseg), device=dev, dtype=torch.int32) if sid is not None else ds
+    gpu, n_p = gpu_compiled(delta), triton.next_power_of_2(n)
+    zz = gate_z if gate_z is not None else delta
+    opt = lambda t: t if t is not None else ds  # noqa: E731  (pointer placeholder for an absent tensor)
+    adjoint_carry_kernel[(d // bd, b, nseg - 1)](
+        delta, opt(delta_bias), zz, dy, C4, At, opt(dl), opt(sid), gl, ds, rs,
+        L, d, n, d // C4.shape[1], seg_len, nseg, *delta.stride(), *zz.stride(), *C4.stride(),
+        sid.stride(0) if sid is not None else 0,
+        HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus, GATE_DY=gate_z is not None,
+        HAS_DLAST=dl is not None, HAS_SID=sid is not None, VARLEN=varlen, FAST_EXP=gpu, BD=bd,
+        NP=n_p, T=max(4, 256 // n_p) if gpu else 4, num_warps=4 if gpu else 1)  # (n, 32, T) tiles: no spills
+    return gl, ds, rs
 
 
 def _scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
