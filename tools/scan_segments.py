@@ -4,8 +4,8 @@
 
 For each shape (batch x d_inner x length, n = 16, bf16): one forward that keeps checkpoints, then
 ``scan_backward`` as the fused layer calls it (B / C as contiguous fp32 rows, z and the gated output's gradient as
-channel-contiguous views of (b, L, .) buffers, y's gradient formed token-major, dz and the gate's output written
-through strides), timed with CUDA events for each segment count and for the count that
+channel-contiguous views of (b, L, .) buffers, y's gradient formed token-major, dz, the gate's output and du
+written through strides), timed with CUDA events for each segment count and for the count that
 ``launch.backward_segment_chunks`` picks. Prints one table (ms; the largest difference from the one-piece walk,
 relative to each gradient's largest value) and the wave-model constants it was run with, so that a new GPU's
 figures can refit them. Without CUDA, under TRITON_INTERPRET=1, it runs one tiny shape (a smoke test, no timings).
@@ -35,7 +35,8 @@ def layer_inputs(b: int, d: int, L: int, n: int, device: str, dtype: torch.dtype
         A=-torch.arange(1, n + 1, dtype=torch.float32, device=device).expand(d, n).contiguous(),
         B=rnd(b, 1, n, L), C=rnd(b, 1, n, L), D=rnd(d), delta_bias=rnd(d, scale=0.1),
         z=xz[..., d:].transpose(1, 2), dgated=rnd(b, L, d).to(dtype).transpose(1, 2),
-        dxz=torch.empty_like(xz), gated=torch.empty(b, L, d, device=device, dtype=dtype))
+        dxz=torch.empty_like(xz), gated=torch.empty(b, L, d, device=device, dtype=dtype),
+        du=torch.empty(b, L, d, device=device, dtype=dtype))
 
 
 def backward(x: dict, path: str, ckpt: torch.Tensor, dy: torch.Tensor, segments: int | None):
@@ -43,7 +44,7 @@ def backward(x: dict, path: str, ckpt: torch.Tensor, dy: torch.Tensor, segments:
     return triton_impl.scan_backward(
         x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"], x["delta_bias"], None, None, ckpt, dy, None,
         True, False, path, dz_out=x["dxz"][..., d:].transpose(1, 2), gated_out=x["gated"].transpose(1, 2),
-        dgated=x["dgated"], segments=segments)
+        dgated=x["dgated"], segments=segments, du_out=x["du"].transpose(1, 2))
 
 
 def max_rel_diff(out, ref) -> float:
@@ -74,7 +75,8 @@ def measure(b: int, d: int, L: int, counts: list[int], n: int = 16, reps: int = 
     x = layer_inputs(b, d, L, n, device, dtype)
     path = launch.default_request(b, d, n, False, sms)
     _, _, ckpt = triton_impl.scan_forward(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], None,
-                                          x["delta_bias"], None, None, True, False, b, True, path)
+                                          x["delta_bias"], None, None, True, False, b, True, path,
+                                          checkpoint_dtype=triton_impl.default_checkpoint_dtype(x["u"], 1))
     dy = _gate_into(x["dgated"], x["z"], x["u"].new_empty(x["u"].shape))
     ref = [t.clone() for t in backward(x, path, ckpt, dy, 1)]
     nchunks = -(-L // launch.chunk_tokens(L, interp=not cuda))

@@ -492,11 +492,14 @@ class _Mamba1Inner(torch.autograd.Function):
         # scan's backward, from the y it rebuilds: dz into in_proj's output gradient, y * silu(z) into gated
         dgated = dgated.transpose(1, 2)
         dy = layout._gate_into(dgated, z, xz.new_empty(z.shape))
-        du, ddt, dA_log, _, _, dD, _, ddtb, _ = scan.scan_backward(
+        # x's gradient channels-last (b, L, d), as the conv's backward reads it beside x, in rows of channels
+        dxc = xz.new_empty((b, xz.shape[1], d))
+        _, ddt, dA_log, _, _, dD, _, ddtb, _ = scan.scan_backward(
             xc, dt, A, B4, C4, D32, z, dtb32, None, sid, ckpt, dy, None, True, False, path,
             dB_out=dx_dbl[:, r:r + n].unsqueeze(1), dC_out=dx_dbl[:, r + n:].unsqueeze(1), dA_scale=A,
             checkpoint_every=checkpoint_every, dz_out=dxz[..., d:].transpose(1, 2),
-            gated_out=gated.transpose(1, 2) if gated is not None else None, dgated=dgated)
+            gated_out=gated.transpose(1, 2) if gated is not None else None, dgated=dgated,
+            du_out=dxc.transpose(1, 2))
         del dy, dgated, dt  # activation-sized: free them before the next ones are made (the largest models' peak)
         if gated is not None:
             dout_w = dres.t().mm(gated.view(-1, d).to(out_dtype)).to(out_w.dtype)
@@ -507,9 +510,9 @@ class _Mamba1Inner(torch.autograd.Function):
             _bcdt_norm_bwd(dx_dbl, x_dbl, rstd, r, n)
         dwx = torch.bmm(dx_dbl, xc.transpose(1, 2)).sum(0, dtype=torch.float32)  # (r + 2n, d)
         del ddt
-        dxc = du.baddbmm_(_expand(wx.t(), b), dx_dbl)  # x's two gradients: the scan's and x_proj's
-        _, dw2, dcb, _ = conv.conv1d_backward(x, conv_w[:, 0, :], conv_b, None, seq_idx, dxc, None, True,
-                                              dxz[..., :d].transpose(1, 2))
+        dxc.baddbmm_(dx_dbl.transpose(1, 2), _expand(wx, b))  # x's two gradients: the scan's and x_proj's
+        _, dw2, dcb, _ = conv.conv1d_backward(x, conv_w[:, 0, :], conv_b, None, seq_idx, dxc.transpose(1, 2), None,
+                                              True, dxz[..., :d].transpose(1, 2))
         grads = (dxz, dw2.view_as(conv_w), dcb if conv_b is not None else None, dwx, dwdt, ddtb.to(dtb_dtype),
                  dA_log.to(alog_dtype), dD.to(d_dtype), dout_w, dout_b)
         return (*(g if need[i] else None for i, g in enumerate(grads)), None, None, None, None, None, None, None,

@@ -173,8 +173,9 @@ def test_scan_backward_writes_into_caller_outputs(dtype, g):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_scan_backward_gate_into_caller_outputs(dtype, path, monkeypatch):
     """The fused layer's way: z and the gated output's gradient as channel-contiguous views of (b, L, .) buffers,
-    y's gradient dgated * silu(z) formed before (token-major), dz written into the z half of a token-major buffer
-    and the gate's output y * silu(z), rebuilt from the states, into another; every gradient as with the gate
+    y's gradient dgated * silu(z) formed before (token-major), dz written into the z half of a token-major buffer,
+    the gate's output y * silu(z), rebuilt from the states, into another and du channels-last into a third (the
+    conv's backward reads it so); every gradient as with the gate
     applied inside the kernel. The channel-contiguous z must not cost the row-per-thread backward its layout (the
     plan is the forward's, without z); L = 32: two chunks of the interpreter's tiles, as the layout needs."""
     from mamba_parallel.ops.layout.triton_impl import _gate_into
@@ -193,11 +194,13 @@ def test_scan_backward_gate_into_caller_outputs(dtype, path, monkeypatch):
     dxz = torch.full((b, L, 2 * d), SENTINEL, dtype=dtype)
     gated = torch.full((b, L, d), SENTINEL, dtype=dtype)
     _, _, ckpt = scan_forward(*targs[:6], None, *targs[7:], None, True, False, b, True, path)
+    dxc = torch.full((b, L, d + 1), SENTINEL, dtype=dtype)  # du channels-last, in a wider buffer
     plans, real_plan = [], triton_impl._plan
     monkeypatch.setattr(triton_impl, "_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
     ours = scan_backward(*targs, None, ckpt, dy, None, True, False, path, dz_out=dxz[..., d:].transpose(1, 2),
-                         gated_out=gated.transpose(1, 2), dgated=dgated)
+                         gated_out=gated.transpose(1, 2), dgated=dgated, du_out=dxc[..., :d].transpose(1, 2))
     assert (plans[0].bwd.path == launch.ROW_PER_THREAD) == (path == "row_per_thread")
+    assert ours[0].data_ptr() == dxc.data_ptr() and (dxc[..., d] == SENTINEL).all()
     assert ours[6].numel() == 0
     assert torch.equal(dxz[..., d:].transpose(1, 2), ref[6])  # from the same rebuilt y and the same inputs
     assert (dxz[..., :d] == SENTINEL).all()

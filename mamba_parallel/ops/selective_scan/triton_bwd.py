@@ -91,7 +91,7 @@ def selective_scan_bwd_kernel(
     L, dim, dstate, d_per_group, nchunks, nblk, ngroups, seg_chunks, nseg,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
     sB_b, sB_g, sB_n, sB_l, sC_b, sC_g, sC_n, sC_l, ssid_b,
-    sdo_b, sdo_d, sdo_l, sdz_b, sdz_d, sdz_l, sg_b, sg_d, sg_l,
+    sdo_b, sdo_d, sdo_l, sdz_b, sdz_d, sdz_l, sg_b, sg_d, sg_l, sdu_b, sdu_d, sdu_l,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_SID: tl.constexpr, VARLEN: tl.constexpr, HAS_DLAST: tl.constexpr,
     FAST_EXP: tl.constexpr, BD: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
@@ -112,7 +112,8 @@ def selective_scan_bwd_kernel(
     silu(z)), so z and dout are read only after the state loop: a load of a channel-contiguous view before it (a
     layer's z and dout) makes Triton give up the row-per-thread layout (sm_90: 2 KB of spills, 5x the
     instructions), where stores and loads after the loop cost nothing of it.
-    Writes du, ddt (b, d, L) contiguous; dB, dC partials (b, nblk, n, L) fp32; dA (nseg, b, n, d) (accumulated:
+    Writes du (b, d, L, any strides: stored after the state loop, e.g. channels-last for the conv's backward), ddt
+    (b, d, L) contiguous; dB, dC partials (b, nblk, n, L) fp32; dA (nseg, b, n, d) (accumulated:
     zeros from the host), dD (nseg, b, d), ddtb (nseg, b, d) fp32 per-segment partials; dh0 like h0. adj
     (nseg, b, 2, n, d) fp32: ping-pong slots for g = a dh at a chunk's first token. gl (b, nseg, n, d) / ds
     (b, nseg, d) / rs (b, nseg) int32 with HAS_SID: the later segments' carries (adjoint_carry_kernel; unread with
@@ -281,7 +282,7 @@ def selective_scan_bwd_kernel(
         ddt = tl.where(mt, ddt, 0.0)
         if HAS_DTB:
             ddtb_acc += tl.sum(tl.sum(ddt, axis=2), axis=0)
-        store_tile(du_ptr + out_b, du, c0, L, 1, t0, L, P, BD, V, 1)
+        store_tile(du_ptr + pid_b * sdu_b, du, c0, sdu_d, sdu_l, t0, L, P, BD, V, 1)
         store_tile(ddt_ptr + out_b, ddt, c0, L, 1, t0, L, P, BD, V, 1)
         if not LANE_SUM:  # with the row-per-thread layout each thread reloads the carries it stored itself
             tl.debug_barrier()  # the carries, for other layouts

@@ -231,7 +231,7 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
                   dB_out: torch.Tensor | None = None, dC_out: torch.Tensor | None = None,
                   dA_scale: torch.Tensor | None = None, checkpoint_every: int = 1, dz_out: torch.Tensor | None = None,
                   gated_out: torch.Tensor | None = None, dgated: torch.Tensor | None = None,
-                  segments: int | None = None) -> list[torch.Tensor]:
+                  segments: int | None = None, du_out: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Gradients [du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state] in the inputs' dtypes and
     shapes; an absent optional input gets an empty tensor. path: the forward's. B / C: (b, [g,] n, L) of any dtype
     (e.g. the layer's bf16 views, or fp32 (b, g, n, L) tensors a caller converted once for the forward: no copy
@@ -246,7 +246,9 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     dgated (a layer's (b, L, .) buffers) out of the kernel's state loop. dz_out (u-shaped, any strides, z's
     dtype, e.g. the z half of in_proj's output gradient): dz is written there (an empty placeholder in the list);
     gated_out (u-shaped, any strides): also receives y * silu(z), the forward's output (a fused layer's out_proj
-    input). segments: how many parts of the sequence the backward walks at once (None: what fills the GPU)."""
+    input). segments: how many parts of the sequence the backward walks at once (None: what fills the GPU).
+    du_out (u-shaped, any strides, u's dtype): du is written there and returned as the list's first entry, e.g.
+    channels-last for a causal conv's backward, which reads its input's gradient in rows of channels."""
     b, d, L = u.shape
     n = A.shape[1]
     # with dgated, z is read only after the state loop, where its layout costs the kernel nothing: the plan (its
@@ -264,7 +266,7 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     if (dz_out is not None or gated_out is not None or dgated is not None) and z is None:
         raise ValueError("selective_scan_bwd: dz_out / gated_out / dgated need z (the gate)")
     for name, out, like in (("dB_out", dB_out, B), ("dC_out", dC_out, C), ("dz_out", dz_out, u),
-                            ("gated_out", gated_out, u), ("dgated", dgated, u)):
+                            ("du_out", du_out, u), ("gated_out", gated_out, u), ("dgated", dgated, u)):
         if out is not None and out.shape != like.shape:
             raise ValueError(f"selective_scan_bwd: {name} {tuple(out.shape)} must have the shape {tuple(like.shape)} "
                              f"({'B / C' if name[1] in 'BC' else 'u'}'s)")
@@ -275,7 +277,9 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     dev, f32 = u.device, torch.float32
     dy = dy.contiguous()
     dout = dgated if dgated is not None else dy  # the gated output's gradient, for dz
-    du = torch.empty((b, d, L), device=dev, dtype=u.dtype)
+    if du_out is not None and du_out.dtype != u.dtype:
+        raise ValueError(f"selective_scan_bwd: du_out is {du_out.dtype}, u is {u.dtype}: they must match")
+    du = du_out if du_out is not None else torch.empty((b, d, L), device=dev, dtype=u.dtype)
     ddt = torch.empty((b, d, L), device=dev, dtype=delta.dtype)
     dz = dz_out if dz_out is not None or z is None else torch.empty((b, d, L), device=dev, dtype=z.dtype)
     dBp = torch.empty((b, nblk, n, L), device=dev, dtype=f32)
@@ -313,7 +317,7 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
         du, ddt, opt(dz), dBp, dCp, dA, opt(dD), opt(ddtb), opt(dh0), adj, scratch, gl, ds, rs,
         L, d, n, d // G, nchunks, nblk, ngroups if ck > 1 else nchunks, seg_chunks, nseg,
         *_strides(u, delta, zz, B4, C4, sid),
-        *dout.stride(), *opt(dz).stride(), *opt(gated_out).stride(),
+        *dout.stride(), *opt(dz).stride(), *opt(gated_out).stride(), *du.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen, HAS_DLAST=dl is not None,
         FAST_EXP=gpu_compiled(u), LANE_SUM=run.row_layout, CK=ck, GATED=gated_out is not None,
