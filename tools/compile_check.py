@@ -234,8 +234,9 @@ def _selective_scan_workloads(rec, which):
     scan.finish_bwd = lambda *args, **kwargs: None
 
     def run(b, dtype, path=None, n=16, every=1, ckpt_dtype=None, mode=None, d=4096, L=2048, layer=False):
-        """layer: as the Mamba-1 training node runs the scan (its forward without z; its backward with z and the
-        gated output's gradient as channel-contiguous views, dz and the gate's output written through them)."""
+        """layer: as the Mamba-1 training node runs the scan (its forward reads z as a channel-contiguous view and
+        writes the gated y channels-last; its backward takes z and the gated output's gradient as such views and
+        writes dz, the gate's output and du through them)."""
         g = torch.Generator().manual_seed(0)
         u, dt, z = (torch.randn(b, d, L, generator=g).to(dtype) for _ in range(3))
         if layer:
@@ -245,16 +246,18 @@ def _selective_scan_workloads(rec, which):
         if mode is not None:  # restarts / packed sequences: a per-token sequence id
             sid = (torch.arange(L) * 3 // L).to(torch.int32).expand(b, L).contiguous()
             nstates = 3 if varlen else b
-        zf = None if layer else z  # the layer's forward gates outside the scan
-        path = scan.scan_path(u, dt, zf, A, B, varlen, path)
+        path = scan.scan_path(u, dt, None if layer else z, A, B, varlen, path)
         ckpt_dtype = ckpt_dtype or scan.default_checkpoint_dtype(u, every)
-        y, _, ck = scan.scan_forward(u, dt, A, B, C, torch.randn(d), zf, torch.randn(d), None, sid, True, varlen,
-                                     nstates, True, path, checkpoint_every=every, checkpoint_dtype=ckpt_dtype)
         gate = {}
         if layer:
             tm = lambda: torch.empty(b, L, d, dtype=dtype).transpose(1, 2)  # noqa: E731
+            ck = scan.gated_forward(u, dt, A, B, C, torch.randn(d), z, torch.randn(d), sid, path, tm(),
+                                    checkpoint_every=every, checkpoint_dtype=ckpt_dtype)
             gate = dict(dgated=tm(), dz_out=torch.empty(b, L, 2 * d, dtype=dtype)[..., d:].transpose(1, 2),
-                        gated_out=tm())
+                        gated_out=tm(), du_out=tm())
+        else:
+            _, _, ck = scan.scan_forward(u, dt, A, B, C, torch.randn(d), z, torch.randn(d), None, sid, True, varlen,
+                                         nstates, True, path, checkpoint_every=every, checkpoint_dtype=ckpt_dtype)
         scan.scan_backward(u, dt, A, B, C, torch.randn(d), z, torch.randn(d), None, sid, ck, torch.randn_like(u),
                            None, True, varlen, path, checkpoint_every=every, **gate)
         return f"selective scan b{b} n{n} {path} {dtype} K{every} {ckpt_dtype} {mode or ''}{' layer' * layer}".rstrip()

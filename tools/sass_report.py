@@ -169,6 +169,10 @@ def path_kernels(path: str, b=8, d=4096, L=4096, n=16, sm_count=132):
     # its gradient)
     gate_strides = dict(sdo_b=L * d, sdo_d=1, sdo_l=d, sdz_b=2 * L * d, sdz_d=1, sdz_l=2 * d, sg_b=L * d, sg_d=1,
                         sg_l=d)
+    # du channels-last (b, L, d), as the conv's backward reads it; the forward reads z from in_proj's output and
+    # writes the gated y as out_proj's (b, L, d) input
+    du_strides = dict(sdu_b=L * d, sdu_d=1, sdu_l=d)
+    z_layer = dict(sz_b=2 * L * d, sz_d=1, sz_l=2 * d)
 
     def tile(run):
         meta = dict(BD=run.block_d, P=run.vectors, V=run.vec, UNROLL=run.unroll, STAGES=run.stages)
@@ -185,11 +189,11 @@ def path_kernels(path: str, b=8, d=4096, L=4096, n=16, sm_count=132):
     nblk = d // 32 if bw.row_layout else d // bw.block_d
     per_iter = fw.unrolled_states // fw.rows if fw.unrolled_states else fw.unroll
     fwd = (dict(fwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nslots=nchunks, _pad_n=nchunks,
-                **strides),
+                **dict(strides, **z_layer), sy_b=L * d, sy_d=1, sy_l=d),
            fwd_meta, fw.num_warps, fw.chunk * per_iter)
     bwd = (dict(bwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nblk=nblk, ngroups=nchunks,
                 seg_chunks=nchunks, nseg=1,
-                **dict(strides, sz_b=2 * L * d, sz_d=1, sz_l=2 * d), **gate_strides),
+                **dict(strides, **z_layer), **gate_strides, **du_strides),
            bwd_meta, bw.num_warps, bw.chunk * bw.unroll)
     return [(f"{fw.path}-fwd", selective_scan_fwd_kernel, *fwd), (f"{bw.path}-bwd", selective_scan_bwd_kernel, *bwd)]
 

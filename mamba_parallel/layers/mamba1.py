@@ -437,7 +437,7 @@ class _Mamba1Inner(torch.autograd.Function):
     def forward(ctx, xz, conv_w, conv_b, xproj_w, dt_w, dt_b, A_log, D, out_w, out_b, seq_idx, d_inner: int, r: int,
                 n: int, recompute_conv: bool, bcdt_eps: float | None, out_dtype: torch.dtype | None,
                 checkpoint_every: int, checkpoint_dtype: torch.dtype):
-        conv, scan, layout = _kernels()
+        conv, scan, _ = _kernels()
         b = xz.shape[0]
         d, cdt = d_inner, xz.dtype
         x, z = _xz_views(xz, d)
@@ -450,10 +450,11 @@ class _Mamba1Inner(torch.autograd.Function):
         D32, dtb32 = D.float(), dt_b.float()
         sid = seq_idx.to(torch.int32) if seq_idx is not None else None
         path = scan.scan_path(xc, dt, None, A, B4)
-        y, _, ckpt = scan.scan_forward(xc, dt, A, B4, C4, D32, None, dtb32, None, sid, True, False, b, True, path,
-                                       checkpoint_every=checkpoint_every, checkpoint_dtype=checkpoint_dtype)
-        out = layout._gate_fwd(y, z)  # (b, L, d) contiguous: out_proj's input
-        del y  # not kept: the scan's backward rebuilds it from the checkpoints
+        # the scan writes y * silu(z) as out_proj's (b, L, d) input; y itself is never stored (the backward
+        # rebuilds it from the checkpoints)
+        out = xz.new_empty((b, xz.shape[1], d))
+        ckpt = scan.gated_forward(xc, dt, A, B4, C4, D32, z, dtb32, sid, path, out.transpose(1, 2),
+                                  checkpoint_every=checkpoint_every, checkpoint_dtype=checkpoint_dtype)
         if out_w is not None:  # out_proj as nn.Linear computes it (out_dtype: autocast's); its input is not kept
             out = linear_in(out, out_w, out_b, out_dtype)
         # dt is rebuilt in the backward (one small matmul), xc too with recompute_conv (one conv), y and the gate's
@@ -546,7 +547,7 @@ def _prefill(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None, conv_
     ssm_state (b, d_inner, d_state) in place; xz (b, L, 2 d_inner) -> (b, L, d_model). The same kernels and
     dtypes as the op-by-op forward with less host work between them: a batch-1 prefill is bound by the host
     (mamba-2.8b, 256 tokens, H100: ~8 ms of kernels in ~60 ms; 58.6 -> 47.4 ms through this path)."""
-    conv, scan, layout = _kernels()
+    conv, scan, _ = _kernels()
     d, r, n, cdt = layer.d_inner, layer.dt_rank, layer.d_state, xz.dtype
     x, z = _xz_views(xz, d)
     conv1d = layer.conv1d
@@ -559,6 +560,7 @@ def _prefill(layer: Mamba, xz: torch.Tensor, seq_idx: torch.Tensor | None, conv_
     A = derived(layer, "A_log", neg_exp_fp32_state_major)
     D, dtb = derived(layer, "D", fp32), derived(layer.dt_proj, "bias", fp32)
     sid = seq_idx.to(torch.int32) if seq_idx is not None else None
-    y, _ = scan.scan_into(scan.forward_launch(xc, dt, A, B4), xc, dt, A, B4, C4, D, dtb,
-                          ssm_state if resume else None, sid, ssm_state)
-    return layer.out_proj(layout._gate_fwd(y, z))
+    gated = xz.new_empty((xz.shape[0], xz.shape[1], d))  # y * silu(z) from the scan: out_proj's input
+    scan.scan_into(scan.forward_launch(xc, dt, A, B4), xc, dt, A, B4, C4, D, dtb, ssm_state if resume else None, sid,
+                   ssm_state, z=z, y_out=gated.transpose(1, 2))
+    return layer.out_proj(gated)

@@ -33,7 +33,7 @@ def selective_scan_fwd_kernel(
     y_ptr, _pad_ptr, hlast_ptr, st_ptr, carry_ptr,
     L, dim, dstate, d_per_group, nchunks, nslots, _pad_n,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l,
-    sB_b, sB_g, sB_n, sB_l, sC_b, sC_g, sC_n, sC_l, ssid_b,
+    sB_b, sB_g, sB_n, sB_l, sC_b, sC_g, sC_n, sC_l, ssid_b, sy_b, sy_d, sy_l,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_SID: tl.constexpr, VARLEN: tl.constexpr,
     FAST_EXP: tl.constexpr, BD: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
@@ -48,8 +48,9 @@ def selective_scan_fwd_kernel(
 
     A (n, d) and st (b, nslots, n, d) fp32 are state-major, so that a warp's accesses to one state are one
     coalesced 128-byte access; slot c % nslots holds the state entering chunk c (slot 0 filled by the host).
-    Writes y (b, d, L) contiguous, hlast (b or nseq, d, n) fp32 (the backward rebuilds y before the z gate from
-    the checkpoints: nothing else is kept). _pad_ptr (the host passes y) is never read: with carry_ptr / _pad_n
+    Writes y (b, d, L, any strides; with HAS_Z the gated y * silu(z), z read only after the state loop, so that
+    channel-contiguous views of z and y cost the row-per-thread layout nothing), hlast (b or nseq, d, n) fp32 (the
+    backward rebuilds y before the z gate from the checkpoints: nothing else is kept). _pad_ptr (the host passes y) is never read: with carry_ptr / _pad_n
     it keeps the timed argument list.
     carry_ptr / _pad_n: unused with CK == 1 (the host passes st and nchunks); they keep the argument list whose
     code was timed: at the unrolled forward's 168-register cap ptxas allocates by it (without them: 24 B of spills
@@ -194,8 +195,8 @@ def selective_scan_fwd_kernel(
             y += Dv * u
         if HAS_Z:
             zv = load_tile(z_ptr + pid_b * sz_b, pid_d * BD, sz_d, sz_l, t0, L, P, BD * R, V, R)
-            y *= zv * tl.sigmoid(zv)
-        store_tile(y_ptr + pid_b * dim * L, y, pid_d * BD, L, 1, t0, L, P, BD * R, V, R)
+            y = y * zv * tl.sigmoid(zv)  # as the backward rebuilds it (its out_proj weight gradient)
+        store_tile(y_ptr + pid_b * sy_b, y, pid_d * BD, sy_d, sy_l, t0, L, P, BD * R, V, R)
         if not LANES:  # with the row-per-thread layout each thread reloads the carries it stored itself
             tl.debug_barrier()  # the next chunk's entering state, for other layouts
     if NS > 0:

@@ -131,6 +131,24 @@ def scan_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch
     return y, hlast, ckpt if ckpt is not None else u.new_empty((0,), dtype=torch.float32)
 
 
+def gated_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                  D: torch.Tensor | None, z: torch.Tensor, delta_bias: torch.Tensor | None, sid: torch.Tensor | None,
+                  path: str, gated_out: torch.Tensor, checkpoint_every: int = 1,
+                  checkpoint_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A fused layer's training forward (softplus on delta, no initial state, checkpoints kept): gated_out
+    (b, d, L, any strides, u's dtype) <- y * silu(z), e.g. out_proj's (b, L, d) input transposed, so that y itself
+    is never written. u, delta (b, d, L); z (b, d, L) any strides: read only after the state loop, where a
+    channel-contiguous view (in_proj's output) costs the kernel nothing, so the launch is planned without it:
+    path = scan_path(u, delta, None, A, B), which ``scan_backward`` with ``dgated`` plans from too.
+    -> the checkpoints, as ``scan_forward`` returns them."""
+    if gated_out.shape != u.shape or gated_out.dtype != u.dtype or z.shape != u.shape:
+        raise ValueError(f"selective_scan gated forward: gated_out {tuple(gated_out.shape)} {gated_out.dtype} and z "
+                         f"{tuple(z.shape)} must have u's shape {tuple(u.shape)} (gated_out also its dtype {u.dtype})")
+    run = _plan(u, delta, None, A, B, False, path).fwd
+    return _forward(run, u, delta, A, B, C, D, z, delta_bias, None, sid, True, False, u.shape[0], True,
+                    checkpoint_every, checkpoint_dtype, None, gated_out)[2]
+
+
 def forward_launch(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> launch.Launch:
     """The forward launch ``scan_forward(..., path=scan_path(u, delta, None, A, B))`` runs for these tensors (no z,
     no cu_seqlens), planned once: for ``scan_into``."""
@@ -140,23 +158,25 @@ def forward_launch(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: tor
 
 def scan_into(run: launch.Launch, u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
               C: torch.Tensor, D: torch.Tensor | None, delta_bias: torch.Tensor | None,
-              initial_state: torch.Tensor | None, sid: torch.Tensor | None, last: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inference forward (no z, no cu_seqlens, no checkpoints, softplus on delta) with the launch ``run`` from
+              initial_state: torch.Tensor | None, sid: torch.Tensor | None, last: torch.Tensor | None,
+              z: torch.Tensor | None = None, y_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inference forward (no cu_seqlens, no checkpoints, softplus on delta) with the launch ``run`` from
     ``forward_launch`` of the same tensors -> y (b, d, L), last_state. ``last`` (b, d, n), or None (a new fp32
     tensor): where the last state is written and what comes back as it, e.g. the inference cache's state, which
     may also be ``initial_state`` (the kernel reads the initial state from its own copy, made before it runs). An
-    fp32 contiguous one is the kernel's own output; any other gets the fp32 state rounded into it by one copy."""
+    fp32 contiguous one is the kernel's own output; any other gets the fp32 state rounded into it by one copy.
+    z (b, d, L, any strides; read after the state loop, as in ``gated_forward``): y is gated, y * silu(z);
+    y_out (b, d, L, any strides, u's dtype): y is written there and returned."""
     direct = last if last is None or (last.dtype == torch.float32 and last.is_contiguous()) else None
-    y, hlast, _ = _forward(run, u, delta, A, B, C, D, None, delta_bias, initial_state, sid, True, False,
-                           u.shape[0], False, 1, torch.float32, direct)
+    y, hlast, _ = _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, True, False,
+                           u.shape[0], False, 1, torch.float32, direct, y_out)
     return y, (hlast if direct is last else last.copy_(hlast))
 
 
 def _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta_softplus, varlen, nstates,
-             save_ckpt, checkpoint_every, checkpoint_dtype, last):
-    """``scan_forward``'s body for the launch ``run``; ``last``: the last state's buffer or None. The checkpoints
-    come back as None where not made."""
+             save_ckpt, checkpoint_every, checkpoint_dtype, last, y=None):
+    """``scan_forward``'s body for the launch ``run``; ``last``: the last state's buffer or None; ``y``: the
+    output's buffer (any strides) or None. The checkpoints come back as None where not made."""
     b, d, L = u.shape
     n = A.shape[1]
     nchunks = _cdiv(L, run.chunk)
@@ -167,7 +187,8 @@ def _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta
     apart = _checkpoints_apart(save_ckpt, ck, checkpoint_dtype)
     B4, C4 = _bc32(B), _bc32(C)
     dev, f32 = u.device, torch.float32
-    y = torch.empty((b, d, L), device=dev, dtype=u.dtype)
+    if y is None:
+        y = torch.empty((b, d, L), device=dev, dtype=u.dtype)
     if varlen:  # a sequence with no tokens keeps its initial state
         hlast = (initial_state.float().clone() if initial_state is not None
                  else torch.zeros((nstates, d, n), device=dev, dtype=f32))
@@ -201,7 +222,7 @@ def _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, delta
     selective_scan_fwd_kernel[(d // run.block_d, b)](
         u, delta, zz, B4, C4, A.t().contiguous(), opt(D), opt(delta_bias), opt(h0), opt(sid), y, y, hlast,
         states, carry, L, d, n, d // B4.shape[1], nchunks, nslots, nchunks, *_strides(u, delta, zz, B4, C4, sid),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
+        *y.stride(), HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus,
         HAS_H0=h0 is not None, HAS_SID=sid is not None, VARLEN=varlen,
         FAST_EXP=gpu_compiled(u), R=run.rows, LANES=run.row_layout, CKPT=save_ckpt, CK=ck, CKPT_APART=apart, **meta,
     )
