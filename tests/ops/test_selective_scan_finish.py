@@ -259,9 +259,45 @@ def test_scan_backward_rejects_misshapen_outputs():
         _backward_both(args, dy, dC_out=torch.empty(2, 4, 18))
     with pytest.raises(ValueError, match="gated_out"):
         _backward_both(args, dy, gated_out=torch.empty(2, 8, 18))
+    with pytest.raises(ValueError, match="du_out is torch.float16"):
+        _backward_both(args, dy, du_out=torch.empty(2, 8, 19, dtype=torch.float16))
     args[6] = None
     with pytest.raises(ValueError, match="need z"):
         _backward_both(args, dy, dgated=dy)
+
+
+@pytest.mark.parametrize("path", ["generic", "row_per_thread", "two_rows_per_channel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_gated_forward_through_strides(dtype, path):
+    """The fused layer's forward: z a channel-contiguous view of in_proj's (b, L, 2d) output, y * silu(z) written
+    into out_proj's (b, L, d) input; the prefill's ``scan_into`` with the same z and output. Both give what
+    scan_forward gives with a token-major z, bit for bit, and the training form the same checkpoints; nothing
+    outside the views is written. L = 32: two chunks of the interpreter's tiles, as the row layouts need."""
+    b, d, L, n = 2, 32, 32, 4
+    (u, delta, A, B, C, D, z, dtb, h0), _ = _scan_args(b, d, L, n, None, dtype)
+    y_ref, last_ref, ck_ref = scan_forward(u, delta, A, B, C, D, z, dtb, None, None, True, False, b, True, path)
+    xz = torch.full((b, L, 2 * d), SENTINEL, dtype=dtype)
+    xz[..., d:] = z.transpose(1, 2)
+    zv = xz[..., d:].transpose(1, 2)
+    for form in ("training", "prefill"):
+        out = torch.full((b, L, d + 1), SENTINEL, dtype=dtype)
+        if form == "training":
+            ck = triton_impl.gated_forward(u, delta, A, B, C, D, zv, dtb, None, path, out[..., :d].transpose(1, 2))
+            assert torch.equal(ck, ck_ref)
+        else:
+            run = triton_impl.forward_launch(u, delta, A, B)
+            last = torch.empty(b, d, n)
+            triton_impl.scan_into(run, u, delta, A, B, C, D, dtb, None, None, last, z=zv,
+                                  y_out=out[..., :d].transpose(1, 2))
+            if run.path == triton_impl.scan_path(u, delta, z, A, B, path=path):  # the same kernel as the reference
+                assert torch.equal(last, last_ref)
+        if form == "training" or run.path == path:
+            assert torch.equal(out[..., :d].transpose(1, 2), y_ref), form
+        else:  # the prefill runs the default path: the same values to rounding
+            assert_close(out[..., :d].transpose(1, 2), y_ref, dtype)
+        assert (out[..., d] == SENTINEL).all() and (xz[..., :d] == SENTINEL).all()
+    with pytest.raises(ValueError, match="gated_out"):
+        triton_impl.gated_forward(u, delta, A, B, C, D, zv, dtb, None, path, out[..., :d - 1].transpose(1, 2))
 
 
 @pytest.mark.gpu
