@@ -359,19 +359,21 @@ class Mamba(nn.Module):
 #   (kept for the backward: the scan would otherwise convert them again there), A = -exp(A_log) is built
 #   state-major once (the kernels' layout); delta (d_inner values per token) is not kept: the backward runs its
 #   small matmul again, and with recompute "conv" the conv too; with "states" the scan keeps one checkpoint per
-#   SCAN_CHECKPOINT_EVERY chunks; the scan's output y is not kept either: the scan's backward rebuilds it from
-#   the states it recomputes anyway and runs the gate's backward itself;
+#   SCAN_CHECKPOINT_EVERY chunks; the scan writes y * silu(z) (out_proj's input) itself, so y is never stored:
+#   the scan's backward rebuilds it from the states it recomputes anyway and runs the gate's backward itself;
 # - out_proj (optional): its input, the gate's output, lives only inside the forward; the backward forms its input
 #   gradient first (d_gated = dout @ W), the scan's backward also writes the gate's output again, and out_proj's
 #   weight gradient follows (dout^T @ gated: nn.Linear's GEMMs); its weight is kept as given (an fp32 parameter is
 #   cast again in the backward, as the forward casts it);
 # - backward: one buffer receives x_proj's output gradient (ddt_low from the dt matmul, dB / dC straight from the
-#   scan's finishing kernel), x's two gradients meet in one matmul (du + W^T dx_dbl, accumulated in place), the
+#   scan's finishing kernel), x's two gradients meet in one matmul (du + W^T dx_dbl, accumulated in place into
+#   the channels-last du the scan wrote, the layout the conv's backward reads beside x), the
 #   scan's finishing kernel returns d(A_log) directly, and the conv writes dx into the x half of in_proj's output
 #   gradient, whose z half the scan's backward fills.
 # Same numerics as the reference on the Triton path: the same kernels in the same dtypes (weights cast to the
 # activations' dtype, as autocast does; the weight gradients of the two token-major matmuls are summed over the
-# batch in fp32 instead of in the activation dtype). The node reads the sub-modules' weights directly: their
+# batch in fp32 instead of in the activation dtype; the gate multiplies the scan's fp32 y, where the reference
+# gates y rounded to the activations' dtype). The node reads the sub-modules' weights directly: their
 # forward hooks do not run.
 
 # recompute items the node without out_proj handles (dt always); "gate" there: the reference forward
