@@ -50,8 +50,8 @@ def selective_scan_fwd_kernel(
     coalesced 128-byte access; slot c % nslots holds the state entering chunk c (slot 0 filled by the host).
     Writes y (b, d, L, any strides; with HAS_Z the gated y * silu(z), z read only after the state loop, so that
     channel-contiguous views of z and y cost the row-per-thread layout nothing), hlast (b or nseq, d, n) fp32 (the
-    backward rebuilds y before the z gate from the checkpoints: nothing else is kept). _pad_ptr (the host passes y) is never read: with carry_ptr / _pad_n
-    it keeps the timed argument list.
+    backward rebuilds y before the z gate from the checkpoints: nothing else is kept). _pad_ptr (the host passes
+    y) is never read: with carry_ptr / _pad_n it keeps the timed argument list.
     carry_ptr / _pad_n: unused with CK == 1 (the host passes st and nchunks); they keep the argument list whose
     code was timed: at the unrolled forward's 168-register cap ptxas allocates by it (without them: 24 B of spills
     on sm_90). CK > 1 (with CKPT): st (b, nslots = cdiv(nchunks, CK), n, d) keeps only the state entering every
