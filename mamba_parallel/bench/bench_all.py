@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-batch", type=int, default=8)
     g.add_argument("--train-warmup", type=int, default=2, help="untimed training steps per side (default 2)")
     g.add_argument("--train-steps", type=int, default=5, help="timed training steps per side (default 5)")
+    g.add_argument("--train-cuda-graph", action="store_true",
+                   help="our training step captured as one CUDA graph and replayed (train's --cuda-graph; the "
+                        "peer's step eager, as it ships): a table of its own in the report")
     g.add_argument("--generate-models", nargs="+", default=bench_generate.MODELS)
     g.add_argument("--generate-batches", type=int, nargs="+", default=[1, 64])
     g.add_argument("--prompt-len", type=int, default=256)
@@ -125,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     fla_fn = None if a.no_fla or "ssd" not in sections else peer_mod.load_fla()
     if a.n_layer is not None and a.n_layer < 1:
         raise SystemExit(f"bench all: --n-layer must be >= 1, got {a.n_layer}")
+    if a.train_cuda_graph and device.type != "cuda":
+        raise SystemExit(f"bench all: --train-cuda-graph captures the step on a CUDA device, got --device {device}")
     ssd_shapes = [tuple(s) for s in a.ssd_shape] if a.ssd_shape else bench_ssd.SHAPES
     scan_shapes = [tuple(s) for s in a.selective_scan_shape] if a.selective_scan_shape else bench_selective_scan.SHAPES
     deadline = Deadline(a.budget_s)
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         "selective_scan": lambda: bench_selective_scan.run(scan_shapes, "bf16", device, peer, a.kernel_warmup,
                                                            a.kernel_reps, deadline=deadline),
         "train": lambda: train_side_by_side.run(a.train_presets, peer, device, a.train_seq_len, a.train_batch,
-                                                a.train_warmup, a.train_steps, deadline=deadline, n_layer=a.n_layer),
+                                                a.train_warmup, a.train_steps, deadline=deadline, n_layer=a.n_layer,
+                                                cuda_graph=a.train_cuda_graph),
         "generate": lambda: bench_generate.run(a.generate_models, peer, device, a.generate_batches, a.prompt_len,
                                                a.new_tokens, a.generate_repeats, deadline=deadline,
                                                n_layer=a.n_layer),

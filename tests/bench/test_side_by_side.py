@@ -395,6 +395,27 @@ def test_report_keeps_the_newest_run_of_each_benchmark(tmp_path):
     assert "No results yet" in out.read_text()
 
 
+def test_train_cuda_graph_reaches_the_train_table(monkeypatch, tmp_path):
+    """--train-cuda-graph: our step as one CUDA graph in the train table's run (its own settings, so its own table);
+    refused by name without a CUDA device, before anything runs."""
+    from mamba_parallel.bench import train_side_by_side
+
+    with pytest.raises(SystemExit, match="--train-cuda-graph .* --device cpu"):
+        bench_all.main(TINY_ALL + ["--only", "train", "--train-cuda-graph", "--out", str(tmp_path)])
+    seen = {}
+
+    def fake_run(*args, **kwargs):  # records what the table's run was asked, then stops the section
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(train_side_by_side, "run", fake_run)
+    monkeypatch.setattr(bench_all.torch.cuda, "is_available", lambda: True)
+    args = [a for a in TINY_ALL if a not in ("--device", "cpu")]
+    assert bench_all.main(args + ["--only", "train", "--train-cuda-graph", "--out", str(tmp_path),
+                                  "--report", ""]) == 1
+    assert seen["cuda_graph"] is True
+
+
 # ---- the compile warm-up -------------------------------------------------------------------------------------------
 def test_precompile_jobs_cover_every_shape_preset_and_model():
     from mamba_parallel.bench import precompile
