@@ -141,12 +141,21 @@ def gated_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     channel-contiguous view (in_proj's output) costs the kernel nothing, so the launch is planned without it:
     path = scan_path(u, delta, None, A, B), which ``scan_backward`` with ``dgated`` plans from too.
     -> the checkpoints, as ``scan_forward`` returns them."""
-    if gated_out.shape != u.shape or gated_out.dtype != u.dtype or z.shape != u.shape:
-        raise ValueError(f"selective_scan gated forward: gated_out {tuple(gated_out.shape)} {gated_out.dtype} and z "
-                         f"{tuple(z.shape)} must have u's shape {tuple(u.shape)} (gated_out also its dtype {u.dtype})")
+    _check_like_u("selective_scan gated forward", u, ("gated_out",), z=z, gated_out=gated_out)
     run = _plan(u, delta, None, A, B, False, path).fwd
     return _forward(run, u, delta, A, B, C, D, z, delta_bias, None, sid, True, False, u.shape[0], True,
                     checkpoint_every, checkpoint_dtype, None, gated_out)[2]
+
+
+def _check_like_u(op: str, u: torch.Tensor, typed: tuple[str, ...] = (), **tensors: torch.Tensor | None) -> None:
+    """Each given tensor must have u's shape; those named in ``typed`` also u's dtype."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.shape != u.shape:
+            raise ValueError(f"{op}: {name} {tuple(t.shape)} must have the shape {tuple(u.shape)} (u's)")
+        if name in typed and t.dtype != u.dtype:
+            raise ValueError(f"{op}: {name} is {t.dtype}, u is {u.dtype}: they must match")
 
 
 def forward_launch(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> launch.Launch:
@@ -167,6 +176,7 @@ def scan_into(run: launch.Launch, u: torch.Tensor, delta: torch.Tensor, A: torch
     fp32 contiguous one is the kernel's own output; any other gets the fp32 state rounded into it by one copy.
     z (b, d, L, any strides; read after the state loop, as in ``gated_forward``): y is gated, y * silu(z);
     y_out (b, d, L, any strides, u's dtype): y is written there and returned."""
+    _check_like_u("selective_scan_into", u, ("y_out",), z=z, y_out=y_out)
     direct = last if last is None or (last.dtype == torch.float32 and last.is_contiguous()) else None
     y, hlast, _ = _forward(run, u, delta, A, B, C, D, z, delta_bias, initial_state, sid, True, False,
                            u.shape[0], False, 1, torch.float32, direct, y_out)
@@ -286,11 +296,12 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
                            "per chunk): pass the forward's path, checkpoint_every and tensors")
     if (dz_out is not None or gated_out is not None or dgated is not None) and z is None:
         raise ValueError("selective_scan_bwd: dz_out / gated_out / dgated need z (the gate)")
-    for name, out, like in (("dB_out", dB_out, B), ("dC_out", dC_out, C), ("dz_out", dz_out, u),
-                            ("du_out", du_out, u), ("gated_out", gated_out, u), ("dgated", dgated, u)):
-        if out is not None and out.shape != like.shape:
-            raise ValueError(f"selective_scan_bwd: {name} {tuple(out.shape)} must have the shape {tuple(like.shape)} "
-                             f"({'B / C' if name[1] in 'BC' else 'u'}'s)")
+    for name, out in (("dB_out", dB_out), ("dC_out", dC_out)):
+        if out is not None and out.shape != B.shape:
+            raise ValueError(f"selective_scan_bwd: {name} {tuple(out.shape)} must have the shape {tuple(B.shape)} "
+                             "(B / C's)")
+    _check_like_u("selective_scan_bwd", u, ("du_out",), dz_out=dz_out, du_out=du_out, gated_out=gated_out,
+                  dgated=dgated)
     B4, C4 = _bc32(B), _bc32(C)
     G = B4.shape[1]
     bd = run.block_d
@@ -298,8 +309,6 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     dev, f32 = u.device, torch.float32
     dy = dy.contiguous()
     dout = dgated if dgated is not None else dy  # the gated output's gradient, for dz
-    if du_out is not None and du_out.dtype != u.dtype:
-        raise ValueError(f"selective_scan_bwd: du_out is {du_out.dtype}, u is {u.dtype}: they must match")
     du = du_out if du_out is not None else torch.empty((b, d, L), device=dev, dtype=u.dtype)
     ddt = torch.empty((b, d, L), device=dev, dtype=delta.dtype)
     dz = dz_out if dz_out is not None or z is None else torch.empty((b, d, L), device=dev, dtype=z.dtype)
