@@ -18,8 +18,8 @@ it runs on (chunk, layout, unrolled states), so its launches are recorded as an 
 them, without running them. ``--ptx-hash`` adds a hash of each launch's PTX (line info, comments and parameter
 names left out): equal hashes before and after a change mean the change leaves that GPU code as it was. ``--sass``
 adds each launch's SASS instruction counts (all, shuffles, barriers, shared- and global-memory ops, MUFU, fp32
-arithmetic, tensor-core ops, local-memory spill traffic; tools/sass_report.py's): a change's cost in instructions and
-barriers, compared before and after without a GPU.
+arithmetic, warp tensor-core ops (mma: HMMA) and Hopper's warpgroup ones (wgmma: HGMMA), local-memory spill traffic;
+tools/sass_report.py's): a change's cost in instructions and barriers, compared before and after without a GPU.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ For each kernel path's forward and backward (bf16 token-major inputs, D / z / de
 benchmark runs them; tiles and launch options from ops/selective_scan/launch.py for an H200) it prints the
 registers and spill bytes ptxas reports, and SASS instruction counts of the whole kernel and of its innermost loop
 (the per-state body that runs b * d * n * L / (tokens per thread) times): all instructions, shuffles (SHFL),
-barriers (BAR), shared-memory ops (LDS / STS), MUFU and global memory ops. Per-element figures divide the
-innermost loop by the elements one thread handles per iteration.
+barriers (BAR), shared-memory ops (LDS / STS), MUFU, global memory ops and tensor-core ops (mma: HMMA; wgmma:
+HGMMA). Per-element figures divide the innermost loop by the elements one thread handles per iteration.
 
 The argument specialisation mirrors Triton's JIT (ints equal to 1 become constants, multiples of 16 and pointers
 get divisibility 16), so the code is what the benchmark would run; Triton's wheel bundles ptxas and cuobjdump.
@@ -118,7 +118,7 @@ def counts(lines: list[str]) -> dict:
     c = dict(all=len(ops))
     for key, pats in (("shfl", ("SHFL",)), ("bar", ("BAR",)), ("smem", ("LDS", "STS")), ("mufu", ("MUFU",)),
                       ("gmem", ("LDG", "STG", "RED", "ATOM")), ("fp32", ("FADD", "FMUL", "FFMA", "FSEL", "FMNMX")),
-                      ("mma", ("HGMMA", "HMMA")), ("local", ("LDL", "STL"))):
+                      ("mma", ("HMMA",)), ("wgmma", ("HGMMA",)), ("local", ("LDL", "STL"))):
         c[key] = sum(op in pats for op in ops)
     return c
 
