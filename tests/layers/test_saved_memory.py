@@ -26,7 +26,7 @@ def _mamba2(recompute=""):
     return Mamba2(32, d_state=16, headdim=16, ngroups=1, chunk_size=16, recompute=recompute)
 
 
-MAMBA1_WIDTH = 8  # d_inner 16: the interpreted kernels still run several blocks of 4 channels, half as many as 16 wide
+MAMBA1_WIDTH = 8  # d_inner 16: small, and the interpreted kernels still run two channel blocks (of 8)
 
 
 def _mamba1(fused=False):

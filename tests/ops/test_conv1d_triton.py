@@ -169,6 +169,16 @@ def test_gpu_launch_choice(what, cl, d, L, w, fwd, bwd):
     assert run.fast_sigmoid == (run.path == launch.ONE_PASS)
 
 
+def test_interpreter_backward_tiles_cross_channel_blocks():
+    """The interpreter's backward tiles (tests): up to 16 channels, at least two channel blocks, several programs
+    along L."""
+    for d, block in ((5, 4), (8, 4), (40, 16), (128, 16)):
+        for path in launch.BACKWARD_PATHS:
+            run = launch.backward_launch(True, d, 19, path, on_gpu=False)
+            assert run.block_d == block and -(-d // run.block_d) >= 2
+            assert run.block_l * run.tiles_per_program < 19
+
+
 def _arena_chain(arena: bool, final: bool, dtype, seed=0, path=None):
     """A Mamba-2-like chain: h = u (b, L, 5 + d + 3) * 1 -> split -> transpose -> conv (+ final state) and two
     side pieces. -> (loss, h, [the conv's dx, captured by a hook])."""

@@ -79,12 +79,16 @@ def test_two_rows_below_six_warps_per_sm():
 
 
 def test_interpreter_tiles():
-    """The interpreter: tiny generic tiles (chunk 8, 4 channels, vectors of 4), the row-per-thread paths only
-    when asked for (one warp of 32 rows, shuffles emulated)."""
+    """The interpreter: small generic tiles (chunk 8, vectors of 4, up to 16 channels and at least two channel
+    blocks where d allows), the row-per-thread paths only when asked for (one warp of 32 rows, shuffles
+    emulated)."""
     s = shape(2, 32, 19, n=4, elem=4)
     p = launch.plan(s, None)
-    assert (p.fwd.path, p.fwd.block_d, p.fwd.chunk, p.fwd.vec, p.fwd.emulate) == (GEN, 4, 8, 4, False)
-    assert (p.bwd.path, p.bwd.block_d) == (GEN, 4)
+    assert (p.fwd.path, p.fwd.block_d, p.fwd.chunk, p.fwd.vec, p.fwd.emulate) == (GEN, 16, 8, 4, False)
+    assert (p.bwd.path, p.bwd.block_d) == (GEN, 16)
+    for d, block in ((8, 4), (6, 2), (128, 16)):
+        p = launch.plan(shape(2, d, 19, n=4, elem=4), None)
+        assert (p.fwd.block_d, p.bwd.block_d) == (block, block)
     p = launch.plan(s, None, TWO)
     assert (p.fwd.path, p.fwd.rows, p.fwd.block_d, p.fwd.unrolled_states, p.fwd.prefetch, p.fwd.maxnreg,
             p.fwd.emulate) == (TWO, 2, 16, 4, 0, None, True)

@@ -73,8 +73,8 @@ def backward_launch(channels_last: bool, d: int, L: int, path: str, on_gpu: bool
     one_pass 4 rows x 256 channels, 2 warps, 32 steps per program, the next step's rows loaded before the current
     one is computed, 0.153 ms (0.155 at 8 x 128 / 1 warp / 16 steps); two_pass tiles keep its w-tap
     accumulators unspilled on sm_90."""
-    if not on_gpu:
-        block_l, block_d, warps, per_prog = (2 if path == ONE_PASS else 4), 4, 1, 3
+    if not on_gpu:  # up to 16 channels (the interpreter's time grows with the programs), two blocks where d allows
+        block_l, block_d, warps, per_prog = (2 if path == ONE_PASS else 4), min(16, max(4, _next_pow2(d) // 2)), 1, 3
     elif path == ONE_PASS:
         block_l, block_d, warps, per_prog = 4, 256, 2, 32
     else:

@@ -97,6 +97,12 @@ def _pow2_divisor(x: int, cap: int) -> int:
     return p
 
 
+def _interp_block(d: int) -> int:
+    """Channels per program of the interpreter's generic code: up to 16 (its time grows with the programs, not
+    their width), at most half the channels where they allow, so that tests still cross channel blocks."""
+    return _pow2_divisor(d, max(4, min(16, d // 2)))
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
@@ -137,10 +143,10 @@ def _halved_to_divide(want: int, n: int) -> int:
 def _forward(s: ScanShape, interp: bool, rows: int, row_layout: bool, unroll_states: bool) -> Launch:
     chunk, vec = _chunk_and_vec(s, interp)
     dpg = s.d // s.groups
-    if interp:  # one warp; the row-per-thread paths need its 32 rows, generic code takes tiny tiles
+    if interp:  # one warp; the row-per-thread paths need its 32 rows, generic code small ones
         block_d, warps = _pow2_divisor(dpg, 32 // rows), 1
         lanes = row_layout and _row_layout_ok(s, rows, block_d, warps, chunk)
-        block_d = block_d if lanes else _pow2_divisor(dpg, 4)
+        block_d = block_d if lanes else _interp_block(dpg)
     else:
         block_d, warps = (_pow2_divisor(dpg, 64), 4) if rows == 2 else (_pow2_divisor(dpg, 32), 1)
         lanes = row_layout and _row_layout_ok(s, rows, block_d, warps, chunk)
@@ -165,7 +171,7 @@ def _backward(s: ScanShape, interp: bool, row_layout: bool) -> Launch:
     block_d = _pow2_divisor(s.d // s.groups, 32)
     lanes = row_layout and _row_layout_ok(s, 1, block_d, 1, chunk)
     if interp and not lanes:
-        block_d = _pow2_divisor(s.d // s.groups, 4)
+        block_d = _interp_block(s.d // s.groups)
     return Launch(path=ROW_PER_THREAD if lanes else GENERIC, rows=1, row_layout=lanes, block_d=block_d, num_warps=1,
                   chunk=chunk, vec=vec, unroll=_halved_to_divide(2, s.n) if lanes else 1, stages=3 if lanes else 1,
                   unrolled_states=0, prefetch=0, maxnreg=None, emulate=interp and lanes)
