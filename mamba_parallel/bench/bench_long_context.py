@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
@@ -35,6 +34,7 @@ import torch.distributed as dist
 
 from mamba_parallel.bench import peer as peer_mod
 from mamba_parallel.bench.results import add_git_commit_flag, publish
+from mamba_parallel.bench.worker_exit import exit_worker
 
 OOM_EXIT = 3
 
@@ -241,4 +241,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())

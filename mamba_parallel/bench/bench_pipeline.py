@@ -22,6 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from mamba_parallel.bench.worker_exit import exit_worker
+
 
 def textbook_bubble(schedule: str, p: int, m: int, stages_per_rank: int = 1) -> float:
     """The share of a step a rank idles under ``schedule`` in theory (p ranks, m micro-batches)."""
@@ -148,4 +150,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_worker(main())

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
@@ -33,6 +31,7 @@ import torch.distributed as dist
 
 from mamba_parallel.bench.peer import add_peer_flags, resolve_peer
 from mamba_parallel.bench.results import add_git_commit_flag, publish
+from mamba_parallel.bench.worker_exit import exit_worker
 from mamba_parallel.train.config import DEFAULT_RECOMPUTE
 
 
@@ -319,11 +318,4 @@ def _run(a: argparse.Namespace, cfg, recompute: str) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    if dist.is_torchelastic_launched():  # a torchrun worker whose results are out
-        # Interpreter teardown can abort a gloo rank ("terminate called without an active exception": a worker
-        # thread still joinable at exit), which would fail the run after its results are written: skip it.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    exit_worker(main())

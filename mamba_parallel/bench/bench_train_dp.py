@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from mamba_parallel.bench import train_side_by_side as sbs
 from mamba_parallel.bench.peer import add_peer_flags, load_ours, resolve_peer, save_peer_weights
 from mamba_parallel.bench.results import add_git_commit_flag, error_text, publish, say, write_result
+from mamba_parallel.bench.worker_exit import exit_worker
 from mamba_parallel.config import PRESETS
 from mamba_parallel.layers.recompute import apply_recompute
 from mamba_parallel.train.config import DEFAULT_RECOMPUTE
@@ -247,4 +247,4 @@ def run_launched(presets, wanted_peer, peer_impl, device, seq_len, batch, warmup
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())
