@@ -9,12 +9,12 @@ tokens run in registers, without shuffles or shared memory. (Other strides still
 whatever layout Triton picks.)
 
 Where the layout is certain (the row-per-thread paths, launch.py) the scans are sequential chains over the
-S tokens, one FMA each, written with ``_at`` (one token as a sum of ``where(i == k, x, -0.0)``) and ``_put``
-(``where(i == k, val, acc)``): with thread-local tokens the masks are constants per register, so both fold to
-register moves (x + -0.0 is x). In any other layout (the generic paths, where the unrolled chain is slow)
-they run as two-level ``tl.associative_scan``s: along V inside a vector, then an exclusive scan of the per-vector
-maps along P. ``pick`` extracts one position of an axis like ``_at``; a "take the last" reduction would rely on
-the reduction order.
+S tokens, one FMA each, written with ``_at`` (one token as a sum of ``where(i == k, x, -0.0)``, the -0.0 made
+from its bits: ``_neg_zero``) and ``_put`` (``where(i == k, val, acc)``): with thread-local tokens the masks are
+constants per register, so both fold to register moves (x + -0.0 is x). In any other layout (the generic paths,
+where the unrolled chain is slow) they run as two-level ``tl.associative_scan``s: along V inside a vector, then an
+exclusive scan of the per-vector maps along P. ``pick`` extracts one position of an axis like ``_at``; a "take
+the last" reduction would rely on the reduction order.
 """
 
 from __future__ import annotations
@@ -33,16 +33,24 @@ def linear_combine(a1, b1, a2, b2):
 
 
 @triton.jit
+def _neg_zero(x):
+    """-0.0 in x's shape and dtype, the filler of a one-hot sum: x + -0.0 is x, so the sum folds to a register read.
+    Any way of writing -0.0 as a Triton constant gives +0.0 (a scalar equal to 0 becomes the type's null value),
+    and x + 0.0 is an add per element (-0.0 + 0.0 is +0.0): the sign bit set on an integer is kept."""
+    return tl.full(x.shape, -2147483648, tl.int32).to(tl.float32, bitcast=True).to(x.dtype)
+
+
+@triton.jit
 def pick(x, idx, k, axis: tl.constexpr):
     """x at position k of ``axis`` (idx: that axis' arange, broadcastable to x); the axis is dropped."""
-    return tl.sum(tl.where(idx == k, x, -0.0), axis=axis)
+    return tl.sum(tl.where(idx == k, x, _neg_zero(x)), axis=axis)
 
 
 @triton.jit
 def _at(x, p: tl.constexpr, v: tl.constexpr, P: tl.constexpr, V: tl.constexpr):
     """(P, BD, V) -> (BD,) at token p V + v: a register read when the tokens are thread-local."""
     sel = (tl.arange(0, P)[:, None, None] == p) & (tl.arange(0, V)[None, None, :] == v)
-    return tl.sum(tl.sum(tl.where(sel, x, -0.0), axis=2), axis=0)
+    return tl.sum(tl.sum(tl.where(sel, x, _neg_zero(x)), axis=2), axis=0)
 
 
 @triton.jit
