@@ -161,8 +161,8 @@ def _ssd_workloads():
 
 
 def _layout_workloads():
-    """Mamba-1's gate (forward, backward, backward that also writes the gate's output: STORE_OUT) and the
-    token-major copy at mamba-2.8b's d_inner."""
+    """Mamba-1's gate (forward, backward, and the fused layer's backward gate: y's gradient dgated * silu(z) from
+    channel-contiguous views into a token-major buffer) and the token-major copy at mamba-2.8b's d_inner."""
     import torch
 
     from mamba_parallel.ops.layout import triton_impl as layout
@@ -172,7 +172,7 @@ def _layout_workloads():
         z = torch.randn(1, 70, 5120, dtype=dtype).transpose(1, 2)
         out = layout._gate_fwd(y, z)
         layout._gate_bwd(torch.randn_like(out), y, z, torch.empty_like(z))
-        layout._gate_bwd(torch.randn_like(out), y, z, torch.empty_like(z), torch.empty_like(out))
+        layout._gate_into(torch.randn_like(out).transpose(1, 2), z, torch.empty_like(y))
         layout.token_major(z)
         yield f"silu gate, token-major copy {dtype}"
 
