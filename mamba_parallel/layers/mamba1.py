@@ -59,6 +59,7 @@ from mamba_parallel.ops._common import linear_dtype, linear_in
 from mamba_parallel.ops.backend import triton_available, use_triton
 from mamba_parallel.ops.conv1d.naive import final_state as conv_final_state
 from mamba_parallel.ops.grad_arena import split_with_grad_arena, tag_view
+from mamba_parallel.ops.selective_scan import launch as scan_launch
 
 
 def _channels_last(piece: torch.Tensor) -> torch.Tensor:
@@ -359,8 +360,9 @@ class Mamba(nn.Module):
 #   (kept for the backward: the scan would otherwise convert them again there), A = -exp(A_log) is built
 #   state-major once (the kernels' layout); delta (d_inner values per token) is not kept: the backward runs its
 #   small matmul again, and with recompute "conv" the conv too; with "states" the scan keeps one checkpoint per
-#   SCAN_CHECKPOINT_EVERY chunks; the scan writes y * silu(z) (out_proj's input) itself, so y is never stored:
-#   the scan's backward rebuilds it from the states it recomputes anyway and runs the gate's backward itself;
+#   SCAN_CHECKPOINT_EVERY chunks; y * silu(z) (out_proj's input) comes from the scan itself on one row per
+#   channel, from a gate kernel after it on two (launch.GATED_FORWARD_PATHS), and y is not kept: the scan's
+#   backward rebuilds it from the states it recomputes anyway and runs the gate's backward itself;
 # - out_proj (optional): its input, the gate's output, lives only inside the forward; the backward forms its input
 #   gradient first (d_gated = dout @ W), the scan's backward also writes the gate's output again, and out_proj's
 #   weight gradient follows (dout^T @ gated: nn.Linear's GEMMs); its weight is kept as given (an fp32 parameter is
@@ -439,7 +441,7 @@ class _Mamba1Inner(torch.autograd.Function):
     def forward(ctx, xz, conv_w, conv_b, xproj_w, dt_w, dt_b, A_log, D, out_w, out_b, seq_idx, d_inner: int, r: int,
                 n: int, recompute_conv: bool, bcdt_eps: float | None, out_dtype: torch.dtype | None,
                 checkpoint_every: int, checkpoint_dtype: torch.dtype):
-        conv, scan, _ = _kernels()
+        conv, scan, layout = _kernels()
         b = xz.shape[0]
         d, cdt = d_inner, xz.dtype
         x, z = _xz_views(xz, d)
@@ -452,11 +454,18 @@ class _Mamba1Inner(torch.autograd.Function):
         D32, dtb32 = D.float(), dt_b.float()
         sid = seq_idx.to(torch.int32) if seq_idx is not None else None
         path = scan.scan_path(xc, dt, None, A, B4)
-        # the scan writes y * silu(z) as out_proj's (b, L, d) input; y itself is never stored (the backward
-        # rebuilds it from the checkpoints)
-        out = xz.new_empty((b, xz.shape[1], d))
-        ckpt = scan.gated_forward(xc, dt, A, B4, C4, D32, z, dtb32, sid, path, out.transpose(1, 2),
-                                  checkpoint_every=checkpoint_every, checkpoint_dtype=checkpoint_dtype)
+        # y * silu(z) as out_proj's (b, L, d) input; y itself is not kept (the backward rebuilds it from the
+        # checkpoints). One row per channel: the scan writes it; two rows: a gate kernel after the scan is faster
+        if scan_launch.gates_in_forward(path):
+            out = xz.new_empty((b, xz.shape[1], d))
+            ckpt = scan.gated_forward(xc, dt, A, B4, C4, D32, z, dtb32, sid, path, out.transpose(1, 2),
+                                      checkpoint_every=checkpoint_every, checkpoint_dtype=checkpoint_dtype)
+        else:
+            y, _, ckpt = scan.scan_forward(xc, dt, A, B4, C4, D32, None, dtb32, None, sid, True, False, b, True,
+                                           path, checkpoint_every=checkpoint_every,
+                                           checkpoint_dtype=checkpoint_dtype)
+            out = layout._gate_fwd(y, z)
+            del y
         if out_w is not None:  # out_proj as nn.Linear computes it (out_dtype: autocast's); its input is not kept
             out = linear_in(out, out_w, out_b, out_dtype)
         # dt is rebuilt in the backward (one small matmul), xc too with recompute_conv (one conv), y and the gate's

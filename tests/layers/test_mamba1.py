@@ -12,6 +12,7 @@ from mamba_parallel.inference.cache import InferenceParams
 from mamba_parallel.layers import Mamba
 from mamba_parallel.layers.mamba1 import Mamba1Ops, fused_ok
 from mamba_parallel.layers.recompute import apply_recompute
+from mamba_parallel.ops.selective_scan import launch
 
 pytest.importorskip("triton")
 _COPIES = ("aten.cat", "aten.clone", "aten.copy_", "aten._to_copy", "aten.contiguous", "aten.stack")
@@ -126,12 +127,23 @@ def test_chunked_prefill_and_decode_on_triton_path(monkeypatch):
 
 
 # ---- the fused training path ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype,b,L,packed", [(torch.float32, 2, 19, False), (torch.float32, 1, 21, True),
-                                             (torch.float16, 2, 19, False)])
-def test_fused_matches_the_modular_path(dtype, b, L, packed, monkeypatch):
+@pytest.mark.parametrize("dtype,b,L,packed,gate_in_scan", [(torch.float32, 2, 19, False, True),
+                                                          (torch.float32, 1, 21, True, True),
+                                                          (torch.float16, 2, 19, False, True),
+                                                          (torch.float32, 2, 19, False, False),
+                                                          (torch.float16, 1, 21, True, False)])
+def test_fused_matches_the_modular_path(dtype, b, L, packed, gate_in_scan, monkeypatch):
     """Outputs, the input gradient and every parameter gradient (A_log, D, dt bias, conv, projections) on the
-    Triton path (interpreter on CPU: chunk 8, so L = 19 crosses several chunks), one node instead of many."""
+    Triton path (interpreter on CPU: chunk 8, so L = 19 crosses several chunks), one node instead of many; with
+    the gate inside the scan's forward (one row per channel on a GPU) or in a kernel after it (two rows)."""
     monkeypatch.setenv("MAMBA_PARALLEL_BACKEND", "triton")
+    gates = []
+    if not gate_in_scan:
+        monkeypatch.setattr(launch, "GATED_FORWARD_PATHS", frozenset())
+        from mamba_parallel.ops.layout import triton_impl as layout
+
+        gate = layout._gate_fwd
+        monkeypatch.setattr(layout, "_gate_fwd", lambda y, z: gates.append(y.shape) or gate(y, z))
     m = _layer(dtype)
     h = torch.randn(b, L, 16, dtype=dtype, generator=torch.Generator().manual_seed(1))
     kw = dict(cu_seqlens=torch.tensor([0, 8, L], dtype=torch.int32)) if packed else {}
@@ -139,6 +151,7 @@ def test_fused_matches_the_modular_path(dtype, b, L, packed, monkeypatch):
     got, nodes = _run(m, h, monkeypatch, fused=True, **kw)
     assert "_Mamba1InnerBackward" in nodes and "_Mamba1InnerBackward" not in ref_nodes
     assert not any("SiluGate" in n or "TokenMajor" in n or "BmmBackward" in n for n in nodes), nodes
+    assert len(gates) == (0 if gate_in_scan else 1)  # the node's forward gated after the scan
     for g, r, name in zip(got, ref, _names(m)):
         assert g is not None, name
         assert_close(g, r, dtype=dtype, grad=name != "out", name=name)

@@ -67,6 +67,16 @@ def test_h200_launches(what, s, fwd, bwd):
     assert launch.plan(s, H200_SMS, p.fwd.path) == p
 
 
+def test_training_forward_gates_inside_the_scan_on_one_row_per_channel():
+    """The fused Mamba-1 layer's forward: the scan writes y * silu(z) on one row per channel (mamba-1.4b / 2.8b),
+    a gate kernel follows on two rows (mamba-130m / 370m), as the training-step profiles showed faster."""
+    gates = {what: launch.gates_in_forward(launch.plan(s, H200_SMS).fwd.path) for what, s, _, _ in CASES}
+    assert gates["train mamba-1.4b"] and gates["train mamba-2.8b"] and gates["cu_seqlens b1 d1536"]
+    assert not gates["train mamba-130m b8 L2048"] and not gates["train mamba-370m"]
+    assert not gates["unaligned / channels-last b2 d1536"]  # two rows of generic code
+    assert launch.gates_in_forward(launch.plan(shape(2, 1536, 704), None).fwd.path)  # the interpreter: generic
+
+
 def test_two_rows_below_six_warps_per_sm():
     """The switch: one row per channel gives one warp per 32 channels x batch; two rows below 6 per SM."""
     sms = H200_SMS

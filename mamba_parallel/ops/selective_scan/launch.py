@@ -46,6 +46,14 @@ UNROLLED_STATES_MAX = 8  # states per row that the unrolled forward holds in reg
 PREFETCH_CHUNKS = 2
 UNROLLED_MAXNREG = 168
 
+# Forward paths on which the Mamba-1 layer's training forward lets the scan gate y * silu(z) itself, writing
+# out_proj's channels-last input (``gated_forward``); on the others the scan stores y token-major and the layout
+# op's gate kernel follows. Two rows per channel run at 3-6 warps per SM, where the gate's per-token z loads and
+# output stores at each chunk's end wait on the chain. H100, bf16 (training-step profiles of one commit against
+# the one before): forward with the gate inside / without it + the gate kernel, mamba-130m 715 / 554 + 54 µs,
+# mamba-370m 735 / 584 + 71 µs (two rows per channel); mamba-1.4b 1160 / 1089 + 137 µs (one row per channel).
+GATED_FORWARD_PATHS = frozenset({ROW_PER_THREAD, GENERIC})
+
 
 class ScanShape(NamedTuple):
     """What the choice depends on (a tuple: built on every call, cheap to hash)."""
@@ -224,6 +232,12 @@ def default_request(batch: int, d: int, n: int, varlen: bool, sm_count: int | No
     if not varlen and n % 2 == 0 and warps < TWO_ROWS_BELOW_WARPS_PER_SM * sm_count:
         return TWO_ROWS_PER_CHANNEL
     return ROW_PER_THREAD
+
+
+def gates_in_forward(path: str) -> bool:
+    """Whether a fused layer's training forward on forward path ``path`` gates inside the scan
+    (GATED_FORWARD_PATHS)."""
+    return path in GATED_FORWARD_PATHS
 
 
 @functools.lru_cache(maxsize=4096)
