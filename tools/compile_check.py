@@ -234,9 +234,9 @@ def _selective_scan_workloads(rec, which):
     scan.finish_bwd = lambda *args, **kwargs: None
 
     def run(b, dtype, path=None, n=16, every=1, ckpt_dtype=None, mode=None, d=4096, L=2048, layer=False):
-        """layer: as the Mamba-1 training node runs the scan (its forward reads z as a channel-contiguous view and
-        writes the gated y channels-last; its backward takes z and the gated output's gradient as such views and
-        writes dz, the gate's output and du through them)."""
+        """layer: as the Mamba-1 training node runs the scan (its forward, on the paths that gate inside, reads z
+        as a channel-contiguous view and writes the gated y channels-last; its backward takes z and the gated
+        output's gradient as such views and writes dz, the gate's output and du through them)."""
         g = torch.Generator().manual_seed(0)
         u, dt, z = (torch.randn(b, d, L, generator=g).to(dtype) for _ in range(3))
         if layer:
@@ -251,8 +251,12 @@ def _selective_scan_workloads(rec, which):
         gate = {}
         if layer:
             tm = lambda: torch.empty(b, L, d, dtype=dtype).transpose(1, 2)  # noqa: E731
-            ck = scan.gated_forward(u, dt, A, B, C, torch.randn(d), z, torch.randn(d), sid, path, tm(),
-                                    checkpoint_every=every, checkpoint_dtype=ckpt_dtype)
+            if launch.gates_in_forward(path):
+                ck = scan.gated_forward(u, dt, A, B, C, torch.randn(d), z, torch.randn(d), sid, path, tm(),
+                                        checkpoint_every=every, checkpoint_dtype=ckpt_dtype)
+            else:  # y token-major, the layout op's gate after it
+                ck = scan.scan_forward(u, dt, A, B, C, torch.randn(d), None, torch.randn(d), None, sid, True, False,
+                                       b, True, path, checkpoint_every=every, checkpoint_dtype=ckpt_dtype)[2]
             gate = dict(dgated=tm(), dz_out=torch.empty(b, L, 2 * d, dtype=dtype)[..., d:].transpose(1, 2),
                         gated_out=tm(), du_out=tm())
         else:
