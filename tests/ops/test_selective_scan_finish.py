@@ -210,15 +210,18 @@ def test_scan_backward_gate_into_caller_outputs(dtype, path, monkeypatch):
         assert_close(ours[i], ref[i], dtype, grad=True, name=str(i))
 
 
-@pytest.mark.parametrize("path,K,mode", [("generic", 1, None), ("generic", 2, None), ("row_per_thread", 2, None),
-                                         ("generic", 1, "seq_idx"), ("generic", 2, "cu_seqlens")])
-def test_scan_backward_segments(path, K, mode):
+@pytest.mark.parametrize("path,K,mode,n", [("generic", 1, None, 4), ("generic", 2, None, 4),
+                                           ("row_per_thread", 2, None, 4), ("generic", 1, "seq_idx", 4),
+                                           ("generic", 2, "cu_seqlens", 4), ("generic", 1, "seq_idx", 12),
+                                           ("generic", 2, "cu_seqlens", 12)])
+def test_scan_backward_segments(path, K, mode, n):
     """The sequence walked in segments (each from the carry of the later ones, triton_bwd_carry.py): every
     gradient, d(last state) and d(initial state) included, as the walk in one piece gives them, for segment
     counts that split 5 chunks evenly, unevenly and into single chunks (K = 2: whole groups of 2 chunks).
     Restarts (seq_idx, or packed sequences with their own initial and last states) at a segment's first token
-    (16, with 3 segments of 16 tokens) and inside one (21)."""
-    b, d, L, n = (1 if mode == "cu_seqlens" else 2), 32 if path == "row_per_thread" else 8, 37, 4
+    (16, with 3 segments of 16 tokens) and inside one (21). n 12: the carry pass takes the states in groups of a
+    chunk's token slots (8 in the interpreter), the last group part-filled."""
+    b, d, L = (1 if mode == "cu_seqlens" else 2), 32 if path == "row_per_thread" else 8, 37
     args, dy = _scan_args(b, d, L, n)
     sid, varlen, nstates = None, mode == "cu_seqlens", b
     if mode is not None:

@@ -337,7 +337,7 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
     At = A.t().contiguous()
     gl, ds, rs = (adj, adj, adj) if nseg == 1 else _segment_carries(
         delta, delta_bias, z if dgated is None else None, dy, C4, At, dl, sid, delta_softplus, varlen, nseg,
-        seg_chunks * run.chunk, bd)
+        seg_chunks * run.chunk, run)
     meta = _tile_meta(run)
     if run.row_layout:
         meta.update(LP=run.vectors.bit_length() - 1, LV=run.vec.bit_length() - 1)
@@ -368,27 +368,33 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
             dh0.to(initial_state.dtype) if dh0 is not None else empty()]
 
 
+# States per program of the carry pass: 8 keep it at 128 registers on sm_90 (Triton 3.6); 16 take 255 with 708 B
+# of spills (their C rows are loaded ahead).
+CARRY_STATES = 8
+
+
 def _segment_carries(delta, delta_bias, gate_z, dy, C4, At, dl, sid, delta_softplus: bool, varlen: bool,
-                     nseg: int, seg_len: int, bd: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The carries the later segments feed each segment's walk (triton_bwd_carry.py) -> gl (b, nseg, n, d), ds
-    (b, nseg, d) fp32 and rs (b, nseg) int32 (with sid; else ds again, unread). gate_z: z when dy is the gated
-    output's gradient (times silu(z) here too), else None."""
+                     nseg: int, seg_len: int, run: launch.Launch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The carries the later segments feed each segment's walk (triton_bwd_carry.py), in the backward launch
+    ``run``'s tiles -> gl (b, nseg, n, d), ds (b, nseg, d) fp32 and rs (b, nseg) int32 (with sid; else ds again,
+    unread). gate_z: z when dy is the gated output's gradient (times silu(z) here too), else None."""
     b, d, L = delta.shape
     n = At.shape[0]
     dev, f32 = delta.device, torch.float32
     gl = torch.empty((b, nseg, n, d), device=dev, dtype=f32)
     ds = torch.empty((b, nseg, d), device=dev, dtype=f32)
     rs = torch.empty((b, nseg), device=dev, dtype=torch.int32) if sid is not None else ds
-    gpu, n_p = gpu_compiled(delta), triton.next_power_of_2(n)
+    ns = min(n, CARRY_STATES, run.chunk)  # states per program, in token slots of a tile
+    ngrp = _cdiv(n, ns)
     zz = gate_z if gate_z is not None else delta
     opt = lambda t: t if t is not None else ds  # noqa: E731  (pointer placeholder for an absent tensor)
-    adjoint_carry_kernel[(d // bd, b, nseg - 1)](
+    adjoint_carry_kernel[(d // run.block_d, b, (nseg - 1) * ngrp)](
         delta, opt(delta_bias), zz, dy, C4, At, opt(dl), opt(sid), gl, ds, rs,
-        L, d, n, d // C4.shape[1], seg_len, nseg, *delta.stride(), *zz.stride(), *C4.stride(),
+        L, d, n, d // C4.shape[1], seg_len, nseg, ngrp, *delta.stride(), *zz.stride(), *C4.stride(),
         sid.stride(0) if sid is not None else 0,
         HAS_DTB=delta_bias is not None, SOFTPLUS=delta_softplus, GATE_DY=gate_z is not None,
-        HAS_DLAST=dl is not None, HAS_SID=sid is not None, VARLEN=varlen, FAST_EXP=gpu, BD=bd,
-        NP=n_p, T=max(4, 256 // n_p) if gpu else 4, num_warps=4 if gpu else 1)  # (n, 32, T) tiles: no spills
+        HAS_DLAST=dl is not None, HAS_SID=sid is not None, VARLEN=varlen, FAST_EXP=gpu_compiled(delta),
+        BD=run.block_d, P=run.vectors, V=run.vec, NS=ns, LANES=run.row_layout, num_warps=run.num_warps)
     return gl, ds, rs
 
 
