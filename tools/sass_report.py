@@ -169,8 +169,9 @@ def path_kernels(path: str, b=8, d=4096, L=4096, n=16, sm_count=132):
     # its gradient)
     gate_strides = dict(sdo_b=L * d, sdo_d=1, sdo_l=d, sdz_b=2 * L * d, sdz_d=1, sdz_l=2 * d, sg_b=L * d, sg_d=1,
                         sg_l=d)
-    # du channels-last (b, L, d), as the conv's backward reads it; the forward reads z from in_proj's output and
-    # writes the gated y as out_proj's (b, L, d) input
+    # du channels-last (b, L, d), as the conv's backward reads it; the forward, where it gates (one row per
+    # channel), reads z from in_proj's output and writes the gated y as out_proj's (b, L, d) input, elsewhere y
+    # token-major
     du_strides = dict(sdu_b=L * d, sdu_d=1, sdu_l=d)
     z_layer = dict(sz_b=2 * L * d, sz_d=1, sz_l=2 * d)
 
@@ -181,6 +182,7 @@ def path_kernels(path: str, b=8, d=4096, L=4096, n=16, sm_count=132):
         return meta
 
     fwd_meta = dict(tile(fw), R=fw.rows, LANES=fw.row_layout, CKPT=True, **flags)
+    fwd_meta["HAS_Z"] = launch.gates_in_forward(fw.path)  # as the layer runs it: y token-major on two rows
     if fw.unrolled_states:
         fwd_meta.update(NS=fw.unrolled_states, PREFETCH=fw.prefetch)
     bwd_meta = dict(tile(bw), LANE_SUM=bw.row_layout, HAS_DLAST=False, GATED=True, DY_GATED=True, **flags)
@@ -189,7 +191,8 @@ def path_kernels(path: str, b=8, d=4096, L=4096, n=16, sm_count=132):
     nblk = d // 32 if bw.row_layout else d // bw.block_d
     per_iter = fw.unrolled_states // fw.rows if fw.unrolled_states else fw.unroll
     fwd = (dict(fwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nslots=nchunks, _pad_n=nchunks,
-                **dict(strides, **z_layer), sy_b=L * d, sy_d=1, sy_l=d),
+                **dict(strides, **z_layer), **(dict(sy_b=L * d, sy_d=1, sy_l=d) if fwd_meta["HAS_Z"]
+                                               else dict(sy_b=d * L, sy_d=L, sy_l=TOKEN_STRIDE))),
            fwd_meta, fw.num_warps, fw.chunk * per_iter)
     bwd = (dict(bwd_ptrs, L=L, dim=d, dstate=n, d_per_group=d, nchunks=nchunks, nblk=nblk, ngroups=nchunks,
                 seg_chunks=nchunks, nseg=1,
