@@ -53,6 +53,9 @@ UNROLLED_MAXNREG = 168
 # the one before): forward with the gate inside / without it + the gate kernel, mamba-130m 715 / 554 + 54 µs,
 # mamba-370m 735 / 584 + 71 µs (two rows per channel); mamba-1.4b 1160 / 1089 + 137 µs (one row per channel).
 GATED_FORWARD_PATHS = frozenset({ROW_PER_THREAD, GENERIC})
+# States per program of the backward's segment-carry pass (triton_bwd_carry.py, in the backward's tiles): 8 keep
+# it at 128 registers on sm_90 (Triton 3.6); 16 take 255 with 708 B of spills (their C rows are loaded ahead).
+CARRY_STATES = 8
 
 
 class ScanShape(NamedTuple):

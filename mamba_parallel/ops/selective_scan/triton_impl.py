@@ -368,11 +368,6 @@ def scan_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torc
             dh0.to(initial_state.dtype) if dh0 is not None else empty()]
 
 
-# States per program of the carry pass: 8 keep it at 128 registers on sm_90 (Triton 3.6); 16 take 255 with 708 B
-# of spills (their C rows are loaded ahead).
-CARRY_STATES = 8
-
-
 def _segment_carries(delta, delta_bias, gate_z, dy, C4, At, dl, sid, delta_softplus: bool, varlen: bool,
                      nseg: int, seg_len: int, run: launch.Launch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The carries the later segments feed each segment's walk (triton_bwd_carry.py), in the backward launch
@@ -384,7 +379,7 @@ def _segment_carries(delta, delta_bias, gate_z, dy, C4, At, dl, sid, delta_softp
     gl = torch.empty((b, nseg, n, d), device=dev, dtype=f32)
     ds = torch.empty((b, nseg, d), device=dev, dtype=f32)
     rs = torch.empty((b, nseg), device=dev, dtype=torch.int32) if sid is not None else ds
-    ns = min(n, CARRY_STATES, run.chunk)  # states per program, in token slots of a tile
+    ns = min(n, launch.CARRY_STATES, run.chunk)  # states per program, in token slots of a tile
     ngrp = _cdiv(n, ns)
     zz = gate_z if gate_z is not None else delta
     opt = lambda t: t if t is not None else ds  # noqa: E731  (pointer placeholder for an absent tensor)
